@@ -210,13 +210,19 @@ class CausalSelfAttention(nn.Module):
             k = k.repeat_interleave(rep, dim=1)
             v = v.repeat_interleave(rep, dim=1)
 
-        scale = 1.0 / math.sqrt(c.head_size)
-        if mask is None:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, scale=scale)
-        else:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        y = self.scaled_dot_product_attention(q, k, v, mask)
         y = y.transpose(1, 2).reshape(B, T, c.n_head * c.head_size)
         return self.proj(y)
+
+    def scaled_dot_product_attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
+        """q: (B, n_head, T, hs) after RoPE -> (B, n_head, T, hs). A method of its own so that the adapter
+        variants (lit_gpt/adapter.py) add their gated prefix attention here instead of copying `forward`."""
+        scale = 1.0 / math.sqrt(self.config.head_size)
+        if mask is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=q.size(2) > 1, scale=scale)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
 class KVCache(nn.Module):
