@@ -1,0 +1,209 @@
+"""LLaMA-Adapter (`lit_gpt.adapter`): equal to the base model at init for every family, with and without a KV cache;
+a trained prefix gives the same logits with and without a cache; only the adapter weights train and get saved.
+
+The tiny per-family configs and helpers at the top are shared with tests/test_adapter_v2.py and tests/test_lora.py.
+"""
+
+import math
+from typing import Any, Dict, Type
+
+import pytest
+import torch
+
+from lit_gpt import GPT, Config
+from lit_gpt import adapter
+from lit_gpt.peft import finetuned_state_dict, load_variant_model, save_finetuned
+from lit_gpt.utils import LitError, num_parameters
+
+VOCAB = 128
+SEQ = 12
+
+# registry name -> what it covers; each is shrunk by `tiny_config` keeping the family's structural flags
+FAMILIES = {
+    "Llama-2-7b-hf": "llama, multi-head",
+    "TinyLlama-1.1B-Chat-v1.0": "llama, GQA",
+    "Llama-3.2-1B": "llama 3 rope scaling, GQA, tied embeddings",
+    "Mistral-7B-v0.1": "sliding window (4 < SEQ)",
+    "gemma-2b": "multi-query, head_size != n_embd / n_head, (1 + w) norm, scaled embeddings",
+    "pythia-70m": "gpt_neox: parallel residual, partial rotary, biases",
+    "falcon-7b": "multi-query, one shared norm",
+    "falcon-40b": "GQA, parallel residual with two norms",
+    "phi-2": "shared norm, lm_head bias, 0.4 rotary",
+    "stablelm-2-1_6b": "qkv bias, LayerNorm + LLaMA MLP",
+    "Qwen2.5-0.5B": "qkv bias, GQA, tied embeddings",
+}
+
+
+def tiny_config(name: str, config_cls: Type[Config] = Config, **variant: Any) -> Config:
+    full = Config.from_name(name)
+    if full.n_query_groups == full.n_head:
+        groups = 4
+    else:
+        groups = 1 if full.n_query_groups == 1 else 2
+    overrides: Dict[str, Any] = dict(
+        block_size=64,
+        vocab_size=VOCAB,
+        n_layer=2,
+        n_head=4,
+        n_query_groups=groups,
+        n_embd=64,
+        head_size=32 if name.startswith("gemma") else 16,
+        intermediate_size=128,
+    )
+    if full.sliding_window_size is not None:
+        overrides["sliding_window_size"] = 4
+    if full.rope_scaling:
+        overrides["rope_scaling"] = dict(full.rope_scaling, original_max_seq_len=16)
+    return config_cls.from_name(name, **{**overrides, **variant})
+
+
+def randomize_(model: torch.nn.Module, seed: int = 0) -> None:
+    """Re-draw every parameter so that logits are O(1): norms near their identity, matrices N(0, 1/fan_in),
+    vectors small but nonzero."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for module_name, module in model.named_modules():
+            for name, p in module.named_parameters(recurse=False):
+                noise = torch.randn(p.shape, generator=gen)
+                if "norm" in module_name or "ln_f" in module_name:
+                    identity = 0.0 if getattr(module, "unit_offset", False) or name == "bias" else 1.0
+                    p.copy_(identity + 0.1 * noise)
+                elif p.ndim == 1:
+                    p.copy_(0.1 * noise)
+                else:
+                    p.copy_(noise / math.sqrt(p.shape[-1]))
+
+
+def base_and_variant(name: str, module, **variant: Any):
+    """A random base GPT and the variant built from it (base weights loaded, variant weights at their init)."""
+    torch.manual_seed(0)
+    base = GPT(tiny_config(name))
+    randomize_(base)
+    model = module.GPT(tiny_config(name, module.Config, **variant))
+    result = model.load_state_dict(base.state_dict(), strict=False)
+    assert not result.unexpected_keys
+    # the base checkpoint covers exactly the base weights: what it misses is the variant's own parameters
+    own = {n for n, _ in model.named_parameters(remove_duplicate=False) if model.peft_filter(n)}
+    assert set(result.missing_keys) <= own and result.missing_keys
+    return base.eval(), model.eval()
+
+
+def tokens(batch: int = 2, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (batch, SEQ), generator=torch.Generator().manual_seed(seed))
+
+
+def cached_logits(model: GPT, idx: torch.Tensor, prefill: int = 5) -> torch.Tensor:
+    """Logits of `idx` computed through the static KV cache: a prefill, then one token per step."""
+    model.set_kv_cache(batch_size=idx.size(0), max_seq_length=idx.size(1) + 4)
+    steps = [model(idx[:, :prefill], input_pos=torch.arange(prefill))]
+    for t in range(prefill, idx.size(1)):
+        steps.append(model(idx[:, t : t + 1], input_pos=torch.tensor([t])))
+    model.clear_kv_cache()
+    return torch.cat(steps, dim=1)
+
+
+def randomize_own_(model: GPT, seed: int = 3) -> None:
+    """Give the variant's own parameters (zero/identity at init) random values, as training would."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if model.peft_filter(n):
+                p.add_(0.5 * torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[-1]))
+
+
+def write_base_checkpoint(base: GPT, directory) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    torch.save(base.state_dict(), directory / "lit_model.pth")
+    base.config.save(directory)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", list(FAMILIES))
+@torch.no_grad()
+def test_adapter_equals_base_at_init_and_caches_correctly(name):
+    base, model = base_and_variant(name, adapter, adapter_start_layer=1, adapter_prompt_length=3)
+    assert isinstance(model.transformer.h[1].attn, adapter.CausalSelfAttention)
+    assert not isinstance(model.transformer.h[0].attn, adapter.CausalSelfAttention)
+    idx = tokens()
+    expected = base(idx)
+    assert expected.std() > 0.3
+    torch.testing.assert_close(model(idx), expected, atol=1e-6, rtol=0)
+    torch.testing.assert_close(cached_logits(model, idx), expected, atol=1e-5, rtol=0)
+
+    # a trained prefix changes the output, and the cached path still equals the full forward
+    randomize_own_(model)
+    full = model(idx)
+    assert (full - expected).abs().max() > 1e-2
+    torch.testing.assert_close(cached_logits(model, idx), full, atol=1e-5, rtol=0)
+
+
+@torch.no_grad()
+def test_gate_zero_hides_the_prefix():
+    """With the gate at zero no prompt vector matters; with a nonzero gate they do (the prefix is wired in)."""
+    _, model = base_and_variant("TinyLlama-1.1B-Chat-v1.0", adapter, adapter_start_layer=0)
+    idx = tokens()
+    before = model(idx)
+    attn = model.transformer.h[0].attn
+    attn.adapter_wte.weight.normal_()
+    torch.testing.assert_close(model(idx), before, atol=0, rtol=0)
+    attn.gating_factor.fill_(1.0)
+    assert (model(idx) - before).abs().max() > 1e-2
+
+
+def test_only_adapter_weights_train_and_are_saved(tmp_path):
+    base, model = base_and_variant("Llama-3.2-1B", adapter, adapter_start_layer=1)
+    adapter.mark_only_adapter_as_trainable(model)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable == {"transformer.h.1.attn.adapter_wte.weight", "transformer.h.1.attn.gating_factor"}
+    assert num_parameters(model, requires_grad=True) == 10 * 64 + 4
+    assert num_parameters(model) == num_parameters(base) + 10 * 64 + 4
+
+    # gradients reach the gate and the prompt (the prompt's only through a nonzero gate)
+    model.train()
+    model.transformer.h[1].attn.gating_factor.data.fill_(0.1)
+    model(tokens()).sum().backward()
+    for n, p in model.named_parameters():
+        assert (p.grad is not None) == (n in trainable), n
+
+    assert set(finetuned_state_dict(model)) == trainable
+    path = tmp_path / "out" / "lit_model.pth.adapter"
+    save_finetuned(model, path)
+    saved = torch.load(path, weights_only=True)
+    assert saved["method"] == "adapter"
+    assert saved["config"] == {"adapter_prompt_length": 10, "adapter_start_layer": 1}
+    assert set(saved["model"]) == trainable
+
+
+@torch.no_grad()
+def test_load_from_base_and_finetuned_files_on_meta(tmp_path):
+    base, model = base_and_variant("Qwen2.5-0.5B", adapter, adapter_start_layer=1, adapter_prompt_length=4)
+    randomize_own_(model)
+    write_base_checkpoint(base, tmp_path / "base")
+    adapter.mark_only_adapter_as_trainable(model)
+    save_finetuned(model, tmp_path / "adapter.pth")
+
+    loaded = load_variant_model(adapter.GPT, adapter.Config, tmp_path / "base", tmp_path / "adapter.pth")
+    assert loaded.config.adapter_prompt_length == 4 and loaded.config.adapter_start_layer == 1
+    assert not any(p.is_meta for p in loaded.parameters())
+    assert loaded.lm_head.weight is loaded.transformer.wte.weight  # still tied after assign=True
+    idx = tokens()
+    torch.testing.assert_close(loaded(idx), model(idx), atol=0, rtol=0)
+
+
+def test_loading_the_wrong_kind_of_file_is_a_clear_error(tmp_path):
+    base, model = base_and_variant("Llama-2-7b-hf", adapter, adapter_start_layer=1)
+    write_base_checkpoint(base, tmp_path / "base")
+    save_finetuned(model, tmp_path / "adapter.pth")
+    from lit_gpt import adapter_v2, lora
+
+    with pytest.raises(LitError, match="holds adapter weights, not lora: use generate/adapter.py"):
+        load_variant_model(lora.GPT, lora.Config, tmp_path / "base", tmp_path / "adapter.pth")
+    with pytest.raises(LitError, match="not a finetuned-weights file"):
+        load_variant_model(adapter_v2.GPT, adapter_v2.Config, tmp_path / "base", tmp_path / "base" / "lit_model.pth")
+    with pytest.raises(LitError, match="not found"):
+        load_variant_model(adapter.GPT, adapter.Config, tmp_path / "base", tmp_path / "missing.pth")
+    # a file trained with another base model
+    other = GPT(tiny_config("Llama-2-7b-hf", n_embd=32, head_size=8))
+    write_base_checkpoint(other, tmp_path / "other")
+    with pytest.raises(LitError, match="does not match"):
+        load_variant_model(adapter.GPT, adapter.Config, tmp_path / "other", tmp_path / "adapter.pth")
