@@ -1,0 +1,103 @@
+"""Argument groups shared by the finetune recipes (GPU/CPU and XLA).
+
+jsonargparse turns each dataclass into a group of flags: `--train.micro_batch_size 4`, `--eval.interval 50`,
+`--data.data_dir data/alpaca`. Keeping them here (instead of module-level globals in every recipe) makes every
+hyperparameter settable from the command line and identical across methods.
+"""
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from lit_gpt.utils import LitError
+
+
+@dataclass
+class TrainArgs:
+    """Optimisation and checkpointing. Steps are optimizer steps (one step = `global_batch_size` samples)."""
+
+    global_batch_size: int = 16
+    """Samples per optimizer step, over all devices; micro-batches are accumulated to reach it."""
+    micro_batch_size: int = 1
+    """Samples per forward/backward pass on one device."""
+    max_steps: Optional[int] = None
+    """Stop after this many optimizer steps. When unset, `epochs` decides."""
+    epochs: int = 1
+    """Passes over the training set, used when `max_steps` is unset."""
+    learning_rate: float = 3e-4
+    min_lr: float = 6e-5
+    """The cosine schedule decays from `learning_rate` to `min_lr` at the last step."""
+    lr_warmup_steps: int = 100
+    """Linear warmup from 0 over this many optimizer steps (capped at the run's length)."""
+    weight_decay: float = 0.02
+    beta1: float = 0.9
+    beta2: float = 0.95
+    max_norm: Optional[float] = 1.0
+    """Clip the global gradient norm to this value; None disables clipping."""
+    max_seq_length: Optional[int] = None
+    """Crop samples to this many tokens (default: the length the data was prepared with)."""
+    save_interval: Optional[int] = 1000
+    """Write a resumable checkpoint every this many optimizer steps (and at the last step); None: only at the end."""
+    log_interval: int = 1
+    """Read the loss back from the device and log it every this many optimizer steps."""
+    seed: int = 1337
+    """Seeds the model's random parts (LoRA init, dropout) and the data shuffling."""
+
+    def validate(self, devices: int) -> None:
+        """Raise a LitError for settings that cannot work together."""
+        for name in ("global_batch_size", "micro_batch_size", "epochs", "log_interval"):
+            if getattr(self, name) < 1:
+                raise LitError(f"--train.{name} must be >= 1 (got {getattr(self, name)})")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise LitError(f"--train.max_steps must be >= 1 (got {self.max_steps})")
+        if self.save_interval is not None and self.save_interval < 1:
+            raise LitError(f"--train.save_interval must be >= 1 or null (got {self.save_interval})")
+        if self.global_batch_size % (self.micro_batch_size * devices):
+            raise LitError(
+                f"--train.global_batch_size ({self.global_batch_size}) must be a multiple of micro_batch_size"
+                f" ({self.micro_batch_size}) x devices ({devices})"
+            )
+        if self.min_lr > self.learning_rate:
+            raise LitError(f"--train.min_lr ({self.min_lr}) is larger than --train.learning_rate ({self.learning_rate})")
+
+    def gradient_accumulation_iters(self, devices: int) -> int:
+        """Micro-batches per optimizer step on each device."""
+        return self.global_batch_size // (self.micro_batch_size * devices)
+
+    def total_steps(self, batches_per_epoch: int, devices: int) -> int:
+        """Optimizer steps in the run: `max_steps`, or `epochs` passes over the micro-batches of one device."""
+        if self.max_steps is not None:
+            return self.max_steps
+        return max(1, math.ceil(self.epochs * batches_per_epoch / self.gradient_accumulation_iters(devices)))
+
+
+@dataclass
+class EvalArgs:
+    """Validation during training."""
+
+    interval: int = 100
+    """Validate every this many optimizer steps."""
+    max_iters: int = 100
+    """Validation micro-batches per device (the whole validation set if it has fewer)."""
+    max_new_tokens: int = 100
+    """Tokens generated for the sample shown at each validation; 0 disables the sample."""
+    initial_validation: bool = False
+    """Validate before the first step (skipped when resuming)."""
+    final_validation: bool = True
+    """Validate after the last step."""
+
+
+@dataclass
+class DataArgs:
+    """Where the prepared data lives (written by `scripts/prepare_*.py`) and how it is batched."""
+
+    data_dir: Path = Path("data/alpaca")
+    """Directory with train.pt, val.pt and meta.json."""
+    shuffle: bool = True
+    """Reshuffle the training set every epoch (deterministically from --train.seed)."""
+    pad_multiple: int = 1
+    """Pad each batch to a multiple of this length (1: the longest sample in the batch)."""
+    pad_pow2: bool = False
+    """Pad each batch to the next power of two (capped at max_seq_length): with XLA the train step then compiles
+    once per bucket instead of once per batch length."""
