@@ -10,6 +10,7 @@ model runs at base speed; `scripts/merge_lora.py` writes the result as a plain c
 
 import json
 import math
+import os
 import shutil
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -249,5 +250,7 @@ def merge_lora_checkpoint(checkpoint_dir: Path, lora_path: Path, out_dir: Option
         hf = json.loads((checkpoint_dir / "config.json").read_text())
         if hf.get("tie_word_embeddings") and not config.tie_embeddings:
             hf["tie_word_embeddings"] = False  # a merged LoRA head is no longer the embedding matrix
-        (out_dir / "config.json").write_text(json.dumps(hf, indent=2))
+        tmp = out_dir / ".config.json.tmp"
+        tmp.write_text(json.dumps(hf, indent=2))
+        os.replace(tmp, out_dir / "config.json")
     return out_path

@@ -1,0 +1,103 @@
+"""scripts/merge_lora.py: base + LoRA file -> a standalone checkpoint folder whose model (ours, and `transformers`
+after the HF export) gives the LoRA model's logits."""
+
+import json
+import runpy
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from test_adapter import base_and_variant, randomize_own_, tokens, write_base_checkpoint
+
+from lit_gpt import GPT, Config, lora
+from lit_gpt.peft import save_finetuned
+from lit_gpt.utils import load_checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+ALL_ON = dict(lora_r=4, lora_alpha=8, lora_dropout=0.0, lora_query=True, lora_key=True, lora_value=True,
+              lora_projection=True, lora_mlp=True, lora_head=True)
+
+
+def lora_checkpoint(tmp_path, name: str, **lora_kwargs):
+    """(trained LoRA model, base checkpoint dir with tokenizer side files, LoRA file)."""
+    base, model = base_and_variant(name, lora, **lora_kwargs)
+    randomize_own_(model)
+    base_dir = tmp_path / "base"
+    write_base_checkpoint(base, base_dir)
+    (base_dir / "tokenizer.json").write_text('{"stand-in": true}')
+    (base_dir / "config.json").write_text(json.dumps({"tie_word_embeddings": base.config.tie_embeddings}))
+    lora.mark_only_lora_as_trainable(model)
+    lora_path = tmp_path / "finetune" / "lit_model.pth.lora"
+    save_finetuned(model, lora_path)
+    return model.eval(), base_dir, lora_path
+
+
+def run_script(*args: str) -> None:
+    argv = sys.argv
+    sys.argv = [str(ROOT / "scripts" / "merge_lora.py"), *args]
+    try:
+        runpy.run_path(sys.argv[0], run_name="__main__")
+    finally:
+        sys.argv = argv
+
+
+@pytest.mark.parametrize("name", ["Llama-3.2-1B", "pythia-70m", "falcon-7b", "phi-2", "Qwen2.5-0.5B"])
+def test_merged_checkpoint_and_hf_export_match_the_lora_model(name, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from lit_gpt.convert import convert_lit_checkpoint
+
+    model, base_dir, lora_path = lora_checkpoint(tmp_path, name, **ALL_ON)
+    idx = tokens()
+    with torch.no_grad():
+        expected = model(idx)
+
+    out_dir = tmp_path / "merged"
+    run_script("--checkpoint_dir", str(base_dir), "--lora_path", str(lora_path), "--out_dir", str(out_dir))
+    state = torch.load(out_dir / "lit_model.pth", weights_only=True)
+    assert not any("lora_" in k for k in state)
+    assert (out_dir / "tokenizer.json").read_text() == '{"stand-in": true}'
+    config = Config.from_checkpoint(out_dir)
+    assert type(config) is Config and not config.tie_embeddings  # the LoRA head untied a tied model
+    assert json.loads((out_dir / "config.json").read_text())["tie_word_embeddings"] is False
+    merged = GPT(config).eval()
+    load_checkpoint(merged, out_dir / "lit_model.pth")
+    with torch.no_grad():
+        torch.testing.assert_close(merged(idx), expected, atol=1e-5, rtol=0)
+
+    hf_dir = convert_lit_checkpoint(out_dir, tmp_path / "hf")
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="eager", dtype=torch.float32)
+    with torch.no_grad():
+        torch.testing.assert_close(hf_model.eval()(idx).logits, expected, atol=1e-4, rtol=0)
+
+
+@torch.no_grad()
+def test_default_out_dir_is_the_lora_folder_and_tied_embeddings_stay_tied_without_a_lora_head(tmp_path):
+    model, base_dir, lora_path = lora_checkpoint(tmp_path, "Qwen2.5-0.5B", lora_r=2, lora_key=True)
+    run_script("--checkpoint_dir", str(base_dir), "--lora_path", str(lora_path))
+    out_dir = lora_path.parent
+    config = Config.from_checkpoint(out_dir)
+    assert config.tie_embeddings
+    merged = GPT(config).eval()
+    load_checkpoint(merged, out_dir / "lit_model.pth")
+    torch.testing.assert_close(merged(tokens()), model(tokens()), atol=1e-5, rtol=0)
+    assert lora_path.is_file()  # the LoRA file is kept
+
+
+def test_bad_input_is_one_line_and_exit_1(tmp_path, capsys):
+    model, base_dir, lora_path = lora_checkpoint(tmp_path, "Llama-2-7b-hf", lora_r=2)
+    cases = [
+        (["--lora_path", str(tmp_path / "nope.lora")], "not found"),
+        (["--lora_path", str(base_dir / "lit_model.pth"), "--out_dir", str(tmp_path / "o")], "not a finetuned-weights"),
+        (["--lora_path", str(base_dir / "lit_model.pth")], "would overwrite the LoRA file"),
+        (["--lora_path", str(lora_path), "--out_dir", str(base_dir)], "is the base checkpoint"),
+    ]
+    adapter_file = tmp_path / "a.pth"
+    torch.save({"method": "adapter", "config": {}, "model": {}}, adapter_file)
+    cases.append((["--lora_path", str(adapter_file)], "holds adapter weights, not lora"))
+    for args, message in cases:
+        with pytest.raises(SystemExit) as exc:
+            run_script("--checkpoint_dir", str(base_dir), *args)
+        assert exc.value.code == 1
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error: ") and message in err and "\n" not in err, err
