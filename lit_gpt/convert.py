@@ -88,7 +88,13 @@ _PHI = _Layout(
     skip=(r"\.rotary_emb\.inv_freq$",),
 )
 _GPT_NEOX = _Layout(
-    top={"gpt_neox.embed_in": "transformer.wte", "gpt_neox.final_layer_norm": "transformer.ln_f", "embed_out": "lm_head"},
+    # checkpoints name the head `embed_out`; transformers 5 renames it to `lm_head` in memory (export writes the first)
+    top={
+        "gpt_neox.embed_in": "transformer.wte",
+        "gpt_neox.final_layer_norm": "transformer.ln_f",
+        "embed_out": "lm_head",
+        "lm_head": "lm_head",
+    },
     layers="gpt_neox.layers",
     layer={
         "input_layernorm": "norm_1",
@@ -353,6 +359,10 @@ class _HFToLit:
             raise LitError(f"layer {i} has only {sorted(parts)} of q/k/v {param}s: the checkpoint is incomplete")
 
 
+def _mismatch_hint(model_name: Optional[str]) -> str:
+    return "Does the checkpoint match" + (f" --model_name {model_name}?" if model_name else " its config.json?")
+
+
 def convert_hf_checkpoint(
     checkpoint_dir: Path, model_name: Optional[str] = None, dtype: Optional[str] = None
 ) -> Path:
@@ -397,7 +407,14 @@ def convert_hf_checkpoint(
                 bar.total += len(names)
                 bar.refresh()
                 for name in names:
-                    out = mapper(name, get(name))
+                    tensor = get(name)
+                    try:
+                        out = mapper(name, tensor)
+                    except RuntimeError as e:  # a fused qkv whose size does not fit the config's heads
+                        raise LitError(
+                            f"tensor {name!r} of shape {tuple(tensor.shape)} does not fit the config ({e})."
+                            f" {_mismatch_hint(model_name)}"
+                        ) from e
                     bar.update()
                     if out is None:
                         continue
@@ -409,8 +426,7 @@ def convert_hf_checkpoint(
     if config.tie_embeddings and "transformer.wte.weight" in state:
         # one tensor for both names, as in the model (torch.save stores shared storage once)
         state["lm_head.weight"] = state["transformer.wte.weight"]
-    hint = "Does the checkpoint match" + (f" --model_name {model_name}?" if model_name else " its config.json?")
-    _check_state(state, expected, f"converting {str(checkpoint_dir)!r}", hint)
+    _check_state(state, expected, f"converting {str(checkpoint_dir)!r}", _mismatch_hint(model_name))
 
     out_path = checkpoint_dir / "lit_model.pth"
     save_atomic(state, out_path)
