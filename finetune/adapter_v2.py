@@ -1,0 +1,88 @@
+"""LLaMA-Adapter v2 finetuning: the base weights stay frozen; the adapter prompts and gates (from
+`adapter_start_layer` on), a scale and bias on every linear layer, and the norms train.
+
+    python scripts/prepare_alpaca.py --checkpoint_dir checkpoints/HuggingFaceTB/SmolLM2-135M-Instruct
+    python finetune/adapter.py --checkpoint_dir checkpoints/HuggingFaceTB/SmolLM2-135M-Instruct --data.data_dir data/alpaca
+    python generate/adapter_v2.py --checkpoint_dir checkpoints/HuggingFaceTB/SmolLM2-135M-Instruct \\
+        --adapter_path out/adapter_v2/alpaca/final/lit_model.pth.adapter_v2 --prompt "..."
+
+Only those weights are saved (`lit_model.pth.adapter_v2`, with the adapter settings; see `lit_gpt.peft`).
+"""
+
+from pathlib import Path
+from typing import Literal, Optional, Union
+
+import lightning as L
+
+from lit_gpt import adapter_v2, training
+from lit_gpt.args import DataArgs, EvalArgs, TrainArgs
+from lit_gpt.model import Block
+from lit_gpt.peft import finetuned_filter, finetuned_metadata
+from lit_gpt.utils import DEFAULT_CHECKPOINT_DIR, run_cli
+
+
+def setup(
+    checkpoint_dir: Path = DEFAULT_CHECKPOINT_DIR,
+    out_dir: Path = Path("out/adapter_v2/alpaca"),
+    precision: Optional[training.Precision] = None,
+    devices: int = 1,
+    strategy: Literal["auto", "ddp", "fsdp"] = "auto",
+    resume: Union[bool, Literal["auto"], Path] = False,
+    adapter_prompt_length: int = 10,
+    adapter_start_layer: int = 2,
+    data: DataArgs = DataArgs(),
+    train: TrainArgs = TrainArgs(global_batch_size=16, micro_batch_size=1, learning_rate=3e-3, weight_decay=0.02),
+    eval: EvalArgs = EvalArgs(),
+    logger_name: Literal["csv", "tensorboard"] = "csv",
+) -> None:
+    """Finetune a model with LLaMA-Adapter v2 on prepared instruction data.
+
+    Args:
+        checkpoint_dir: The base model (a converted lit checkpoint directory).
+        out_dir: Where checkpoints (step-XXXXXX/, final/) and logs go.
+        precision: "32-true", "bf16-true", "bf16-mixed", "16-true" or "16-mixed" (default: bf16-true on GPUs
+            that support it, else 32-true).
+        devices: How many devices (GPUs, or CPU processes) to train on.
+        strategy: "auto" = FSDP on several GPUs, DDP on several CPU processes.
+        resume: Continue from a checkpoint: a step directory, True (the newest in out_dir), or "auto" (the newest
+            if there is one, else start fresh).
+        adapter_prompt_length: Learned prompt vectors per adapted layer.
+        adapter_start_layer: The first layer that gets an adapter.
+        data: Where the prepared data is and how it is batched.
+        train: Optimisation and checkpointing.
+        eval: Validation.
+        logger_name: "csv" or "tensorboard" (under out_dir/logs).
+    """
+    train.validate(devices)
+    config = training.load_config(
+        checkpoint_dir, adapter_v2.Config,
+        adapter_prompt_length=adapter_prompt_length, adapter_start_layer=adapter_start_layer,
+    )
+    fabric = training.setup_fabric(devices, precision, out_dir, logger_name, strategy, block_cls=Block)
+    run_config = training.run_config(method="adapter_v2", checkpoint_dir=checkpoint_dir, data=data, train=train, eval=eval)
+    fabric.launch(main, checkpoint_dir, out_dir, config, data, train, eval, resume, run_config)
+
+
+def main(fabric: L.Fabric, checkpoint_dir, out_dir, config, data, train, eval, resume, run_config) -> dict:
+    fabric.seed_everything(train.seed)
+    run_data = training.load_data(fabric, data, train, eval, checkpoint_dir, config.block_size)
+
+    # the method: adapter prompts, gates, linear scales/biases and norms on the frozen base model train and are saved
+    model, raw_model = training.setup_model(
+        fabric, lambda: adapter_v2.GPT(config), checkpoint_dir,
+        own_filter=adapter_v2.adapter_v2_filter, mark_trainable=adapter_v2.mark_only_adapter_v2_as_trainable,
+    )
+    method = training.Method(
+        name="adapter_v2", weights_file="lit_model.pth.adapter_v2",
+        save_filter=finetuned_filter(raw_model), metadata=finetuned_metadata(raw_model),
+    )
+
+    optimizer = fabric.setup_optimizers(training.build_optimizer(model, train))
+    return training.fit(
+        fabric, model, raw_model, optimizer, run_data, method,
+        checkpoint_dir=checkpoint_dir, out_dir=out_dir, train=train, eval=eval, resume=resume, run_config=run_config,
+    )
+
+
+if __name__ == "__main__":
+    run_cli(setup)

@@ -1,0 +1,103 @@
+"""LoRA finetuning: the base weights stay frozen; low-rank updates of the chosen linear layers train.
+
+    python scripts/prepare_alpaca.py --checkpoint_dir checkpoints/HuggingFaceTB/SmolLM2-135M-Instruct
+    python finetune/lora.py --checkpoint_dir checkpoints/HuggingFaceTB/SmolLM2-135M-Instruct --data.data_dir data/alpaca
+    python generate/lora.py --checkpoint_dir checkpoints/HuggingFaceTB/SmolLM2-135M-Instruct \\
+        --lora_path out/lora/alpaca/final/lit_model.pth.lora --prompt "..."
+
+Only the LoRA matrices are saved (`lit_model.pth.lora`, with the LoRA settings needed to rebuild the model; see
+`lit_gpt.peft`). `scripts/merge_lora.py` folds them into a standalone checkpoint.
+"""
+
+from pathlib import Path
+from typing import Literal, Optional, Union
+
+import lightning as L
+
+from lit_gpt import lora, training
+from lit_gpt.args import DataArgs, EvalArgs, TrainArgs
+from lit_gpt.model import Block
+from lit_gpt.peft import finetuned_filter, finetuned_metadata
+from lit_gpt.utils import DEFAULT_CHECKPOINT_DIR, run_cli
+
+
+def setup(
+    checkpoint_dir: Path = DEFAULT_CHECKPOINT_DIR,
+    out_dir: Path = Path("out/lora/alpaca"),
+    precision: Optional[training.Precision] = None,
+    devices: int = 1,
+    strategy: Literal["auto", "ddp", "fsdp"] = "auto",
+    resume: Union[bool, Literal["auto"], Path] = False,
+    lora_r: int = 8,
+    lora_alpha: int = 16,
+    lora_dropout: float = 0.05,
+    lora_query: bool = True,
+    lora_key: bool = False,
+    lora_value: bool = True,
+    lora_projection: bool = False,
+    lora_mlp: bool = False,
+    lora_head: bool = False,
+    data: DataArgs = DataArgs(),
+    train: TrainArgs = TrainArgs(global_batch_size=16, micro_batch_size=1, learning_rate=3e-4),
+    eval: EvalArgs = EvalArgs(),
+    logger_name: Literal["csv", "tensorboard"] = "csv",
+) -> None:
+    """Finetune a model with LoRA on prepared instruction data.
+
+    Args:
+        checkpoint_dir: The base model (a converted lit checkpoint directory).
+        out_dir: Where checkpoints (step-XXXXXX/, final/) and logs go.
+        precision: "32-true", "bf16-true", "bf16-mixed", "16-true" or "16-mixed" (default: bf16-true on GPUs
+            that support it, else 32-true).
+        devices: How many devices (GPUs, or CPU processes) to train on.
+        strategy: "auto" = FSDP on several GPUs, DDP on several CPU processes.
+        resume: Continue from a checkpoint: a step directory, True (the newest in out_dir), or "auto" (the newest
+            if there is one, else start fresh).
+        lora_r: Rank of the updates.
+        lora_alpha: The updates are scaled by alpha / r.
+        lora_dropout: Dropout on the input of the updates.
+        lora_query: Update the query projection (part of the fused qkv layer).
+        lora_key: Update the key projection.
+        lora_value: Update the value projection.
+        lora_projection: Update the attention output projection.
+        lora_mlp: Update the MLP's linear layers.
+        lora_head: Update the output head.
+        data: Where the prepared data is and how it is batched.
+        train: Optimisation and checkpointing.
+        eval: Validation.
+        logger_name: "csv" or "tensorboard" (under out_dir/logs).
+    """
+    train.validate(devices)
+    config = training.load_config(
+        checkpoint_dir, lora.Config, lora_r=lora_r, lora_alpha=lora_alpha, lora_dropout=lora_dropout,
+        lora_query=lora_query, lora_key=lora_key, lora_value=lora_value, lora_projection=lora_projection,
+        lora_mlp=lora_mlp, lora_head=lora_head,
+    )
+    fabric = training.setup_fabric(devices, precision, out_dir, logger_name, strategy, block_cls=Block)
+    run_config = training.run_config(method="lora", checkpoint_dir=checkpoint_dir, data=data, train=train, eval=eval)
+    fabric.launch(main, checkpoint_dir, out_dir, config, data, train, eval, resume, run_config)
+
+
+def main(fabric: L.Fabric, checkpoint_dir, out_dir, config, data, train, eval, resume, run_config) -> dict:
+    fabric.seed_everything(train.seed)
+    run_data = training.load_data(fabric, data, train, eval, checkpoint_dir, config.block_size)
+
+    # the method: LoRA layers on the frozen base model; only the LoRA matrices train and are saved
+    model, raw_model = training.setup_model(
+        fabric, lambda: lora.GPT(config), checkpoint_dir,
+        own_filter=lora.lora_filter, mark_trainable=lora.mark_only_lora_as_trainable,
+    )
+    method = training.Method(
+        name="lora", weights_file="lit_model.pth.lora",
+        save_filter=finetuned_filter(raw_model), metadata=finetuned_metadata(raw_model),
+    )
+
+    optimizer = fabric.setup_optimizers(training.build_optimizer(model, train))
+    return training.fit(
+        fabric, model, raw_model, optimizer, run_data, method,
+        checkpoint_dir=checkpoint_dir, out_dir=out_dir, train=train, eval=eval, resume=resume, run_config=run_config,
+    )
+
+
+if __name__ == "__main__":
+    run_cli(setup)
