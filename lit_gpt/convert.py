@@ -304,7 +304,13 @@ def _open_weights(path: Path) -> Iterator[Tuple[List[str], Callable[[str], torch
         except SafetensorError as e:
             raise LitError(f"cannot read {str(path)!r} ({e}); download it again") from e
     else:
-        state = load_state_dict(path, mmap=True)
+        try:
+            state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        except RuntimeError as e:
+            if "mmap can only be used" not in str(e):
+                state = load_state_dict(path)  # raises the LitError for a corrupt file
+            # the pre-2020 (non-zip) format cannot be memory-mapped: read it whole, once
+            state = load_state_dict(path, mmap=False)
         # `.clone()`: a mmapped tensor may be a view of a larger storage that torch.save would write whole
         yield list(state), lambda name: state[name].clone()
         del state
