@@ -244,7 +244,7 @@ def _from_hf_config(hf: Dict[str, Any]) -> Dict[str, Any]:
         n_head = hf.get("num_attention_heads", hf.get("n_head"))
         new_arch = bool(hf.get("new_decoder_architecture", False))
         if new_arch:
-            groups = hf.get("num_kv_heads", n_head)
+            groups = hf.get("num_kv_heads") or hf.get("n_head_kv") or n_head  # n_head_kv: pre-2023 Falcon configs
         else:
             groups = 1 if hf.get("multi_query", True) else n_head
         if hf.get("alibi"):
