@@ -3,9 +3,10 @@
 Special tokens follow transformers' rules so that ids match `AutoTokenizer.from_pretrained(checkpoint_dir)`:
 - the BOS/EOS strings come from `tokenizer_config.json` (then `special_tokens_map.json`); the ids of
   `generation_config.json` / `config.json` are the fallback;
-- whether `encode` prepends BOS: `add_bos_token` in `tokenizer_config.json` when present, else what the
-  `tokenizer.json` post-processor does (Llama 3 adds BOS, SmolLM2/Qwen do not), else True for sentencepiece
-  (LlamaTokenizer's default);
+- whether `encode` prepends BOS: for `tokenizer.json`, what its post-processor does (Llama 2/3 and Gemma add
+  BOS, SmolLM2/Qwen do not; transformers 5 ignores `add_bos_token` there); for `tokenizer.model`,
+  `add_bos_token` from `tokenizer_config.json` (transformers 5 adds no BOS when it is missing);
+- EOS is appended only on request (`eos=True`), whatever `add_eos_token` says: prompts must not end in EOS;
 - `stop_ids` is every id that ends generation: the tokenizer's EOS plus `generation_config.json`'s
   `eos_token_id` (an int or a list, e.g. Llama 3's <|eot_id|>).
 """
@@ -143,14 +144,13 @@ class Tokenizer:
     def _check_bos_used(self) -> bool:
         if self.bos_id is None:
             return False
-        if "add_bos_token" in self.config:
-            # transformers rebuilds the post-processor from this flag when a config sets it explicitly.
-            return bool(self.config["add_bos_token"])
         if self.backend == "huggingface":
-            # No flag: the tokenizer.json post-processor decides (e.g. Llama 3's TemplateProcessing adds BOS).
+            # transformers (5.x) keeps the tokenizer.json post-processor as written, whatever `add_bos_token`
+            # says: it alone decides (e.g. Llama 3's TemplateProcessing adds BOS, SmolLM2's ByteLevel does not).
             with_special = self.processor.encode("a", add_special_tokens=True).ids
             return bool(with_special) and with_special[0] == self.bos_id
-        return True  # LlamaTokenizer (sentencepiece) adds BOS unless told otherwise
+        # sentencepiece: `add_bos_token` (Llama 2 / Mistral configs set it); transformers 5 adds no BOS without it
+        return bool(self.config.get("add_bos_token", False))
 
     # ------------------------------------------------------------------ encode / decode
     def encode(
