@@ -240,7 +240,9 @@ def _expected_state(config: Config) -> Dict[str, torch.Size]:
 def _check_state(state: Dict[str, torch.Tensor], expected: Dict[str, torch.Size], what: str, hint: str) -> None:
     missing = [k for k in expected if k not in state]
     unexpected = [k for k in state if k not in expected]
-    wrong = [f"{k} {tuple(state[k].shape)} != {tuple(s)}" for k, s in expected.items() if k in state and state[k].shape != s]
+    wrong = [
+        f"{k} {tuple(state[k].shape)} != {tuple(s)}" for k, s in expected.items() if k in state and state[k].shape != s
+    ]
     for label, items in (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong)):
         if items:
             shown = ", ".join(items[:3]) + (f" (+{len(items) - 3} more)" if len(items) > 3 else "")
@@ -269,7 +271,8 @@ def _write_text_atomic(path: Path, text: str) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 def _weight_files(checkpoint_dir: Path) -> List[Path]:
     """The HF weight files: the shards an index names, else every `*.safetensors`, else `pytorch_model*.bin`."""
-    for index_name, pattern in (("model.safetensors.index.json", "*.safetensors"), ("pytorch_model.bin.index.json", "pytorch_model*.bin")):
+    kinds = (("model.safetensors.index.json", "*.safetensors"), ("pytorch_model.bin.index.json", "pytorch_model*.bin"))
+    for index_name, pattern in kinds:
         index = checkpoint_dir / index_name
         if index.is_file():
             weight_map = _read_json(index).get("weight_map")
@@ -494,7 +497,8 @@ def hf_config_dict(config: Config, model_type: Optional[str] = None) -> Dict[str
         req(c.norm_class_name == "RMSNorm", "needs RMSNorm")
         req(not c.bias and not c.lm_head_bias and not c.parallel_residual, "no biases, sequential residual")
         req(c.attn_bias == (mt == "qwen2"), "qkv bias exactly for qwen2")
-        req(c.norm_unit_offset == c.scale_embeddings == (mt == "gemma"), "unit-offset norm and scaled embeddings exactly for gemma")
+        gemma = mt == "gemma"
+        req(c.norm_unit_offset == c.scale_embeddings == gemma, "unit-offset norm, scaled embeddings exactly for gemma")
         req(c.mlp_class_name == ("GemmaMLP" if mt == "gemma" else "LLaMAMLP"), "wrong MLP class")
         hf.update(
             num_key_value_heads=c.n_query_groups,
@@ -675,7 +679,8 @@ def convert_lit_checkpoint(
     names = ["model.safetensors"] if n == 1 else [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
     # earlier exports into this folder with another shard count would be picked up by transformers: remove them
     for old in list(output_dir.glob("model*.safetensors")) + [output_dir / "model.safetensors.index.json"]:
-        if old.name not in names and re.fullmatch(r"model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?", old.name) and old.is_file():
+        ours = re.fullmatch(r"model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?", old.name)
+        if ours and old.name not in names and old.is_file():
             old.unlink()
     weight_map: Dict[str, str] = {}
     total = 0
