@@ -1,0 +1,63 @@
+"""PyTorch/XLA runtime layer: the one place for XLA specifics (TPU first, XLA:CPU for tests, CUDA via PJRT).
+
+Recipes use this API (torch_xla is imported only when a name below is first used, so the consolidation
+path works on machines without torch_xla):
+
+Devices and Fabric (lit_gpt.xla.accelerator, lit_gpt.xla.strategy)
+    configure_pjrt_device(verbose=True) -> str           PJRT_DEVICE: set it (TPU if present, else CPU) or check it
+    make_fabric(devices="auto", precision="32-true", activation_checkpointing=False, num_slices=1,
+                layer_cls=None, compile_cache_dir=None, loggers=None) -> Fabric   then fabric.launch(fn, ...)
+    PJRTAccelerator(), SPMDFSDPStrategy(precision=..., activation_checkpointing=..., num_slices=...),
+    SPMDPrecision("32-true" | "bf16-true" | "bf16-mixed")           usable with plain L.Fabric(...) too
+    shard_batch(fabric, batch) -> batch                 CPU tensors -> devices, split along the batch dim
+    get_strategy(fabric) -> SPMDFSDPStrategy            .mesh, .num_devices, .precision.param_dtype
+
+Loading (lit_gpt.xla.loader)
+    load_staged(config_or_model_fn, checkpoint_path_or_paths, fabric, strict=True, progress=True) -> nn.Module
+
+Sharded checkpoints (lit_gpt.xla.checkpoint; fabric.save(dir, state) / fabric.load(dir, state) call these)
+    save_sharded(dir, state, filter=None) -> Path      atomic; every host writes its own shards
+    load_sharded(dir, state, strict=True) -> dict      in place; returns saved values not asked for
+    latest_checkpoint(out_dir) -> Optional[Path]        newest complete checkpoint (for --resume auto)
+    consolidate(dir, output=None, key="model") -> Path  one lit_model.pth, streaming (also: xla/scripts/consolidate_checkpoint.py)
+
+Diagnostics (lit_gpt.xla.diagnostics)
+    sync()                                               torch_xla.sync(): end the lazy graph here
+    CompileCounter(warmup_steps=2): .step(), .report(), .compiles, .recompiles, .transfers
+    metrics_report() -> str                              torch_xla's report, for --xla_metrics
+    init_compile_cache(path)                             persistent compilation cache
+"""
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "configure_pjrt_device": "accelerator",
+    "pjrt_device_count": "accelerator",
+    "PJRTAccelerator": "accelerator",
+    "SPMDFSDPStrategy": "strategy",
+    "SPMDPrecision": "strategy",
+    "make_fabric": "strategy",
+    "shard_batch": "strategy",
+    "get_strategy": "strategy",
+    "load_staged": "loader",
+    "save_sharded": "checkpoint",
+    "load_sharded": "checkpoint",
+    "latest_checkpoint": "checkpoint",
+    "consolidate": "checkpoint",
+    "is_complete": "checkpoint",
+    "sync": "diagnostics",
+    "CompileCounter": "diagnostics",
+    "RecompilationWarning": "diagnostics",
+    "metrics_report": "diagnostics",
+    "init_compile_cache": "diagnostics",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'lit_gpt.xla' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"lit_gpt.xla.{module}"), name)

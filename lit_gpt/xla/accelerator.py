@@ -1,0 +1,143 @@
+"""Choosing the PJRT device and counting its devices, for Lightning Fabric.
+
+Lightning's `XLAAccelerator` counts TPU chips by asking the GCE metadata server, so it fails anywhere but a
+Google Cloud TPU VM. `PJRTAccelerator` counts the devices the PJRT runtime really exposes, so one recipe runs on
+
+  * TPU:  `PJRT_DEVICE=TPU` (all chips of the host; all hosts of a pod slice when launched on every worker)
+  * CPU:  `PJRT_DEVICE=CPU CPU_NUM_DEVICES=8` (8 virtual XLA devices in one process: how the tests run)
+  * CUDA: `PJRT_DEVICE=CUDA` (needs a CUDA build of torch_xla)
+
+`configure_pjrt_device()` must run before torch_xla initialises its runtime (the first device query or tensor):
+with `PJRT_DEVICE` unset it picks TPU when a TPU chip and libtpu are present, else CPU, and says which.
+"""
+
+import functools
+import os
+import sys
+from typing import List, Union
+
+import torch
+from lightning.fabric.accelerators.xla import XLAAccelerator
+from lightning_utilities.core.imports import RequirementCache
+
+from lit_gpt.utils import LitError
+
+_KNOWN_DEVICES = ("TPU", "CPU", "CUDA")
+
+
+def _tpu_chips_present() -> int:
+    """TPU chips on this host's PCI bus (sysfs), without touching the runtime or the network."""
+    from torch_xla._internal import tpu
+
+    return tpu.num_available_chips()
+
+
+def configure_pjrt_device(verbose: bool = True) -> str:
+    """Make sure `PJRT_DEVICE` is set before the XLA runtime starts, and check that the device exists.
+
+    Returns the device type ("TPU", "CPU", "CUDA", ...). Raises `LitError` with what to do when the requested
+    device is not there (e.g. `PJRT_DEVICE=TPU` on a machine without TPU chips)."""
+    if not RequirementCache("torch_xla"):
+        raise LitError("torch_xla is not installed: pip install torch==2.9.0 torch_xla==2.9.0 (versions must match)")
+    import torch_xla
+
+    requested = os.environ.get("PJRT_DEVICE", "").strip().upper()
+    if not requested:
+        # torch_xla would pick a default itself, but only with a logging warning; decide here and say so on stdout
+        if torch_xla._found_libtpu and _tpu_chips_present() > 0:
+            requested = "TPU"
+        else:
+            requested = "CPU"
+        os.environ["PJRT_DEVICE"] = requested
+        if verbose:
+            extra = f" with CPU_NUM_DEVICES={os.environ['CPU_NUM_DEVICES']}" if "CPU_NUM_DEVICES" in os.environ else ""
+            reason = "TPU chips and libtpu found" if requested == "TPU" else "no TPU found"
+            print(f"PJRT_DEVICE is not set: using PJRT_DEVICE={requested}{extra} ({reason})", file=sys.stderr, flush=True)
+    else:
+        os.environ["PJRT_DEVICE"] = requested
+
+    base = requested.split("_")[0]
+    if base == "TPU":
+        if not torch_xla._found_libtpu and not os.environ.get("TPU_LIBRARY_PATH"):
+            raise LitError(
+                "PJRT_DEVICE=TPU but libtpu is not installed (pip install 'torch_xla[tpu]'), or this is not a TPU VM."
+                " To run on the CPU instead, set PJRT_DEVICE=CPU (and CPU_NUM_DEVICES=N for N virtual devices)"
+            )
+        # the PCI scan can miss chips inside some containers: LIT_XLA_SKIP_TPU_CHECK=1 trusts PJRT_DEVICE instead
+        if _tpu_chips_present() == 0 and os.environ.get("LIT_XLA_SKIP_TPU_CHECK") != "1":
+            raise LitError(
+                "PJRT_DEVICE=TPU but no TPU chip is attached to this machine. Run on a TPU VM, or set PJRT_DEVICE=CPU"
+                " (and CPU_NUM_DEVICES=N for N virtual devices)"
+            )
+    elif base == "CUDA" and not torch.cuda.is_available():
+        raise LitError("PJRT_DEVICE=CUDA but no CUDA GPU is visible. Set PJRT_DEVICE=CPU or TPU instead")
+    return requested
+
+
+@functools.lru_cache(maxsize=1)
+def pjrt_device_count() -> int:
+    """All devices of the PJRT runtime: every host's chips on a pod, CPU_NUM_DEVICES on the CPU."""
+    configure_pjrt_device(verbose=False)
+    import torch_xla.runtime as xr
+
+    try:
+        return xr.global_runtime_device_count()
+    except (RuntimeError, OSError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise LitError(
+            f"the XLA runtime could not start on PJRT_DEVICE={os.environ.get('PJRT_DEVICE')} ({first}). Check the"
+            " device, or set PJRT_DEVICE=CPU"
+        ) from e
+
+
+class PJRTAccelerator(XLAAccelerator):
+    """An `XLAAccelerator` whose device count comes from the PJRT runtime, not from the GCE metadata server.
+
+    Pass an instance: `L.Fabric(accelerator=PJRTAccelerator(), strategy=SPMDFSDPStrategy())`. Lightning's strategy
+    checks (`isinstance(accelerator, XLAAccelerator)`) keep working because this is a subclass."""
+
+    def __init__(self) -> None:
+        configure_pjrt_device()
+        super().__init__()
+
+    @staticmethod
+    def auto_device_count() -> int:
+        return pjrt_device_count()
+
+    @staticmethod
+    def is_available() -> bool:
+        try:
+            return pjrt_device_count() > 0
+        except LitError:
+            return False
+
+    @staticmethod
+    def parse_devices(devices: Union[int, str, List[int]]) -> int:
+        """`"auto"`/`-1` = all devices; otherwise 1 or all devices (SPMD meshes span every device)."""
+        count = pjrt_device_count()
+        if devices in ("auto", -1, "-1"):
+            return count
+        if isinstance(devices, (list, tuple)):
+            if len(devices) != 1:
+                raise LitError(f"devices={devices!r}: give a number of devices (1 or {count}), not a list")
+            devices = 1
+        try:
+            n = int(devices)
+        except (TypeError, ValueError):
+            raise LitError(f"devices={devices!r} is not a number of devices: use 'auto', 1 or {count}") from None
+        if n not in (1, count):
+            raise LitError(
+                f"devices={n} but the XLA runtime has {count} device(s): an SPMD mesh spans all of them, so use"
+                f" 'auto' ({count}) or 1. To change the count on the CPU set CPU_NUM_DEVICES={n}; on a TPU choose the"
+                " chips with TPU_VISIBLE_CHIPS / TPU_PROCESS_BOUNDS"
+            )
+        return n
+
+    @staticmethod
+    def get_parallel_devices(devices: Union[int, List[int]]) -> List[torch.device]:
+        n = devices if isinstance(devices, int) else len(devices)
+        return [torch.device("xla", i) for i in range(n)]
+
+    @staticmethod
+    def name() -> str:
+        return "pjrt"

@@ -1,0 +1,728 @@
+"""Sharded checkpoints, written per host with torch.distributed.checkpoint (DCP), and their consolidation.
+
+    save_sharded(path, {"model": model, "optimizer": optimizer, "step": 100, "data_pos": 1234})
+    remainder = load_sharded(path, {"model": model, "optimizer": optimizer, "step": 0, "data_pos": 0})
+    path = latest_checkpoint(out_dir)        # newest *complete* checkpoint, for `--resume auto`
+    consolidate(path, "lit_model.pth")       # one plain file, needs neither torch_xla nor the devices
+
+Layout of a checkpoint directory:
+  __{rank}_{i}.distcp   the shards that process (host) `rank` holds, written by that host only (SPMDSavePlanner)
+  .metadata             DCP's index: every tensor's global shape and where each chunk lives
+  lit_checkpoint.json   completion marker, written last: format, hosts, files per host, tied names. A directory
+                        without it is an interrupted save and every loader here refuses it.
+
+Atomicity: everything is written into a hidden sibling `.NAME.tmp-TOKEN`, the marker last, then renamed to NAME,
+so a process killed mid-save leaves the previous checkpoint as it was and no directory that looks valid.
+Multi-host: with a shared directory (NFS, Filestore, gcsfuse) all hosts write into the same temporary directory
+and host 0 renames it; with per-host local disks each host renames its own directory and only host 0's holds the
+marker and `.metadata`: copy the other hosts' `__{rank}_*.distcp` files into it before loading or consolidating
+(`consolidate` names any host whose files are missing). Resuming a multi-host run needs the shared directory.
+
+What is stored: modules as plain lit names (FSDP wrappers' `_orig_module.` removed; a tied parameter once, its
+aliases listed in the marker), optimizers' tensors sharded like their parameters, and everything else (step, data
+position, optimizer hyperparameters, RNG states) as one small pickled entry written by host 0.
+Loading onto another number of devices works: DCP reads, for every local shard, the chunks that overlap it.
+
+This module imports torch_xla only when it is used with XLA tensors, so `consolidate` runs on any machine.
+"""
+
+import contextlib
+import io
+import json
+import os
+import random
+import re
+import shutil
+import time
+import uuid
+import warnings
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple, Union
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from lightning_utilities.core.apply_func import apply_to_collection
+from lightning_utilities.core.imports import RequirementCache
+from torch.optim import Optimizer
+
+from lit_gpt.utils import LitError
+
+MARKER = "lit_checkpoint.json"
+FORMAT = "lit-gpt-xla-sharded"
+FORMAT_VERSION = 1
+META_KEY = "__lit_meta__"
+_WRAPPER_PREFIXES = ("_orig_module.", "_forward_module.", "_checkpoint_wrapped_module.")
+_RANK_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
+_XLA_AVAILABLE = RequirementCache("torch_xla")
+
+PathLike = Union[str, Path]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# names and state
+# ---------------------------------------------------------------------------------------------------------------
+def plain_name(name: str) -> str:
+    """`transformer.h.0._orig_module.attn.qkv.weight` -> `transformer.h.0.attn.qkv.weight` (wrappers add levels)."""
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+def module_state_dict(
+    module: nn.Module, filter: Optional[Callable[[str, torch.Tensor], bool]] = None
+) -> Tuple[Dict[str, torch.Tensor], Dict[str, str]]:
+    """The module's tensors under plain lit names, each tensor once.
+
+    Returns (state, aliases): `state` maps a canonical name to the live tensor (so loading into it is in place),
+    `aliases` maps every other name of a tied tensor to its canonical name (`lm_head.weight` ->
+    `transformer.wte.weight`). The canonical name is the one a GPT state dict cannot do without (the embedding)."""
+    named: List[Tuple[str, torch.Tensor]] = []
+    for name, t in module.state_dict(keep_vars=True).items():
+        named.append((plain_name(name), t))
+    groups: Dict[int, List[str]] = {}
+    tensors: Dict[int, torch.Tensor] = {}
+    for name, t in named:
+        groups.setdefault(id(t), []).append(name)
+        tensors[id(t)] = t
+    state: Dict[str, torch.Tensor] = {}
+    aliases: Dict[str, str] = {}
+    for key, names in groups.items():
+        # GPT ties lm_head.weight to transformer.wte.weight and its loader restores the head from the embedding
+        canonical = next((n for n in names if not n.startswith("lm_head.")), names[0])
+        t = tensors[key].detach()
+        if filter is not None and not filter(canonical, t):
+            continue
+        state[canonical] = t
+        for n in names:
+            if n != canonical:
+                aliases[n] = canonical
+    return state, aliases
+
+
+def _to_cpu(data: Any) -> Any:
+    return apply_to_collection(data, torch.Tensor, lambda t: t.detach().cpu())
+
+
+def _rng_state() -> Dict[str, Any]:
+    state: Dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if _xla_in_use():
+        import torch_xla.core.xla_model as xm
+
+        state["xla"] = int(xm.get_rng_state())
+    return state
+
+
+def _set_rng_state(state: Mapping[str, Any]) -> None:
+    if "torch" in state:
+        torch.set_rng_state(state["torch"])
+    if "python" in state:
+        random.setstate(_as_tuple(state["python"]))
+    if "xla" in state and _xla_in_use():
+        import torch_xla.core.xla_model as xm
+
+        xm.set_rng_state(int(state["xla"]))
+
+
+def _as_tuple(x: Any) -> Any:
+    # random.setstate wants tuples all the way down; a pickle round trip can hand lists back
+    return tuple(_as_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x
+
+
+def _xla_in_use() -> bool:
+    if not _XLA_AVAILABLE:
+        return False
+    import sys
+
+    # only when the program already uses torch_xla: importing it here would start a runtime for nothing
+    return "torch_xla" in sys.modules and bool(os.environ.get("PJRT_DEVICE"))
+
+
+def _is_spmd() -> bool:
+    if not _xla_in_use():
+        return False
+    import torch_xla.runtime as xr
+
+    return xr.is_spmd()
+
+
+def _xla_sync() -> None:
+    if _xla_in_use():
+        import torch_xla
+        import torch_xla.core.xla_model as xm
+
+        torch_xla.sync()
+        xm.wait_device_ops()
+
+
+def _rank_world() -> Tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def _broadcast(obj: Any) -> Any:
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+    return obj
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# save
+# ---------------------------------------------------------------------------------------------------------------
+def _split_state(
+    state: Mapping[str, Any], filter: Optional[Mapping[str, Callable[[str, Any], bool]]]
+) -> Tuple[Dict[str, Any], Dict[str, Any], Dict[str, Any]]:
+    """Tensors for DCP (sharded, per host), a small picklable `meta` (host 0) and the marker's description."""
+    filter = filter or {}
+    tensors: Dict[str, Any] = {}
+    meta: Dict[str, Any] = {"values": {}, "optimizers": {}}
+    described: Dict[str, Any] = {}
+    for key, obj in state.items():
+        if isinstance(obj, nn.Module):
+            sd, aliases = module_state_dict(obj, filter.get(key))
+            tensors[key] = sd
+            described[key] = {"kind": "module", "tensors": len(sd), "tied": aliases}
+        elif isinstance(obj, Optimizer):
+            osd = obj.state_dict()
+            opt_tensors: Dict[str, Dict[str, torch.Tensor]] = {}
+            extra: Dict[str, Dict[str, Any]] = {}
+            for pid, pstate in osd["state"].items():
+                for name, value in pstate.items():
+                    if isinstance(value, torch.Tensor):
+                        opt_tensors.setdefault(str(pid), {})[name] = value
+                    else:
+                        extra.setdefault(str(pid), {})[name] = value
+            tensors[key] = opt_tensors
+            meta["optimizers"][key] = {"param_groups": osd["param_groups"], "extra": extra}
+            described[key] = {"kind": "optimizer"}
+        else:
+            if key in filter and isinstance(obj, dict):
+                obj = {k: v for k, v in obj.items() if filter[key](k, v)}
+            meta["values"][key] = _to_cpu(obj)
+            described[key] = {"kind": "value"}
+    meta["rng"] = _rng_state()
+    return tensors, meta, described
+
+
+def save_sharded(
+    path: PathLike,
+    state: Mapping[str, Any],
+    filter: Optional[Mapping[str, Callable[[str, Any], bool]]] = None,
+) -> Path:
+    """Save `state` (modules, optimizers, plain values) as a sharded checkpoint directory `path`, atomically.
+
+    Call it on every host at the same point. Each host writes only the shards it holds. `filter` works like
+    `fabric.save(..., filter=...)`: `{"model": lambda name, tensor: tensor.requires_grad}` saves the trainable
+    (adapter) tensors only. The RNG states (torch, python, XLA) are saved too and restored by `load_sharded`."""
+    import torch.distributed.checkpoint as dcp
+
+    path = Path(path)
+    rank, world = _rank_world()
+    _xla_sync()  # materialise pending lazy computations once, not per tensor while writing
+    tensors, meta, described = _split_state(state, filter)
+    # one opaque bytes entry: DCP would otherwise split the nested values into one item per leaf
+    buf = io.BytesIO()
+    torch.save(meta, buf)
+    tensors[META_KEY] = buf.getvalue()
+
+    token = _broadcast(uuid.uuid4().hex[:8] if rank == 0 else None)
+    tmp = path.parent / f".{path.name}.tmp-{token}"
+    if rank == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # leftovers of an interrupted save of this same checkpoint: never valid, safe to clear
+        for stale in path.parent.glob(f".{path.name}.tmp-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+    _barrier()
+    tmp.mkdir(parents=True, exist_ok=True)
+
+    if _is_spmd():
+        from torch_xla.experimental.distributed_checkpoint import SPMDSavePlanner
+
+        planner = SPMDSavePlanner()
+    else:
+        planner = None  # DCP's default planner: plain (CPU, or single-device XLA) tensors
+    writer = dcp.FileSystemWriter(str(tmp), sync_files=True)
+    with _quiet_dcp():
+        dcp.save(tensors, storage_writer=writer, planner=planner, no_dist=world == 1)
+    _barrier()
+
+    if rank == 0:
+        md = dcp.FileSystemReader(str(tmp)).read_metadata()
+        files: Dict[str, set] = {}
+        for info in md.storage_data.values():
+            m = _RANK_FILE.match(info.relative_path)
+            files.setdefault(m.group(1) if m else "0", set()).add(info.relative_path)
+        marker = {
+            "format": FORMAT,
+            "version": FORMAT_VERSION,
+            "saved_at": time.time(),
+            "hosts": world,
+            "devices": _device_count(),
+            "files": {r: sorted(v) for r, v in sorted(files.items(), key=lambda kv: int(kv[0]))},
+            "state": described,
+        }
+        _write_json_synced(tmp / MARKER, marker)
+        _fsync_dir(tmp)
+        old = None
+        if path.exists():
+            old = path.parent / f".{path.name}.old-{token}"
+            os.rename(path, old)
+        os.rename(tmp, path)
+        _fsync_dir(path.parent)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    _barrier()
+    if rank != 0 and tmp.exists():
+        # per-host local disk: this host's shards go next to where host 0's checkpoint lives on the shared name
+        if path.exists():
+            shutil.rmtree(path)
+        os.rename(tmp, path)
+    _barrier()
+    return path
+
+
+@contextlib.contextmanager
+def _quiet_dcp() -> Iterator[None]:
+    """Silence warnings about DCP's and torch_xla's own internals that a user can do nothing about."""
+    with warnings.catch_warnings():
+        for message in (
+            r"The function definition for SavePlanner.set_up_planner",
+            r"The function definition for LoadPlanner.set_up_planner",
+            r"TypedStorage is deprecated",
+            r"Using a non-tuple sequence for multidimensional indexing",
+            r"torch.distributed is disabled, unavailable or uninitialized",
+        ):
+            warnings.filterwarnings("ignore", message=message)
+        yield
+
+
+def _device_count() -> int:
+    if _xla_in_use():
+        import torch_xla.runtime as xr
+
+        return xr.global_runtime_device_count()
+    return 1
+
+
+def _write_json_synced(path: Path, obj: Any) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# checks
+# ---------------------------------------------------------------------------------------------------------------
+def read_marker(path: PathLike) -> Dict[str, Any]:
+    path = Path(path)
+    marker = path / MARKER
+    if not path.is_dir():
+        raise LitError(f"sharded checkpoint {str(path)!r} does not exist (expected a directory written by save_sharded)")
+    if not marker.is_file():
+        if any(path.glob("*.distcp")) or (path / ".metadata").exists():
+            raise LitError(
+                f"{str(path)!r} is an incomplete checkpoint (no {MARKER}: its save was interrupted). Use an earlier"
+                " checkpoint (latest_checkpoint / --resume auto skips incomplete ones)"
+            )
+        raise LitError(f"{str(path)!r} is not a sharded checkpoint directory (no {MARKER})")
+    try:
+        data = json.loads(marker.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise LitError(f"cannot read {str(marker)!r} ({e}): the checkpoint is damaged, use an earlier one") from e
+    if data.get("format") != FORMAT:
+        raise LitError(f"{str(marker)!r} is not a {FORMAT} marker")
+    return data
+
+
+def check_complete(path: PathLike) -> Tuple[Dict[str, Any], Any]:
+    """Marker present, DCP metadata readable, every host's shard files present and long enough.
+
+    Returns (marker, DCP metadata). The error names the missing host (rank) files."""
+    import torch.distributed.checkpoint as dcp
+
+    path = Path(path)
+    marker = read_marker(path)
+    if not (path / ".metadata").is_file():
+        raise LitError(f"{str(path)!r} has a marker but no .metadata file: copy host 0's files into it")
+    try:
+        md = dcp.FileSystemReader(str(path)).read_metadata()
+    except Exception as e:  # a truncated pickle raises anything from EOFError to UnpicklingError
+        raise LitError(f"cannot read {str(path / '.metadata')!r} ({type(e).__name__}): the checkpoint is damaged") from e
+    needed: Dict[str, int] = {}
+    for info in md.storage_data.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    missing: Dict[str, List[str]] = {}
+    short: List[str] = []
+    for name, size in sorted(needed.items()):
+        f = path / name
+        m = _RANK_FILE.match(name)
+        rank = m.group(1) if m else "?"
+        if not f.is_file():
+            missing.setdefault(rank, []).append(name)
+        elif f.stat().st_size < size:
+            short.append(f"{name} ({f.stat().st_size} of {size} bytes)")
+    if missing:
+        hosts = "; ".join(f"host/rank {r}: {', '.join(v)}" for r, v in sorted(missing.items()))
+        raise LitError(
+            f"sharded checkpoint {str(path)!r} is missing the files of {hosts}. Each host writes its own shards:"
+            " copy every host's __RANK_*.distcp files into this directory (or save to a shared disk)"
+        )
+    if short:
+        raise LitError(f"sharded checkpoint {str(path)!r} has truncated files: {', '.join(short)}. Copy them again")
+    return marker, md
+
+
+def is_complete(path: PathLike) -> bool:
+    try:
+        check_complete(path)
+    except LitError:
+        return False
+    return True
+
+
+def latest_checkpoint(out_dir: PathLike, pattern: str = "*") -> Optional[Path]:
+    """The newest complete sharded checkpoint directly under `out_dir` (highest trailing number in the name,
+    then newest marker), or None. Interrupted saves (hidden `.NAME.tmp-*`, no marker) are never returned."""
+    out_dir = Path(out_dir)
+    if not out_dir.is_dir():
+        return None
+    candidates = []
+    for d in out_dir.glob(pattern):
+        if d.name.startswith(".") or not d.is_dir() or not (d / MARKER).is_file():
+            continue
+        if not is_complete(d):
+            continue
+        m = re.search(r"(\d+)$", d.name)
+        step = int(m.group(1)) if m else -1
+        candidates.append((step, read_marker(d).get("saved_at", 0.0), d))
+    if not candidates:
+        return None
+    return max(candidates, key=lambda c: (c[0], c[1]))[2]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# load
+# ---------------------------------------------------------------------------------------------------------------
+def prime_optimizer(optimizer: Optimizer) -> None:
+    """Create an optimizer's state (DCP loads in place, so the tensors must exist) without changing parameters.
+
+    torch_xla's `prime_optimizer` runs a real step with zero gradients, which still moves parameters under weight
+    decay; here the step runs with lr=0 (and the original hyperparameters are put back)."""
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    if not params or all(p in optimizer.state and optimizer.state[p] for p in params):
+        return
+    saved_lrs = [group["lr"] for group in optimizer.param_groups]
+    saved_grads = [p.grad for p in params]
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    for p in params:
+        p.grad = torch.zeros_like(p)
+        if p.device.type == "xla":
+            import torch_xla
+
+            sharding = torch_xla._XLAC._get_xla_op_sharding(p)
+            if sharding:
+                torch_xla._XLAC._xla_mark_sharding(p.grad, sharding)
+    with torch.no_grad():
+        optimizer.step()
+    for group, lr in zip(optimizer.param_groups, saved_lrs):
+        group["lr"] = lr
+    for p, g in zip(params, saved_grads):
+        p.grad = g
+    _xla_sync()
+
+
+def load_sharded(
+    path: PathLike, state: Dict[str, Any], strict: bool = True, restore_rng: bool = True
+) -> Dict[str, Any]:
+    """Load a checkpoint written by `save_sharded` into `state` in place, on the current devices (any count).
+
+    Modules and optimizers are restored in place; plain values in `state` are replaced by the saved ones (like
+    `fabric.load`). Returns the saved plain values that `state` did not ask for. RNG states are restored.
+    `strict=False` accepts modules whose tensors are only partly in the checkpoint (adapter-only saves).
+    `restore_rng=False` leaves the RNG states alone."""
+    import torch.distributed.checkpoint as dcp
+
+    path = Path(path)
+    marker, md = check_complete(path)
+    saved = md.state_dict_metadata
+    target: Dict[str, Any] = {}
+    optimizers: Dict[str, Optimizer] = {}
+    for key, obj in state.items():
+        if isinstance(obj, nn.Module):
+            live, _ = module_state_dict(obj)
+            prefix = key + "."
+            in_ckpt = {fqn[len(prefix) :] for fqn in saved if fqn.startswith(prefix)}
+            if not in_ckpt and strict:
+                raise LitError(f"checkpoint {str(path)!r} has no module {key!r}")
+            missing = sorted(n for n in live if n not in in_ckpt)
+            unexpected = sorted(n for n in in_ckpt if n not in live)
+            if strict and (missing or unexpected):
+                detail = []
+                if missing:
+                    detail.append(f"missing {_few(missing)}")
+                if unexpected:
+                    detail.append(f"unexpected {_few(unexpected)}")
+                raise LitError(
+                    f"checkpoint {str(path)!r} does not match {key!r} ({'; '.join(detail)}). Check the model"
+                    " config, or load with strict=False for adapter-only checkpoints"
+                )
+            for n in in_ckpt & set(live):
+                want, have = tuple(saved[prefix + n].size), tuple(live[n].shape)
+                if want != have:
+                    raise LitError(f"checkpoint tensor {key}.{n} has shape {want} but the model's is {have}")
+            target[key] = {n: live[n] for n in live if n in in_ckpt}
+        elif isinstance(obj, Optimizer):
+            prime_optimizer(obj)
+            optimizers[key] = obj
+            osd = obj.state_dict()
+            prefix = key + "."
+            target[key] = {
+                str(pid): {n: v for n, v in pstate.items() if isinstance(v, torch.Tensor) and f"{prefix}{pid}.{n}" in saved}
+                for pid, pstate in osd["state"].items()
+            }
+            if strict and not any(fqn.startswith(prefix) for fqn in saved) and osd["state"]:
+                raise LitError(f"checkpoint {str(path)!r} has no optimizer state {key!r}")
+    target[META_KEY] = b""  # replaced by DCP with the saved bytes
+
+    if _is_spmd():
+        from torch_xla.experimental.distributed_checkpoint import SPMDLoadPlanner
+
+        planner = SPMDLoadPlanner()
+    else:
+        planner = None
+    with _quiet_dcp():
+        dcp.load(target, storage_reader=dcp.FileSystemReader(str(path)), planner=planner, no_dist=_rank_world()[1] == 1)
+    meta = torch.load(io.BytesIO(target[META_KEY]), map_location="cpu", weights_only=True)
+
+    for key, opt in optimizers.items():
+        saved_opt = meta["optimizers"].get(key)
+        if saved_opt is None:
+            if strict:
+                raise LitError(f"checkpoint {str(path)!r} has no optimizer {key!r}")
+            continue
+        osd = opt.state_dict()
+        merged: Dict[int, Dict[str, Any]] = {}
+        for pid, pstate in osd["state"].items():
+            merged[pid] = dict(target[key].get(str(pid), {}))
+            merged[pid].update(saved_opt["extra"].get(str(pid), {}))
+            for n, v in pstate.items():  # tensors the checkpoint did not have stay as primed
+                merged[pid].setdefault(n, v)
+        opt.load_state_dict({"state": merged, "param_groups": saved_opt["param_groups"]})
+
+    values = meta["values"]
+    for key, obj in list(state.items()):
+        if isinstance(obj, (nn.Module, Optimizer)):
+            continue
+        if key in values:
+            state[key] = values[key]
+        elif strict:
+            raise LitError(f"checkpoint {str(path)!r} has no entry {key!r} (saved: {', '.join(sorted(values)) or 'none'})")
+    if restore_rng:
+        _set_rng_state(meta.get("rng", {}))
+    _xla_sync()
+    return {k: v for k, v in values.items() if k not in state}
+
+
+def _few(names: List[str], n: int = 4) -> str:
+    return ", ".join(names[:n]) + (f" and {len(names) - n} more" if len(names) > n else "")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# consolidation (plain torch: no torch_xla, no devices)
+# ---------------------------------------------------------------------------------------------------------------
+class _FileSlice(io.RawIOBase):
+    """A read-only window [offset, offset + length) of an open file: torch.load reads one DCP chunk from it
+    without copying the chunk's bytes into a buffer first."""
+
+    def __init__(self, f: io.BufferedReader, offset: int, length: int) -> None:
+        super().__init__()
+        self._f, self._start, self._len, self._pos = f, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._len}[whence]
+        self._pos = max(0, min(self._len, base + pos))
+        return self._pos
+
+    def readinto(self, b: Any) -> int:
+        n = min(len(b), self._len - self._pos)
+        if n <= 0:
+            return 0
+        self._f.seek(self._start + self._pos)
+        got = self._f.readinto(memoryview(b)[:n])
+        self._pos += got
+        return got
+
+
+def _chunks_by_tensor(md: Any, prefix: str) -> Dict[str, List[Tuple[Tuple[int, ...], Any]]]:
+    chunks: Dict[str, List[Tuple[Tuple[int, ...], Any]]] = {}
+    for index, info in md.storage_data.items():
+        if index.fqn.startswith(prefix):
+            chunks.setdefault(index.fqn, []).append((tuple(index.offset or ()), info))
+    return chunks
+
+
+def iter_consolidated(
+    checkpoint_dir: PathLike, key: str = "model"
+) -> Iterator[Tuple[str, torch.Tensor]]:
+    """Yield (plain name, full CPU tensor) of module `key`, one tensor at a time (peak RAM ~ one tensor)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    checkpoint_dir = Path(checkpoint_dir)
+    _, md = check_complete(checkpoint_dir)
+    prefix = key + "."
+    chunks = _chunks_by_tensor(md, prefix)
+    handles: Dict[str, io.BufferedReader] = {}
+    try:
+        for fqn, tmd in md.state_dict_metadata.items():
+            if not fqn.startswith(prefix) or not isinstance(tmd, TensorStorageMetadata):
+                continue
+            yield fqn[len(prefix) :], _assemble(checkpoint_dir, tmd, chunks.get(fqn, []), handles, fqn)
+    finally:
+        for f in handles.values():
+            f.close()
+
+
+def _assemble(
+    directory: Path, tmd: Any, chunks: List[Tuple[Tuple[int, ...], Any]], handles: Dict[str, Any], fqn: str
+) -> torch.Tensor:
+    size = tuple(tmd.size)
+    dtype = tmd.properties.dtype
+    full: Optional[torch.Tensor] = None
+    covered = 0
+    for offsets, info in chunks:
+        f = handles.get(info.relative_path)
+        if f is None:
+            f = handles[info.relative_path] = open(directory / info.relative_path, "rb")
+        chunk = torch.load(_FileSlice(f, info.offset, info.length), map_location="cpu", weights_only=True)
+        if tuple(chunk.shape) == size and len(chunks) == 1:
+            return chunk.to(dtype) if chunk.dtype != dtype else chunk  # unsharded: no second buffer
+        if full is None:
+            full = torch.empty(size, dtype=dtype)
+        view = full
+        for dim, (start, length) in enumerate(zip(offsets, chunk.shape)):
+            view = view.narrow(dim, start, length)
+        view.copy_(chunk)
+        covered += chunk.numel()
+        del chunk
+    numel = 1
+    for s in size:
+        numel *= s
+    if full is None or covered < numel:
+        raise LitError(f"sharded checkpoint {str(directory)!r} does not hold every chunk of {fqn}: it is damaged")
+    return full
+
+
+def consolidate(
+    checkpoint_dir: PathLike, output: Optional[PathLike] = None, key: str = "model", progress: bool = True
+) -> Path:
+    """Turn a sharded checkpoint into one `torch.load`-able state dict file (default `CHECKPOINT_DIR/lit_model.pth`).
+
+    Streams: the output file's skeleton (pickled structure, space for every tensor) is written first with
+    `torch.serialization.skip_data`, then each tensor is assembled from its chunks and written into its place, so
+    peak memory is about the largest tensor (plus one chunk), not the model. Tied tensors are written once and
+    appear under all their names, like `torch.save(model.state_dict())`. The result is written atomically.
+    (The zip CRCs of the tensor records are left unset, as with `torch.serialization.set_crc32_options(False)`;
+    torch.load does not check them.)"""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    from tqdm import tqdm
+
+    checkpoint_dir = Path(checkpoint_dir)
+    marker, md = check_complete(checkpoint_dir)
+    output = Path(output) if output is not None else checkpoint_dir / "lit_model.pth"
+    prefix = key + "."
+    entries = [
+        (fqn[len(prefix) :], tmd)
+        for fqn, tmd in md.state_dict_metadata.items()
+        if fqn.startswith(prefix) and isinstance(tmd, TensorStorageMetadata)
+    ]
+    if not entries:
+        kinds = marker.get("state", {})
+        modules = [k for k, v in kinds.items() if v.get("kind") == "module"]
+        raise LitError(
+            f"checkpoint {str(checkpoint_dir)!r} has no module {key!r}"
+            + (f" (modules saved: {', '.join(modules)}; pass --key NAME)" if modules else "")
+        )
+    tied: Dict[str, str] = marker.get("state", {}).get(key, {}).get("tied", {})
+    names = [n for n, _ in entries]
+
+    # skeleton: fake tensors have shapes and dtypes but no memory; aliases share their canonical's storage
+    with FakeTensorMode():
+        fakes = {n: torch.empty(tuple(t.size), dtype=t.properties.dtype, device="cpu") for n, t in entries}
+    skeleton: Dict[str, torch.Tensor] = {}
+    for n in names:
+        skeleton[n] = fakes[n]
+    for alias, canonical in tied.items():
+        if canonical in fakes:
+            skeleton[alias] = fakes[canonical]
+
+    # a private directory keeps the archive's internal name equal to torch.save(..., output)'s
+    tmp_dir = output.parent / f".{output.name}.tmp{os.getpid()}"
+    tmp_dir.mkdir(parents=True, exist_ok=True)
+    tmp = tmp_dir / output.name
+    try:
+        with torch.serialization.skip_data(materialize_fake_tensors=True):
+            torch.save(skeleton, tmp)
+        # torch.save numbers storages in the order it first meets them while pickling the dict
+        record_of: Dict[str, int] = {}
+        for n in skeleton:
+            if n in tied and tied[n] in fakes:
+                continue
+            record_of.setdefault(n, len(record_of))
+        reader = torch._C.PyTorchFileReader(str(tmp))
+        records = reader.get_all_records()
+        root = next(r for r in records if r.endswith("data.pkl"))[: -len("data.pkl")]
+        if sum(r.startswith(f"{root}data/") for r in records) != len(record_of):
+            raise RuntimeError("unexpected torch.save layout: storage records do not match the tensors")
+        offsets = {n: reader.get_record_offset(f"{root}data/{i}") for n, i in record_of.items()}
+        del reader
+        chunks = _chunks_by_tensor(md, prefix)
+        handles: Dict[str, Any] = {}
+        try:
+            with open(tmp, "r+b") as out:
+                for n, tmd in tqdm(entries, desc="consolidating", unit="tensor", disable=not progress):
+                    t = _assemble(checkpoint_dir, tmd, chunks.get(prefix + n, []), handles, prefix + n).contiguous()
+                    out.seek(offsets[n])
+                    out.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+                    del t
+                out.flush()
+                os.fsync(out.fileno())
+        finally:
+            for f in handles.values():
+                f.close()
+        os.replace(tmp, output)
+    finally:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+    return output

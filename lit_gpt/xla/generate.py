@@ -1,0 +1,200 @@
+"""Generation on XLA devices with a fixed, small number of compilations: two graphs per prompt-length bucket.
+
+    model = fabric.setup_module(load_staged(config, checkpoint_dir / "lit_model.pth", fabric))
+    result = generate(model, tokenizer.encode(prompt), max_new_tokens=50, stop_ids=tokenizer.stop_ids)
+    result.tokens, result.time_to_first_token, result.decode_tokens_per_sec, result.compiles
+
+How each part keeps the graphs fixed (a tracing backend compiles every distinct graph once, and a graph is
+distinct as soon as a shape or a Python number baked into it changes):
+  * caches: the KV cache and the RoPE tables are built on the host and transferred. Creating them on the device
+    would be a graph of its own; computing RoPE lazily would fold it into the first prefill, whose graph would
+    then differ from the second prompt's.
+  * prefill: the prompt is right-padded *on the host* to a power-of-two bucket, then transferred (padding on the
+    device makes the pad a graph node whose shape is the prompt length); the logits of the last real position
+    are taken with a device index tensor, not a Python int. Every prompt of a bucket runs one graph.
+  * decode: one token at a device `input_pos` that is advanced in place, and `torch_xla.sync()` after each
+    step: every step is the same graph, whatever max_new_tokens is.
+  * sampling (temperature, top-k, top-p) runs on the device (`lit_gpt.generate.sample`: no host reads).
+  * stopping: tokens stay on the device; every `check_every` steps the new ones are copied to the host (a
+    transfer, no computation) and looked at there, so at most `check_every - 1` steps are wasted after a stop.
+The KV cache holds the next power of two >= bucket + max_new_tokens positions (at most block_size): for a given
+max_new_tokens the cache, and with it the decode graph, depends on the bucket only.
+"""
+
+import time
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Sequence, Union
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from lit_gpt.config import next_power_of_two
+from lit_gpt.generate import bucket_length, check_lengths, check_sampling_args, decode_one_token, sample
+from lit_gpt.model import GPT
+from lit_gpt.utils import LitError
+
+
+@dataclass
+class GenerationResult:
+    tokens: torch.Tensor
+    """The new tokens (CPU, int64), cut before the first stop token."""
+    prompt_length: int
+    bucket: int
+    """The padded prompt length the prefill ran with."""
+    time_to_first_token: float
+    """Seconds from the start of the prefill to the first token on the host, compilation included."""
+    decode_tokens_per_sec: Optional[float]
+    """Steady decode speed: the steps after the first decode step (which may compile); None with < 3 tokens."""
+    compiles: int
+    """XLA compilations during this call."""
+    stopped: bool
+    """A stop token ended the generation (else max_new_tokens did)."""
+
+
+def unwrap(model: nn.Module) -> GPT:
+    """The `GPT` inside Fabric's and FSDPv2's wrappers (both expose the wrapped module as `.module`)."""
+    inner = model
+    while not isinstance(inner, GPT) and isinstance(getattr(inner, "module", None), nn.Module):
+        inner = inner.module
+    if not isinstance(inner, GPT):
+        raise TypeError(f"expected a lit_gpt GPT (possibly wrapped), got {type(model).__name__}")
+    return inner
+
+
+def cache_length(bucket: int, max_new_tokens: int, block_size: int) -> int:
+    """KV cache positions for a prompt bucket: a power of two, so few distinct decode graphs exist."""
+    return min(next_power_of_two(bucket + max_new_tokens), block_size)
+
+
+def setup_caches(model: GPT, batch_size: int, length: int, dtype: Optional[torch.dtype] = None) -> None:
+    """Give `model` a KV cache of `length` positions and RoPE tables of that length, built on the host and
+    transferred (no device computation, hence no compilation). Kept when it already has that size: positions
+    beyond the current one are masked, so a previous prompt's entries are harmless."""
+    cache = model.transformer.h[0].attn.kv_cache
+    device = model.transformer.wte.weight.device
+    if (
+        cache is not None
+        and tuple(cache.k.shape[:1]) == (batch_size,)
+        and cache.k.size(2) == length
+        and model.rope_cache_length == length
+        and model.cos.device == device
+    ):
+        return
+    dtype = dtype or model.transformer.wte.weight.dtype
+    cpu = torch.device("cpu")
+    model.clear_kv_cache()
+    # `max_seq_length` would rebuild RoPE on the weights' device (lazily, on XLA): build both on the host instead
+    model.set_kv_cache(batch_size, length, device=cpu, dtype=dtype)
+    model.reset_rope_cache(device=cpu)
+    for module in model.modules():
+        for name, buf in module._buffers.items():
+            if buf is not None and buf.device.type == "cpu":
+                module._buffers[name] = buf.to(device)
+
+
+def _to_host(tokens: Sequence[torch.Tensor]) -> List[int]:
+    """Copy already computed device tokens to the host: a transfer per tensor, no graph."""
+    return [int(t.cpu().reshape(-1)[0]) for t in tokens]
+
+
+@torch.no_grad()
+def generate(
+    model: nn.Module,
+    prompt: torch.Tensor,
+    max_new_tokens: int,
+    *,
+    temperature: float = 0.0,
+    top_k: Optional[int] = None,
+    top_p: float = 1.0,
+    stop_ids: Optional[Union[int, Sequence[int]]] = None,
+    pad_id: int = 0,
+    check_every: int = 8,
+    on_tokens: Optional[Callable[[List[int]], None]] = None,
+) -> GenerationResult:
+    """Generate up to `max_new_tokens` after the 1-D (CPU) `prompt` on the model's XLA device.
+
+    `model` may be wrapped (Fabric, FSDPv2): its forward is used, the caches go to the inner `GPT`.
+    `on_tokens` receives the new token ids each time they reach the host (every `check_every` steps), e.g. to
+    stream text."""
+    import torch_xla
+
+    from lit_gpt.xla.diagnostics import compile_count
+
+    if prompt.dim() != 1:
+        raise LitError(f"expected a 1-D prompt of token ids, got shape {tuple(prompt.shape)}")
+    if check_every < 1:
+        raise LitError(f"check_every must be >= 1, got {check_every}")
+    check_sampling_args(temperature, top_k, top_p)
+    gpt = unwrap(model)
+    block_size = gpt.config.block_size
+    T = prompt.numel()
+    check_lengths(T, max_new_tokens, block_size)
+    bucket = bucket_length(T, block_size)
+    if bucket < T:  # a prompt longer than the largest bucket (the block size) was rejected above; keep the guard
+        raise LitError(f"the prompt ({T} tokens) does not fit the largest bucket ({bucket})")
+    device = gpt.transformer.wte.weight.device
+    stops = set([stop_ids] if isinstance(stop_ids, int) else list(stop_ids or ()))
+    sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
+
+    compiles_before = compile_count()
+    setup_caches(gpt, 1, cache_length(bucket, max_new_tokens, block_size))
+    model.eval()
+
+    t0 = time.perf_counter()
+    padded = F.pad(prompt.to(torch.long), (0, bucket - T), value=pad_id).unsqueeze(0).to(device)
+    input_pos = torch.arange(bucket).to(device)
+    # the last real position as a device tensor: a Python int would be baked into the graph (one per length)
+    last = torch.tensor([T - 1]).to(device)
+    token = sample(model(padded, input_pos, last_only=last)[:, -1], **sampling)
+    torch_xla.sync()
+    device_tokens = [token]
+    host: List[int] = _to_host(device_tokens)  # waits for the prefill: the first token is on the host here
+    time_to_first_token = time.perf_counter() - t0
+    stopped = host[0] in stops
+    if on_tokens is not None and not stopped:
+        on_tokens(list(host))
+
+    decode_start: Optional[float] = None
+    decode_steps = 0
+    pos = torch.tensor([T]).to(device)
+    step = 1
+    while not stopped and step < max_new_tokens:
+        token = decode_one_token(model, token, pos, **sampling)
+        pos.add_(1)  # in place on the device: the next step's graph is the same
+        torch_xla.sync()
+        device_tokens.append(token)
+        step += 1
+        if step == 2:
+            _to_host(device_tokens[1:2])  # the first decode step may compile: time the steady steps after it
+            decode_start = time.perf_counter()
+        else:
+            decode_steps += 1
+        if step % check_every == 0 or step == max_new_tokens:
+            new = _to_host(device_tokens[len(host) :])
+            host.extend(new)
+            if stops:
+                cut = next((i for i, t in enumerate(new) if t in stops), None)
+                if cut is not None:
+                    new = new[:cut]
+                    stopped = True
+            if on_tokens is not None and new:
+                on_tokens(new)
+    if len(host) < len(device_tokens):  # the loop ended between two checks
+        host.extend(_to_host(device_tokens[len(host) :]))
+    decode_time = time.perf_counter() - decode_start if decode_start is not None else 0.0
+
+    out = host
+    if stops:
+        cut = next((i for i, t in enumerate(out) if t in stops), None)
+        if cut is not None:
+            out, stopped = out[:cut], True
+    return GenerationResult(
+        tokens=torch.tensor(out, dtype=torch.long),
+        prompt_length=T,
+        bucket=bucket,
+        time_to_first_token=time_to_first_token,
+        decode_tokens_per_sec=decode_steps / decode_time if decode_steps > 0 and decode_time > 0 else None,
+        compiles=compile_count() - compiles_before,
+        stopped=stopped,
+    )

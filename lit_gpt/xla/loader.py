@@ -1,0 +1,272 @@
+"""Loading a checkpoint onto XLA devices block by block, so that host RAM stays low.
+
+    model = load_staged(config, checkpoint_dir / "lit_model.pth", fabric)
+    model = load_staged(lambda: GPT(config), [base_path, adapter_path], fabric, strict=False)  # adapters, LoRA
+
+The model is built on the meta device (no memory). Then for each transformer block in turn, only that block's
+tensors are read from the checkpoint (`torch.load(..., mmap=True, weights_only=True)`, or `safe_open` for
+`.safetensors`), cast to the parameter dtype, sent to the devices already sharded the way FSDPv2 shards them
+(largest dimension over the "fsdp" axis, `xm.send_cpu_data_to_device` with a sharding spec, so no device ever
+holds a full copy), and the host copy is dropped; then the embeddings, final norm and head. Host memory above
+the final resident size stays within about one block (bench/load.py measures it).
+
+Parameters that are not in any checkpoint (new adapter or LoRA weights) are initialised by their module's
+`reset_parameters()`; tied parameters (`lm_head.weight` / `transformer.wte.weight`) stay one tensor.
+`fabric.setup(model, ...)` afterwards wraps the blocks without moving or resharding anything.
+"""
+
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Type, Union
+
+import torch
+import torch.nn as nn
+
+from lit_gpt.config import Config
+from lit_gpt.utils import LitError, load_state_dict
+
+PathLike = Union[str, Path]
+
+
+class _Sources:
+    """Key -> tensor lookup over one or more checkpoint files; a later file overrides an earlier one."""
+
+    def __init__(self, paths: Sequence[PathLike]) -> None:
+        self._where: Dict[str, Tuple[str, Any]] = {}
+        self._handles: List[Any] = []
+        for path in paths:
+            path = Path(path)
+            if path.suffix == ".safetensors":
+                from safetensors import safe_open
+
+                if not path.is_file():
+                    raise LitError(f"checkpoint file {str(path)!r} not found")
+                handle = safe_open(str(path), framework="pt", device="cpu")
+                self._handles.append(handle)
+                for key in handle.keys():
+                    self._where[key] = ("safetensors", handle)
+            else:
+                sd = load_state_dict(path, mmap=True)  # memory-mapped: nothing is read until a tensor is used
+                sd = sd.get("model", sd)
+                self._handles.append(sd)
+                for key in sd:
+                    self._where[key] = ("dict", sd)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._where
+
+    def keys(self) -> Iterable[str]:
+        return self._where.keys()
+
+    def take(self, key: str) -> torch.Tensor:
+        kind, handle = self._where.pop(key)
+        if kind == "safetensors":
+            return handle.get_tensor(key)
+        return handle.pop(key)  # drop the dict's reference: the mapped pages can go once the tensor is placed
+
+
+def _fsdp_spec(t: torch.Tensor) -> Tuple[Optional[str], ...]:
+    """The partition spec FSDPv2 gives a parameter: its largest dimension over "fsdp" (scalars replicated)."""
+    from torch_xla.experimental.spmd_fully_sharded_data_parallel import _prepare_spmd_partition_spec
+
+    return _prepare_spmd_partition_spec(t, shard_maximal=True)
+
+
+def _resolve_target(fabric: Any, mesh: Any, dtype: Optional[torch.dtype], device: Any) -> Tuple[Any, Any, Any]:
+    if fabric is not None:
+        from lit_gpt.xla.strategy import get_strategy
+
+        strategy = get_strategy(fabric)
+        mesh = mesh if mesh is not None else strategy.mesh
+        dtype = dtype if dtype is not None else strategy.precision.param_dtype
+        device = device if device is not None else strategy.root_device
+    if device is None:
+        import torch_xla
+
+        device = torch_xla.device()
+    return mesh, dtype, device
+
+
+def load_staged(
+    model: Union[Config, Callable[[], nn.Module]],
+    checkpoint: Union[PathLike, Sequence[PathLike]],
+    fabric: Optional[Any] = None,
+    *,
+    mesh: Optional[Any] = None,
+    dtype: Optional[torch.dtype] = None,
+    device: Optional[torch.device] = None,
+    layer_cls: Optional[Iterable[Type[nn.Module]]] = None,
+    strict: bool = True,
+    progress: bool = True,
+) -> nn.Module:
+    """Build `model` (a `Config` for `GPT`, or a function returning a module) on the meta device and fill it
+    from `checkpoint` (one file or several, later ones override) block by block onto the XLA devices.
+
+    With `fabric` (from `make_fabric`, launched) the mesh, device and parameter dtype come from it; otherwise
+    pass `device` (default: the XLA device), `mesh` (None: no sharding) and `dtype` (None: keep the file's).
+    `strict=False` allows checkpoint keys the model does not have; missing keys always need a module with
+    `reset_parameters()`, else they are an error."""
+    from tqdm import tqdm
+
+    mesh, dtype, device = _resolve_target(fabric, mesh, dtype, device)
+    if isinstance(model, Config):
+        from lit_gpt.model import GPT
+
+        config = model
+        model_fn: Callable[[], nn.Module] = lambda: GPT(config)
+    else:
+        model_fn = model
+    with torch.device("meta"):
+        module = model_fn()
+    if layer_cls is None:
+        from lit_gpt.model import Block
+
+        layer_cls = {Block}
+    layer_cls = tuple(layer_cls)
+
+    paths = [checkpoint] if isinstance(checkpoint, (str, Path)) else list(checkpoint)
+    sources = _Sources(paths)
+
+    # tied parameters: every name of one Parameter, so it is loaded once and assigned under all its names
+    names_of: Dict[int, List[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(p), []).append(name)
+
+    units = [(name, m) for name, m in module.named_modules() if isinstance(m, layer_cls)]
+    unit_names = [n for n, _ in units]
+
+    def owner_unit(name: str) -> Optional[str]:
+        for u in unit_names:
+            if name.startswith(u + "."):
+                return u
+        return None
+
+    # every tensor (parameters and persistent buffers) grouped by unit; the rest (embeddings, norms, head) last
+    plan: Dict[Optional[str], List[Tuple[str, bool]]] = {u: [] for u in unit_names}
+    plan[None] = []
+    for name, p in module.named_parameters():
+        plan[owner_unit(name)].append((name, True))
+    persistent = set(module.state_dict(keep_vars=True).keys())
+    for name, b in module.named_buffers():
+        if name in persistent:
+            plan[owner_unit(name)].append((name, False))
+
+    expected_keys = persistent  # parameters under all their names, and persistent buffers
+    unexpected = sorted(k for k in sources.keys() if k not in expected_keys)
+    if unexpected and strict:
+        raise LitError(
+            f"the checkpoint has tensors the model does not ({_few(unexpected)}): check that the model config"
+            " matches the checkpoint (lit_config.json)"
+        )
+
+    placed: Dict[int, nn.Parameter] = {}
+    order = unit_names + [None]
+    bar = tqdm(order, desc="loading", unit="block", disable=not progress or not _print_rank())
+    for unit in bar:
+        bar.set_postfix_str(unit or "embeddings, norms, head")
+        entries = plan[unit]
+        fresh = _init_missing(module, entries, sources, names_of)
+        for name, is_param in entries:
+            owner_name, _, attr = name.rpartition(".")
+            owner = module.get_submodule(owner_name) if owner_name else module
+            old = getattr(owner, attr)
+            if is_param and id(old) in placed:
+                setattr(owner, attr, placed[id(old)])
+                continue
+            key = _source_key(name, names_of.get(id(old), [name]) if is_param else [name], sources)
+            if key is not None:
+                cpu = sources.take(key)
+            elif name in fresh:
+                cpu = fresh.pop(name)
+            else:
+                raise LitError(f"the checkpoint has no tensor {name!r} and its module cannot initialise it")
+            if tuple(cpu.shape) != tuple(old.shape):
+                raise LitError(
+                    f"checkpoint tensor {name} has shape {tuple(cpu.shape)} but the model's is {tuple(old.shape)}:"
+                    " the model config does not match the checkpoint"
+                )
+            if dtype is not None and cpu.is_floating_point() and cpu.dtype != dtype:
+                cpu = cpu.to(dtype)
+            xt = _to_device(cpu, device, mesh)
+            del cpu
+            if is_param:
+                param = nn.Parameter(xt, requires_grad=old.requires_grad)
+                for alias in names_of.get(id(old), [name]):
+                    a_owner_name, _, a_attr = alias.rpartition(".")
+                    a_owner = module.get_submodule(a_owner_name) if a_owner_name else module
+                    setattr(a_owner, a_attr, param)
+                placed[id(old)] = param
+            else:
+                owner._buffers[attr] = xt
+    still_meta = [n for n, t in list(module.named_parameters()) + list(module.named_buffers()) if t.is_meta]
+    if still_meta:
+        raise LitError(
+            f"{len(still_meta)} tensor(s) were neither in the checkpoint nor initialisable ({_few(still_meta)})"
+        )
+    return module
+
+
+def _source_key(name: str, aliases: List[str], sources: _Sources) -> Optional[str]:
+    if name in sources:
+        return name
+    for alias in aliases:
+        if alias in sources:
+            return alias
+    return None
+
+
+def _init_missing(
+    module: nn.Module, entries: List[Tuple[str, bool]], sources: _Sources, names_of: Dict[int, List[str]]
+) -> Dict[str, torch.Tensor]:
+    """CPU values for this unit's tensors that no checkpoint has, from their module's `reset_parameters()`."""
+    missing: Dict[str, List[str]] = {}
+    for name, is_param in entries:
+        owner_name, _, attr = name.rpartition(".")
+        owner = module.get_submodule(owner_name) if owner_name else module
+        aliases = names_of.get(id(getattr(owner, attr)), [name]) if is_param else [name]
+        if _source_key(name, aliases, sources) is None:
+            missing.setdefault(owner_name, []).append(attr)
+    fresh: Dict[str, torch.Tensor] = {}
+    for owner_name, attrs in missing.items():
+        owner = module.get_submodule(owner_name) if owner_name else module
+        if not hasattr(owner, "reset_parameters"):
+            names = [f"{owner_name}.{a}" if owner_name else a for a in attrs]
+            raise LitError(
+                f"the checkpoint has no {_few(names)} and {type(owner).__name__} has no reset_parameters() to"
+                " initialise it: check that the model config matches the checkpoint"
+            )
+        # materialise only this module's own tensors on the CPU (children stay on meta, where init is a no-op)
+        owner.to_empty(device="cpu", recurse=False)
+        owner.reset_parameters()
+        for a in attrs:
+            fresh[f"{owner_name}.{a}" if owner_name else a] = getattr(owner, a).detach()
+    return fresh
+
+
+def _to_device(cpu: torch.Tensor, device: torch.device, mesh: Any) -> torch.Tensor:
+    if mesh is None or cpu.dim() == 0:
+        return cpu.to(device)
+    import torch_xla.core.xla_model as xm
+    import torch_xla.distributed.spmd as xs
+
+    spec = _fsdp_spec(cpu)
+    if cpu.dim() == 1:
+        # torch_xla 2.9's direct sharded transfer fails for 1-D tensors on a mesh with a replicated axis
+        # ("too many indices"); these are norms and biases, small enough to place first and shard after
+        xt = cpu.to(device)
+        xs.mark_sharding(xt, mesh, spec)
+        return xt
+    # straight from host memory into per-device shards: no device ever holds the whole tensor
+    return xm.send_cpu_data_to_device([cpu], device, xs.ShardingSpec(mesh, spec))[0]
+
+
+def _print_rank() -> bool:
+    try:
+        import torch_xla.runtime as xr
+
+        return xr.process_index() == 0
+    except Exception:
+        return True
+
+
+def _few(names: List[str], n: int = 4) -> str:
+    return ", ".join(names[:n]) + (f" and {len(names) - n} more" if len(names) > n else "")
