@@ -17,7 +17,7 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Union
 
 import torch
 
-from lit_gpt.utils import LitError
+from lit_gpt.utils import LitError, download_command
 
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
@@ -71,7 +71,7 @@ class Tokenizer:
         if not checkpoint_dir.is_dir():
             raise LitError(
                 f"checkpoint directory {str(checkpoint_dir)!r} does not exist. Download a model first:"
-                " python scripts/download.py --repo_id ORG/NAME (offline: python scripts/convert_gguf_checkpoint.py)"
+                f" {download_command(checkpoint_dir)} (offline: python scripts/convert_gguf_checkpoint.py)"
             )
         self.checkpoint_dir = checkpoint_dir
         self.config = _read_json(checkpoint_dir / "tokenizer_config.json")
@@ -94,7 +94,7 @@ class Tokenizer:
         else:
             raise LitError(
                 f"no tokenizer.json or tokenizer.model in {str(checkpoint_dir)!r}. Download the model's tokenizer"
-                " with: python scripts/download.py --repo_id ORG/NAME"
+                f" with: {download_command(checkpoint_dir)} --tokenizer_only true"
             )
 
         self.bos_id = self._special_id("bos", generation_config, model_config)
