@@ -5,6 +5,9 @@ The tiny per-family configs and helpers at the top are shared with tests/test_ad
 """
 
 import math
+import runpy
+import sys
+from pathlib import Path
 from typing import Any, Dict, Type
 
 import pytest
@@ -17,6 +20,7 @@ from lit_gpt.utils import LitError, num_parameters
 
 VOCAB = 128
 SEQ = 12
+ROOT = Path(__file__).resolve().parents[1]
 
 # registry name -> what it covers; each is shrunk by `tiny_config` keeping the family's structural flags
 FAMILIES = {
@@ -117,6 +121,41 @@ def write_base_checkpoint(base: GPT, directory) -> None:
     base.config.save(directory)
 
 
+def run_recipe(relative_path: str, *args: str) -> None:
+    """Run a recipe or script as `python <path> <args>` does, in this process (no second interpreter start)."""
+    argv = sys.argv
+    sys.argv = [str(ROOT / relative_path), *args]
+    try:
+        runpy.run_path(sys.argv[0], run_name="__main__")
+    finally:
+        sys.argv = argv
+
+
+def greedy_text(model: GPT, checkpoint_dir: Path, prompt: str, max_new_tokens: int) -> str:
+    """What a generate recipe prints for a raw prompt with --temperature 0: the prompt and its continuation."""
+    from lit_gpt.generate import generate
+    from lit_gpt.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(checkpoint_dir)
+    encoded = tokenizer.encode(prompt)
+    new = generate(model.eval(), encoded, max_new_tokens, temperature=0.0, stop_ids=tokenizer.eos_id)
+    return tokenizer.decode(encoded.tolist() + new.tolist())
+
+
+def finetuned_on(base_dir: Path, module, path: Path, **variant: Any):
+    """A variant of the checkpoint in `base_dir` with random (trained-like) own weights, saved to `path`."""
+    model = module.GPT(module.Config.from_checkpoint(base_dir, **variant))
+    model.load_state_dict(torch.load(base_dir / "lit_model.pth", weights_only=True), strict=False)
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(5)
+        for n, p in model.named_parameters():
+            if model.peft_filter(n) and "norm" not in n:
+                # large: the tiny model's text must change
+                p.add_(4.0 * torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[-1]))
+    save_finetuned(model, path)
+    return model
+
+
 # ---------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", list(FAMILIES))
 @torch.no_grad()
@@ -207,3 +246,18 @@ def test_loading_the_wrong_kind_of_file_is_a_clear_error(tmp_path):
     write_base_checkpoint(other, tmp_path / "other")
     with pytest.raises(LitError, match="does not match"):
         load_variant_model(adapter.GPT, adapter.Config, tmp_path / "other", tmp_path / "adapter.pth")
+
+
+def test_generate_recipe_uses_the_adapter(tiny_dir, tmp_path, capsys):
+    from lit_gpt.generate import load_model
+
+    path = tmp_path / "lit_model.pth.adapter"
+    model = finetuned_on(tiny_dir, adapter, path, adapter_start_layer=0, adapter_prompt_length=4)
+    prompt = "The capital of France is"
+    run_recipe(
+        "generate/adapter.py", "--checkpoint_dir", str(tiny_dir), "--adapter_path", str(path), "--prompt", prompt,
+        "--max_new_tokens", "8", "--temperature", "0", "--prompt_style", "raw", "--accelerator", "cpu",
+    )
+    out = capsys.readouterr().out.strip()
+    assert out == greedy_text(model, tiny_dir, prompt, 8)
+    assert out != greedy_text(load_model(tiny_dir), tiny_dir, prompt, 8)  # the adapter changed the text

@@ -3,7 +3,17 @@ trained scales/biases and prefix give the same logits with and without a cache; 
 
 import pytest
 import torch
-from test_adapter import FAMILIES, base_and_variant, cached_logits, randomize_own_, tokens, write_base_checkpoint
+from test_adapter import (
+    FAMILIES,
+    base_and_variant,
+    cached_logits,
+    finetuned_on,
+    greedy_text,
+    randomize_own_,
+    run_recipe,
+    tokens,
+    write_base_checkpoint,
+)
 
 from lit_gpt import adapter, adapter_v2
 from lit_gpt.peft import load_variant_model, save_finetuned
@@ -71,3 +81,18 @@ def test_trainable_and_saved_weights(tmp_path):
     model.eval()
     with torch.no_grad():
         torch.testing.assert_close(loaded(tokens()), model(tokens()), atol=0, rtol=0)
+
+
+def test_generate_recipe_uses_the_adapter_v2(tiny_dir, tmp_path, capsys):
+    from lit_gpt.generate import load_model
+
+    path = tmp_path / "lit_model.pth.adapter_v2"
+    model = finetuned_on(tiny_dir, adapter_v2, path, adapter_start_layer=1)
+    prompt = "The capital of France is"
+    run_recipe(
+        "generate/adapter_v2.py", "--checkpoint_dir", str(tiny_dir), "--adapter_path", str(path), "--prompt", prompt,
+        "--max_new_tokens", "8", "--temperature", "0", "--prompt_style", "raw", "--accelerator", "cpu",
+    )
+    out = capsys.readouterr().out.strip()
+    assert out == greedy_text(model, tiny_dir, prompt, 8)
+    assert out != greedy_text(load_model(tiny_dir), tiny_dir, prompt, 8)

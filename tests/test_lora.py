@@ -3,7 +3,17 @@ gives the LoRA model's outputs; only the enabled q/k/v parts get an update; the 
 
 import pytest
 import torch
-from test_adapter import FAMILIES, base_and_variant, cached_logits, randomize_own_, tokens, write_base_checkpoint
+from test_adapter import (
+    FAMILIES,
+    base_and_variant,
+    cached_logits,
+    finetuned_on,
+    greedy_text,
+    randomize_own_,
+    run_recipe,
+    tokens,
+    write_base_checkpoint,
+)
 
 from lit_gpt import GPT, lora
 from lit_gpt.peft import base_config, load_variant_model, save_finetuned
@@ -39,12 +49,15 @@ def test_lora_equals_base_at_init_and_merges_exactly(name):
     # merged into plain weights: same outputs (a tied head gets untied, the embeddings stay the base ones)
     plain = merged_base_model(model)
     assert not plain.config.tie_embeddings
-    torch.testing.assert_close(plain(idx), full, atol=1e-5, rtol=0)
+    torch.testing.assert_close(plain(idx), full, atol=1e-4, rtol=0)
     torch.testing.assert_close(plain.transformer.wte.weight, base.transformer.wte.weight, atol=0, rtol=0)
-    torch.testing.assert_close(model(idx), full, atol=1e-5, rtol=0)  # merged LoRA model skips the LoRA matmuls
+    torch.testing.assert_close(model(idx), full, atol=1e-4, rtol=0)  # merged LoRA model skips the LoRA matmuls
 
 
-@pytest.mark.parametrize("enabled", [(True, False, True), (False, True, False), (True, True, True), (False, False, True)])
+QKV_CASES = [(True, False, True), (False, True, False), (True, True, True), (False, False, True)]
+
+
+@pytest.mark.parametrize("enabled", QKV_CASES)
 @torch.no_grad()
 def test_fused_qkv_updates_only_the_enabled_parts(enabled):
     q, k, v = enabled
@@ -110,7 +123,8 @@ def test_trainable_weights_and_saved_file(bias, tmp_path):
         assert biases == {n for n, _ in model.named_parameters() if n.endswith(".bias")}
     else:
         assert biases == {"transformer.h.0.attn.qkv.bias", "transformer.h.1.attn.qkv.bias"}
-    assert num_parameters(model, requires_grad=True) == sum(p.numel() for n, p in model.named_parameters() if n in trainable)
+    n_trainable = sum(p.numel() for n, p in model.named_parameters() if n in trainable)
+    assert num_parameters(model, requires_grad=True) == n_trainable
     assert num_parameters(model) == num_parameters(base) + 2 * (4 * 64 + 64 * 4)  # A, B of q
 
     model.train()
@@ -128,3 +142,18 @@ def test_trainable_weights_and_saved_file(bias, tmp_path):
     model.eval()
     with torch.no_grad():
         torch.testing.assert_close(loaded(tokens()), model(tokens()), atol=0, rtol=0)
+
+
+def test_generate_recipe_uses_the_lora_weights(tiny_dir, tmp_path, capsys):
+    from lit_gpt.generate import load_model
+
+    path = tmp_path / "lit_model.pth.lora"
+    model = finetuned_on(tiny_dir, lora, path, lora_r=4, lora_mlp=True)
+    prompt = "The capital of France is"
+    run_recipe(
+        "generate/lora.py", "--checkpoint_dir", str(tiny_dir), "--lora_path", str(path), "--prompt", prompt,
+        "--max_new_tokens", "8", "--temperature", "0", "--prompt_style", "raw", "--accelerator", "cpu",
+    )
+    out = capsys.readouterr().out.strip()
+    assert out == greedy_text(model, tiny_dir, prompt, 8)  # the recipe merges: same text as the unmerged model
+    assert out != greedy_text(load_model(tiny_dir), tiny_dir, prompt, 8)

@@ -2,19 +2,15 @@
 after the HF export) gives the LoRA model's logits."""
 
 import json
-import runpy
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-from test_adapter import base_and_variant, randomize_own_, tokens, write_base_checkpoint
+from test_adapter import base_and_variant, finetuned_on, randomize_own_, run_recipe, tokens, write_base_checkpoint
 
 from lit_gpt import GPT, Config, lora
-from lit_gpt.peft import save_finetuned
-from lit_gpt.utils import load_checkpoint
+from lit_gpt.peft import load_full_finetuned, save_finetuned
+from lit_gpt.utils import LitError, load_checkpoint
 
-ROOT = Path(__file__).resolve().parents[1]
 ALL_ON = dict(lora_r=4, lora_alpha=8, lora_dropout=0.0, lora_query=True, lora_key=True, lora_value=True,
               lora_projection=True, lora_mlp=True, lora_head=True)
 
@@ -34,12 +30,7 @@ def lora_checkpoint(tmp_path, name: str, **lora_kwargs):
 
 
 def run_script(*args: str) -> None:
-    argv = sys.argv
-    sys.argv = [str(ROOT / "scripts" / "merge_lora.py"), *args]
-    try:
-        runpy.run_path(sys.argv[0], run_name="__main__")
-    finally:
-        sys.argv = argv
+    run_recipe("scripts/merge_lora.py", *args)
 
 
 @pytest.mark.parametrize("name", ["Llama-3.2-1B", "pythia-70m", "falcon-7b", "phi-2", "Qwen2.5-0.5B"])
@@ -63,10 +54,12 @@ def test_merged_checkpoint_and_hf_export_match_the_lora_model(name, tmp_path):
     merged = GPT(config).eval()
     load_checkpoint(merged, out_dir / "lit_model.pth")
     with torch.no_grad():
-        torch.testing.assert_close(merged(idx), expected, atol=1e-5, rtol=0)
+        torch.testing.assert_close(merged(idx), expected, atol=1e-4, rtol=0)
 
     hf_dir = convert_lit_checkpoint(out_dir, tmp_path / "hf")
-    hf_model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="eager", dtype=torch.float32)
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(
+        hf_dir, attn_implementation="eager", dtype=torch.float32
+    )
     with torch.no_grad():
         torch.testing.assert_close(hf_model.eval()(idx).logits, expected, atol=1e-4, rtol=0)
 
@@ -80,7 +73,7 @@ def test_default_out_dir_is_the_lora_folder_and_tied_embeddings_stay_tied_withou
     assert config.tie_embeddings
     merged = GPT(config).eval()
     load_checkpoint(merged, out_dir / "lit_model.pth")
-    torch.testing.assert_close(merged(tokens()), model(tokens()), atol=1e-5, rtol=0)
+    torch.testing.assert_close(merged(tokens()), model(tokens()), atol=1e-4, rtol=0)
     assert lora_path.is_file()  # the LoRA file is kept
 
 
@@ -101,3 +94,32 @@ def test_bad_input_is_one_line_and_exit_1(tmp_path, capsys):
         assert exc.value.code == 1
         err = capsys.readouterr().err.strip()
         assert err.startswith("error: ") and message in err and "\n" not in err, err
+
+
+def test_generate_full_and_base_on_the_merged_checkpoint_equal_generate_lora(tiny_dir, tmp_path, capsys):
+    lora_path = tmp_path / "lit_model.pth.lora"
+    finetuned_on(tiny_dir, lora, lora_path, lora_r=4, lora_projection=True, lora_mlp=True)
+    merged = tmp_path / "merged"
+    args = ["--prompt", "The capital of France is", "--max_new_tokens", "8", "--temperature", "0",
+            "--prompt_style", "raw", "--accelerator", "cpu"]
+    run_recipe("generate/lora.py", "--checkpoint_dir", str(tiny_dir), "--lora_path", str(lora_path), *args)
+    expected = capsys.readouterr().out
+    assert expected.startswith("The capital of France is") and len(expected) > len("The capital of France is") + 3
+    run_script("--checkpoint_dir", str(tiny_dir), "--lora_path", str(lora_path), "--out_dir", str(merged))
+    run_recipe("generate/full.py", "--checkpoint_dir", str(tiny_dir), "--checkpoint_path", str(merged / "lit_model.pth"),
+               *args)
+    assert capsys.readouterr().out == expected
+    # the merged folder is a checkpoint of its own (config, tokenizer)
+    run_recipe("generate/base.py", "--checkpoint_dir", str(merged), *args)
+    assert capsys.readouterr().out == expected
+
+
+def test_full_weights_with_an_untied_head_on_a_tied_config_are_refused(tmp_path):
+    model, base_dir, lora_path = lora_checkpoint(tmp_path, "Qwen2.5-0.5B", lora_r=2, lora_head=True)
+    merged = tmp_path / "merged"
+    run_script("--checkpoint_dir", str(base_dir), "--lora_path", str(lora_path), "--out_dir", str(merged))
+    with pytest.raises(LitError, match="has an lm_head of its own"):
+        load_full_finetuned(base_dir, merged / "lit_model.pth")
+    loaded = load_full_finetuned(merged, merged / "lit_model.pth")  # with its own config it loads
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(tokens()), model(tokens()), atol=1e-4, rtol=0)
