@@ -31,7 +31,9 @@ class Config(BaseConfig):
         if self.adapter_prompt_length <= 0:
             raise ValueError(f"adapter_prompt_length must be positive, got {self.adapter_prompt_length}")
         if not 0 <= self.adapter_start_layer < self.n_layer:
-            raise ValueError(f"adapter_start_layer must be in [0, n_layer={self.n_layer}), got {self.adapter_start_layer}")
+            raise ValueError(
+                f"adapter_start_layer must be in [0, n_layer={self.n_layer}), got {self.adapter_start_layer}"
+            )
 
 
 class CausalSelfAttention(BaseCausalSelfAttention):

@@ -166,7 +166,9 @@ class GPT(BaseModel):
         for block in self.transformer.h:
             attn = block.attn
             if any(qkv_enabled):
-                attn.qkv = LoRALinear.from_linear(attn.qkv, splits=(q_size, kv_size, kv_size), enabled=qkv_enabled, **lora)
+                attn.qkv = LoRALinear.from_linear(
+                    attn.qkv, splits=(q_size, kv_size, kv_size), enabled=qkv_enabled, **lora
+                )
             if c.lora_projection:
                 attn.proj = LoRALinear.from_linear(attn.proj, **lora)
             if c.lora_mlp:
