@@ -157,3 +157,16 @@ def test_generate_recipe_uses_the_lora_weights(tiny_dir, tmp_path, capsys):
     out = capsys.readouterr().out.strip()
     assert out == greedy_text(model, tiny_dir, prompt, 8)  # the recipe merges: same text as the unmerged model
     assert out != greedy_text(load_model(tiny_dir), tiny_dir, prompt, 8)
+
+
+def test_generate_recipe_refuses_another_method_s_file(tiny_dir, tmp_path, capsys):
+    from lit_gpt import adapter
+
+    path = tmp_path / "lit_model.pth.adapter"
+    finetuned_on(tiny_dir, adapter, path, adapter_start_layer=1)
+    with pytest.raises(SystemExit) as exc:
+        run_recipe("generate/lora.py", "--checkpoint_dir", str(tiny_dir), "--lora_path", str(path),
+                   "--accelerator", "cpu", "--max_new_tokens", "2")
+    assert exc.value.code == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("error: ") and "holds adapter weights, not lora: use generate/adapter.py" in err
