@@ -21,9 +21,11 @@ The KV cache holds the next power of two >= bucket + max_new_tokens positions (a
 max_new_tokens the cache, and with it the decode graph, depends on the bucket only.
 """
 
+import sys
 import time
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence, Union
+from pathlib import Path
+from typing import Any, Callable, List, Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
@@ -90,7 +92,25 @@ def setup_caches(model: GPT, batch_size: int, length: int, dtype: Optional[torch
     for module in model.modules():
         for name, buf in module._buffers.items():
             if buf is not None and buf.device.type == "cpu":
-                module._buffers[name] = buf.to(device)
+                module._buffers[name] = to_device(buf, device)
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Transfer a host tensor, replicated over all devices under SPMD.
+
+    The explicit sharding matters: a device tensor without one is given one by the first graph that uses it
+    (the partitioner's choice), and the next graph, seeing an input with another sharding, compiles again. The KV
+    cache keeps its annotation through the in-place writes, so every step sees the same input shardings."""
+    x = t.to(device)
+    import torch_xla.runtime as xr
+
+    if xr.is_spmd():
+        import torch_xla.distributed.spmd as xs
+
+        mesh = xs.get_global_mesh()
+        if mesh is not None:
+            xs.mark_sharding(x, mesh, (None,) * x.dim())
+    return x
 
 
 def _to_host(tokens: Sequence[torch.Tensor]) -> List[int]:
@@ -142,10 +162,10 @@ def generate(
     model.eval()
 
     t0 = time.perf_counter()
-    padded = F.pad(prompt.to(torch.long), (0, bucket - T), value=pad_id).unsqueeze(0).to(device)
-    input_pos = torch.arange(bucket).to(device)
+    padded = to_device(F.pad(prompt.to(torch.long), (0, bucket - T), value=pad_id).unsqueeze(0), device)
+    input_pos = to_device(torch.arange(bucket), device)
     # the last real position as a device tensor: a Python int would be baked into the graph (one per length)
-    last = torch.tensor([T - 1]).to(device)
+    last = to_device(torch.tensor([T - 1]), device)
     token = sample(model(padded, input_pos, last_only=last)[:, -1], **sampling)
     torch_xla.sync()
     device_tokens = [token]
@@ -157,7 +177,7 @@ def generate(
 
     decode_start: Optional[float] = None
     decode_steps = 0
-    pos = torch.tensor([T]).to(device)
+    pos = to_device(torch.tensor([T]), device)
     step = 1
     while not stopped and step < max_new_tokens:
         token = decode_one_token(model, token, pos, **sampling)
@@ -198,3 +218,99 @@ def generate(
         compiles=compile_count() - compiles_before,
         stopped=stopped,
     )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The recipes' session (xla/generate/{base,adapter,lora}.py differ only in how the model is loaded)
+# ---------------------------------------------------------------------------------------------------------------
+def default_precision(precision: Optional[str]) -> str:
+    """bf16 weights on TPUs (their matrix units run bf16), fp32 elsewhere (XLA:CPU checks correctness)."""
+    from lit_gpt.xla.accelerator import configure_pjrt_device
+
+    if precision is None:
+        return "bf16-true" if configure_pjrt_device().startswith("TPU") else "32-true"
+    if precision not in ("32-true", "bf16-true"):
+        raise LitError(f"--precision must be 32-true or bf16-true for generation on XLA (got {precision!r})")
+    return precision
+
+
+def load_variant_staged(
+    fabric: Any, model_cls: Any, config_cls: Any, checkpoint_dir: Path, finetuned_path: Path
+) -> GPT:
+    """An Adapter / LoRA model (`lit_gpt.adapter.GPT`, `lit_gpt.lora.GPT`, ...) with the base weights and the
+    finetuned-weights file (`lit_gpt.peft` format) loaded block by block onto the devices. The variant's settings
+    (e.g. lora_r) come from the file."""
+    from lit_gpt.peft import load_finetuned
+    from lit_gpt.utils import check_checkpoint_dir
+    from lit_gpt.xla.loader import load_staged
+
+    base_path = check_checkpoint_dir(checkpoint_dir)
+    _, fields = load_finetuned(finetuned_path, model_cls.peft_method)  # also checks the file's method
+    config = config_cls.from_checkpoint(checkpoint_dir, **fields)
+    # the later file overrides: the finetuned weights on top of the base checkpoint
+    return load_staged(lambda: model_cls(config), [base_path, finetuned_path], fabric)
+
+
+def generate_samples(
+    fabric: Any,
+    load_model: Callable[[Any], nn.Module],
+    checkpoint_dir: Path,
+    prompt: str,
+    *,
+    num_samples: int = 1,
+    max_new_tokens: int = 100,
+    temperature: float = 0.8,
+    top_k: Optional[int] = 50,
+    top_p: float = 1.0,
+    prompt_style: Optional[str] = None,
+    seed: int = 1234,
+) -> List[GenerationResult]:
+    """Check the request, `load_model(fabric)` (staged onto the devices), and print `num_samples` generations to
+    stdout like generate/base.py; to stderr, per sample: time to first token (compilation included), steady
+    decode tokens/s and the XLA compilations, then the total number of compilations."""
+    import torch_xla.core.xla_model as xm
+
+    from lit_gpt.generate import check_model_dir, load_config
+    from lit_gpt.prompts import PromptStyle, Raw
+    from lit_gpt.tokenizer import Tokenizer
+    from lit_gpt.xla.diagnostics import compile_count
+
+    if num_samples < 1:
+        raise LitError(f"--num_samples must be >= 1 (got {num_samples})")
+    check_sampling_args(temperature, top_k, top_p)
+    check_model_dir(checkpoint_dir)
+    tokenizer = Tokenizer(checkpoint_dir)
+    style = PromptStyle.from_checkpoint(checkpoint_dir, prompt_style)
+    encoded = tokenizer.encode(style.apply(prompt))
+    check_lengths(encoded.numel(), max_new_tokens, load_config(checkpoint_dir).block_size)
+    # single-token stop sequences are checked on the host; the styles here have no longer ones
+    stop_ids = [ids[0] for ids in style.stop_tokens(tokenizer) if len(ids) == 1]
+
+    t0 = time.perf_counter()
+    model = fabric.setup_module(load_model(fabric))
+    fabric.print(f"Loaded the model in {time.perf_counter() - t0:.2f} s", file=sys.stderr)
+
+    fabric.seed_everything(seed)
+    xm.set_rng_state(seed)  # the device's generator, which sampling on XLA draws from
+    start = compile_count()
+    results = []
+    for i in range(num_samples):
+        r = generate(
+            model, encoded, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, stop_ids=stop_ids
+        )
+        results.append(r)
+        new_ids = r.tokens.tolist()
+        fabric.print(tokenizer.decode(encoded.tolist() + new_ids if isinstance(style, Raw) else new_ids), flush=True)
+        speed = f"{r.decode_tokens_per_sec:.2f} tokens/s" if r.decode_tokens_per_sec else "n/a (< 3 tokens)"
+        fabric.print(
+            f"Sample {i + 1}: {len(new_ids)} tokens; time to first token {r.time_to_first_token:.2f} s (compilation"
+            f" included); steady decode {speed}; XLA compilations {r.compiles} (prompt {r.prompt_length} tokens,"
+            f" bucket {r.bucket})",
+            file=sys.stderr,
+        )
+    fabric.print(
+        f"XLA compilations: {compile_count() - start} (prefill + decode: 2 per prompt-length bucket, whatever"
+        " max_new_tokens is)",
+        file=sys.stderr,
+    )
+    return results
