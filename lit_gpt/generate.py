@@ -1,0 +1,318 @@
+"""Autoregressive generation with a static KV cache, shared by the CPU/CUDA and XLA recipes.
+
+The loop is written for devices that run asynchronously or trace graphs (CUDA, XLA), after gpt-fast:
+- `prefill` feeds the whole prompt in one forward and takes the logits of the last real position with a tensor
+  index, so a prompt right-padded to a length bucket reuses one compiled graph for every length in the bucket;
+- `decode_one_token` feeds one token at a device `input_pos` that is advanced in place: every step has the
+  same shapes;
+- `sample` never reads a tensor value on the host (no `.item()`, no branching on values);
+- stop tokens are tracked with a device-side `done` flag and looked at on the host once per chunk.
+No XLA import lives here: the XLA recipe passes `step_hook=torch_xla.sync` to cut the graph after each step.
+"""
+
+from pathlib import Path
+from typing import Callable, Iterator, List, Optional, Sequence, Union
+
+import torch
+
+from lit_gpt.config import Config, next_power_of_two
+from lit_gpt.model import GPT
+from lit_gpt.utils import LitError, check_checkpoint_dir, download_command, load_checkpoint
+
+StopIds = Optional[Union[int, Sequence[int]]]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Sampling
+# ---------------------------------------------------------------------------------------------------------------
+def sample(
+    logits: torch.Tensor,
+    temperature: float = 0.0,
+    top_k: Optional[int] = None,
+    top_p: float = 1.0,
+    generator: Optional[torch.Generator] = None,
+) -> torch.Tensor:
+    """Pick one token per row of `logits` (..., vocab) -> (...) int64, entirely on the logits' device.
+
+    temperature 0 is greedy. Otherwise the filters run in Hugging Face's order (temperature, top-k, top-p) and the
+    draw is an exponential race: argmax(p / E) with E ~ Exp(1) picks index i with probability p_i, like
+    `torch.multinomial` but without its host synchronisation."""
+    if temperature == 0.0:
+        return torch.argmax(logits, dim=-1)
+    logits = logits.float() / temperature
+    if top_k is not None and top_k < logits.size(-1):
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        sorted_probs = torch.softmax(sorted_logits, dim=-1)
+        # keep the smallest prefix whose mass reaches top_p: drop a token once the mass before it already does
+        # (the most likely token always stays, its preceding mass is 0)
+        drop_sorted = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    noise = torch.empty_like(probs).exponential_(1.0, generator=generator)
+    return torch.argmax(probs / noise, dim=-1)
+
+
+def check_sampling_args(temperature: float, top_k: Optional[int], top_p: float) -> None:
+    if temperature < 0:
+        raise LitError(f"temperature must be >= 0 (0 is greedy), got {temperature}")
+    if top_k is not None and top_k <= 0:
+        raise LitError(f"top_k must be a positive number of tokens (or unset), got {top_k}")
+    if not 0.0 < top_p <= 1.0:
+        raise LitError(f"top_p must be in (0, 1], got {top_p}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Lengths and the KV cache
+# ---------------------------------------------------------------------------------------------------------------
+def check_lengths(prompt_length: int, max_new_tokens: int, block_size: int) -> None:
+    """Raise a LitError that says what to change when the request does not fit the model's context."""
+    if max_new_tokens <= 0:
+        raise LitError(f"max_new_tokens must be > 0, got {max_new_tokens}")
+    if prompt_length <= 0:
+        raise LitError("the prompt is empty (0 tokens): give a prompt or encode it with a BOS token")
+    if prompt_length > block_size:
+        raise LitError(
+            f"the prompt has {prompt_length} tokens but the model's context (block_size) is {block_size}:"
+            f" shorten the prompt by at least {prompt_length - block_size} tokens"
+        )
+    if prompt_length + max_new_tokens > block_size:
+        over = prompt_length + max_new_tokens - block_size
+        raise LitError(
+            f"prompt ({prompt_length} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's context"
+            f" (block_size {block_size}) by {over}: set max_new_tokens <= {block_size - prompt_length}"
+            " or shorten the prompt"
+        )
+
+
+def bucket_length(length: int, limit: int, minimum: int = 16) -> int:
+    """A padded prompt length (the next power of two, at least `minimum`, at most `limit`): with prompts padded to
+    a few bucket lengths, a tracing backend compiles the prefill once per bucket instead of once per length."""
+    return min(max(next_power_of_two(length), minimum), limit)
+
+
+def kv_cache_length(model: GPT, batch_size: int) -> int:
+    """Positions in the model's KV cache, 0 if it has none (or one for another batch size)."""
+    cache = model.transformer.h[0].attn.kv_cache
+    if cache is None or cache.k.size(0) != batch_size:
+        return 0
+    return cache.k.size(2)
+
+
+def setup_kv_cache(
+    model: GPT,
+    prompt_length: int,
+    max_new_tokens: int,
+    batch_size: int = 1,
+    max_seq_length: Optional[int] = None,
+    device: Optional[torch.device] = None,
+    dtype: Optional[torch.dtype] = None,
+) -> int:
+    """Check the lengths and allocate a KV cache of `prompt_length + max_new_tokens` positions (or
+    `max_seq_length`, e.g. a fixed size so that a tracing backend compiles the decode step once for all prompts).
+
+    Sizing to the request rather than to block_size keeps memory and the per-step attention proportional to what
+    is generated. Returns the cache length."""
+    block_size = model.config.block_size
+    check_lengths(prompt_length, max_new_tokens, block_size)
+    needed = prompt_length + max_new_tokens
+    if max_seq_length is None:
+        max_seq_length = needed
+    elif not needed <= max_seq_length <= block_size:
+        raise LitError(
+            f"max_seq_length {max_seq_length} must be between prompt + max_new_tokens ({needed}) and the context"
+            f" length {block_size}"
+        )
+    model.set_kv_cache(batch_size, max_seq_length, device=device, dtype=dtype)
+    return max_seq_length
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The two steps
+# ---------------------------------------------------------------------------------------------------------------
+def prefill(
+    model: GPT,
+    prompt: torch.Tensor,
+    *,
+    pad_to: Optional[int] = None,
+    pad_id: int = 0,
+    temperature: float = 0.0,
+    top_k: Optional[int] = None,
+    top_p: float = 1.0,
+    generator: Optional[torch.Generator] = None,
+) -> torch.Tensor:
+    """Run the (B, T) prompt through the model in one forward, filling the KV cache; return the first new token (B,).
+
+    With `pad_to` the prompt is right-padded to that length. The padding is harmless: under the causal mask the
+    last real position (T - 1) attends to keys 0..T-1 only, and the keys/values written at positions >= T are
+    overwritten by the decode steps before any query can see them (the step at position p writes p, then
+    attends to 0..p)."""
+    B, T = prompt.shape
+    length = T if pad_to is None else pad_to
+    if length < T:
+        raise LitError(f"pad_to ({pad_to}) is shorter than the prompt ({T} tokens)")
+    if length > kv_cache_length(model, B):
+        raise LitError(
+            f"the prompt ({length} positions with padding) does not fit the KV cache ({kv_cache_length(model, B)}):"
+            " call setup_kv_cache with a larger size"
+        )
+    if length > T:
+        prompt = torch.nn.functional.pad(prompt, (0, length - T), value=pad_id)
+    input_pos = torch.arange(length, device=prompt.device)
+    # a tensor index (not the int T - 1) so the traced graph does not depend on the prompt length
+    last = torch.tensor([T - 1], device=prompt.device)
+    logits = model(prompt, input_pos, last_only=last)
+    return sample(logits[:, -1], temperature, top_k, top_p, generator)
+
+
+def decode_one_token(
+    model: GPT,
+    token: torch.Tensor,
+    input_pos: torch.Tensor,
+    *,
+    temperature: float = 0.0,
+    top_k: Optional[int] = None,
+    top_p: float = 1.0,
+    generator: Optional[torch.Generator] = None,
+) -> torch.Tensor:
+    """Feed the (B,) tokens at position `input_pos` (shape (1,)) and return the next (B,) tokens."""
+    logits = model(token.view(-1, 1), input_pos)
+    return sample(logits[:, -1], temperature, top_k, top_p, generator)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The loop
+# ---------------------------------------------------------------------------------------------------------------
+def _stop_tensor(stop_ids: StopIds, device: torch.device) -> Optional[torch.Tensor]:
+    if stop_ids is None:
+        return None
+    ids = [stop_ids] if isinstance(stop_ids, int) else list(stop_ids)
+    return torch.tensor(ids, dtype=torch.long, device=device) if ids else None
+
+
+@torch.no_grad()
+def generate_stream(
+    model: GPT,
+    prompt: torch.Tensor,
+    max_new_tokens: int,
+    *,
+    temperature: float = 0.0,
+    top_k: Optional[int] = None,
+    top_p: float = 1.0,
+    stop_ids: StopIds = None,
+    generator: Optional[torch.Generator] = None,
+    pad_to: Optional[int] = None,
+    pad_id: int = 0,
+    chunk_size: int = 1,
+    max_seq_length: Optional[int] = None,
+    step_hook: Optional[Callable[[], None]] = None,
+    decode_fn: Callable[..., torch.Tensor] = decode_one_token,
+) -> Iterator[torch.Tensor]:
+    """Yield the new tokens in chunks of up to `chunk_size` steps, as device tensors: (n,) for a 1-D prompt,
+    (B, n) for a (B, T) batch.
+
+    Generation ends after `max_new_tokens` steps or once every row has produced one of `stop_ids`. The stop
+    flag lives on the device; the host reads it once per chunk (the only synchronisation in the loop), so a larger
+    chunk costs up to chunk_size - 1 wasted steps after a stop but fewer syncs. The step in which the last row
+    stops is not yielded (a single sequence never contains its stop token); in a batch, a row that stopped earlier
+    holds its stop token and then the first stop id: cut each row at its first stop id.
+
+    The KV cache is (re)allocated to prompt + max_new_tokens (or `max_seq_length`) unless the model already has
+    one that fits. `step_hook` runs after every step (XLA: `torch_xla.sync`). `decode_fn` replaces
+    `decode_one_token`, e.g. with a `torch.compile`d version of it."""
+    if chunk_size <= 0:
+        raise LitError(f"chunk_size must be > 0, got {chunk_size}")
+    check_sampling_args(temperature, top_k, top_p)
+    single = prompt.dim() == 1
+    if single:
+        prompt = prompt.unsqueeze(0)
+    B, T = prompt.shape
+    check_lengths(T, max_new_tokens, model.config.block_size)
+    needed = max(T + max_new_tokens, pad_to or 0, max_seq_length or 0)
+    if kv_cache_length(model, B) < needed:
+        setup_kv_cache(model, T, max_new_tokens, B, max_seq_length=needed)
+    sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
+    device = prompt.device
+    stops = _stop_tensor(stop_ids, device)
+
+    token = prefill(model, prompt, pad_to=pad_to, pad_id=pad_id, **sampling)
+    done = torch.zeros(B, dtype=torch.bool, device=device)
+    input_pos = torch.tensor([T], device=device)
+    chunk: List[torch.Tensor] = []
+    for step in range(max_new_tokens):
+        if step > 0:
+            token = decode_fn(model, token, input_pos, **sampling)
+            input_pos.add_(1)  # in place: the next step sees the same tensor, so its graph is the same
+        if stops is not None:
+            token = torch.where(done, stops[0], token)
+            done = done | (token.unsqueeze(-1) == stops).any(-1)
+        if step_hook is not None:
+            step_hook()
+        chunk.append(token)
+        if len(chunk) == chunk_size or step == max_new_tokens - 1:
+            out = torch.stack(chunk, dim=1)
+            chunk = []
+            if stops is not None and bool(done.all()):
+                # the first step after which every row has stopped; rows stopped in an earlier chunk hold stop ids
+                is_stop = (out.unsqueeze(-1) == stops).any(-1)
+                all_stopped = is_stop.cummax(dim=1).values.all(dim=0)
+                end = int(torch.argmax(all_stopped.int()))
+                out = out[:, :end]
+                if out.size(1):
+                    yield out[0] if single else out
+                return
+            yield out[0] if single else out
+
+
+def generate(model: GPT, prompt: torch.Tensor, max_new_tokens: int, **kwargs) -> torch.Tensor:
+    """All new tokens of `generate_stream` (same arguments) in one tensor: (n,) for a 1-D prompt, else (B, n)."""
+    chunks = list(generate_stream(model, prompt, max_new_tokens, **kwargs))
+    if not chunks:
+        return prompt.new_empty((0,) if prompt.dim() == 1 else (prompt.size(0), 0))
+    return torch.cat(chunks, dim=-1)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Loading for inference
+# ---------------------------------------------------------------------------------------------------------------
+def load_config(checkpoint_dir: Path) -> Config:
+    """The checkpoint's config, or a LitError naming the closest known models when the folder is unknown."""
+    checkpoint_dir = Path(checkpoint_dir)
+    try:
+        return Config.from_checkpoint(checkpoint_dir)
+    except FileNotFoundError as e:
+        raise LitError(str(e)) from e
+    except ValueError as e:
+        raise LitError(f"invalid model config in {str(checkpoint_dir)!r}: {e}") from e
+
+
+def check_model_dir(checkpoint_dir: Path) -> Path:
+    """`check_checkpoint_dir`, plus the nearest known model names when the folder does not exist and its name
+    is not a known model (a typo in --checkpoint_dir)."""
+    checkpoint_dir = Path(checkpoint_dir)
+    if not checkpoint_dir.is_dir() and checkpoint_dir.name not in Config.names():
+        import difflib
+
+        close = difflib.get_close_matches(checkpoint_dir.name, Config.names(), n=3, cutoff=0.5)
+        if close:
+            raise LitError(
+                f"checkpoint directory {str(checkpoint_dir)!r} does not exist and {checkpoint_dir.name!r} is not a"
+                f" known model name. Did you mean: {', '.join(close)}? Then download it with:"
+                f" {download_command(checkpoint_dir.with_name(close[0]))}"
+            )
+    return check_checkpoint_dir(checkpoint_dir)
+
+
+def load_model(checkpoint_dir: Path) -> GPT:
+    """Build the model on the meta device and assign the memory-mapped weights of `lit_model.pth`: the weights
+    exist once (in the page cache) instead of once initialised and once loaded. Tied embeddings stay one tensor."""
+    path = check_model_dir(checkpoint_dir)
+    config = load_config(checkpoint_dir)
+    with torch.device("meta"):
+        model = GPT(config)
+    load_checkpoint(model, path, assign=True)
+    model.eval()
+    return model

@@ -1,0 +1,432 @@
+"""Generation: sampling, the static-cache loop against a no-cache reference, padding, stop tokens, the errors,
+and `generate/base.py` end to end (bad inputs as one-line errors; the real SmolLM2 answers "Paris")."""
+
+import json
+import os
+import runpy
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lit_gpt import GPT, Config
+from lit_gpt.generate import (
+    bucket_length,
+    decode_one_token,
+    generate,
+    generate_stream,
+    kv_cache_length,
+    load_model,
+    prefill,
+    sample,
+    setup_kv_cache,
+)
+from lit_gpt.utils import LitError
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "generate" / "base.py"
+
+
+def tiny_config(**overrides) -> Config:
+    kwargs = dict(
+        name="tiny-llama",
+        block_size=64,
+        vocab_size=320,
+        n_layer=2,
+        n_head=4,
+        n_query_groups=2,
+        n_embd=32,
+        intermediate_size=64,
+        norm_class_name="RMSNorm",
+        mlp_class_name="LLaMAMLP",
+        tie_embeddings=True,
+    )
+    kwargs.update(overrides)
+    return Config(**kwargs)
+
+
+def tiny_model(seed: int = 0, **overrides) -> GPT:
+    """A random model whose greedy continuations vary (the default init makes them repeat one token)."""
+    torch.manual_seed(seed)
+    model = GPT(tiny_config(**overrides))
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(std=0.4)
+    return model.eval()
+
+
+@torch.no_grad()
+def naive_greedy(model: GPT, prompt: torch.Tensor, n: int) -> torch.Tensor:
+    """The reference: the whole sequence through the model without a cache, one new token at a time."""
+    model.clear_kv_cache()
+    seq = prompt
+    for _ in range(n):
+        nxt = model(seq.unsqueeze(0))[0, -1].argmax()
+        seq = torch.cat([seq, nxt.view(1)])
+    return seq[prompt.numel() :]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# sample
+# ---------------------------------------------------------------------------------------------------------------
+def test_greedy_is_argmax():
+    logits = torch.randn(8, 50)
+    assert torch.equal(sample(logits, temperature=0.0), logits.argmax(-1))
+    assert torch.equal(sample(logits[0]), logits[0].argmax())
+
+
+def test_top_k_1_and_tiny_top_p_are_greedy():
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, 50)
+    for _ in range(5):
+        assert torch.equal(sample(logits, temperature=1.5, top_k=1, generator=gen), logits.argmax(-1))
+        assert torch.equal(sample(logits, temperature=1.5, top_p=1e-6, generator=gen), logits.argmax(-1))
+
+
+def test_sampling_reproducible_with_generator():
+    logits = torch.randn(256, 50)
+    a = sample(logits, temperature=1.0, generator=torch.Generator().manual_seed(3))
+    b = sample(logits, temperature=1.0, generator=torch.Generator().manual_seed(3))
+    c = sample(logits, temperature=1.0, generator=torch.Generator().manual_seed(4))
+    assert torch.equal(a, b)
+    assert not torch.equal(a, c)
+
+
+def frequencies(logits: torch.Tensor, n: int = 40000, **kwargs) -> torch.Tensor:
+    draws = sample(logits.expand(n, -1), generator=torch.Generator().manual_seed(0), **kwargs)
+    return torch.bincount(draws, minlength=logits.numel()).float() / n
+
+
+def test_sampling_distribution():
+    p = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = p.log()
+    # temperature 1: the model's distribution (4 standard errors of a binomial at n=40000 is about 0.01)
+    assert torch.allclose(frequencies(logits, temperature=1.0), p, atol=0.01)
+    # temperature 2: p ** (1/2), renormalised
+    flat = p.sqrt() / p.sqrt().sum()
+    assert torch.allclose(frequencies(logits, temperature=2.0), flat, atol=0.01)
+    # top_k 2: the two most likely tokens, renormalised
+    assert torch.allclose(frequencies(logits, temperature=1.0, top_k=2), torch.tensor([0.625, 0.375, 0, 0]), atol=0.01)
+    # top_p 0.6: token 1 stays (mass before it, 0.5, is below 0.6), token 2 goes (0.8 is not)
+    assert torch.allclose(frequencies(logits, temperature=1.0, top_p=0.6), torch.tensor([0.625, 0.375, 0, 0]), atol=0.01)
+    # top_p 0.85 keeps three tokens (mass before the 4th is 0.95)
+    three = torch.tensor([0.5, 0.3, 0.15, 0.0]) / 0.95
+    assert torch.allclose(frequencies(logits, temperature=1.0, top_p=0.85), three, atol=0.01)
+
+
+def test_top_p_applies_to_the_tempered_distribution():
+    # at temperature 0.5 the probabilities are p^2 renormalised: [0.66, 0.24, 0.11], so top_p 0.6 keeps token 0
+    # only (at temperature 1 it keeps two: the mass before token 1 is 0.5)
+    logits = torch.tensor([0.5, 0.3, 0.2]).log()
+    assert frequencies(logits, n=2000, temperature=0.5, top_p=0.6)[0] == 1.0
+    assert frequencies(logits, n=2000, temperature=1.0, top_p=0.6)[0] < 0.7
+
+
+def test_steps_never_read_device_values():
+    """Prefill, decode and sampling on the meta device: any `.item()`, `bool()` or data-dependent Python branch
+    would raise, so this shows the steps run without a host synchronisation (what XLA and CUDA need)."""
+    with torch.device("meta"):
+        model = GPT(tiny_config())
+        setup_kv_cache(model, 5, 4)
+        prompt = torch.zeros(1, 5, dtype=torch.long)
+        options = dict(temperature=0.7, top_k=5, top_p=0.9)
+        token = prefill(model, prompt, pad_to=8, **options)
+        assert token.shape == (1,) and token.device.type == "meta"
+        token = decode_one_token(model, token, torch.tensor([5]), **options)
+        assert token.shape == (1,)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# generate
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},  # GQA
+        {"n_query_groups": 1},  # MQA
+        {"n_query_groups": 4},  # MHA
+        {  # a NeoX-style block: parallel residual, LayerNorm, partial RoPE, biases, untied head
+            "norm_class_name": "LayerNorm",
+            "mlp_class_name": "GptNeoxMLP",
+            "parallel_residual": True,
+            "rotary_percentage": 0.25,
+            "bias": True,
+            "tie_embeddings": False,
+        },
+    ],
+)
+def test_generate_equals_naive_greedy(overrides):
+    model = tiny_model(**overrides)
+    prompt = torch.randint(0, 320, (7,), generator=torch.Generator().manual_seed(1))
+    expected = naive_greedy(model, prompt, 20)
+    assert len(set(expected.tolist())) > 3, "the reference should not be one repeated token"
+    out = generate(model, prompt, 20)
+    assert torch.equal(out, expected)
+    # the cache is sized to the request, not to block_size
+    assert kv_cache_length(model, 1) == 7 + 20 < model.config.block_size
+
+
+def test_generate_batch_equals_single_rows():
+    model = tiny_model()
+    prompts = torch.randint(0, 320, (3, 6), generator=torch.Generator().manual_seed(2))
+    out = generate(model, prompts, 12)
+    assert out.shape == (3, 12)
+    for row, prompt in zip(out, prompts):
+        assert torch.equal(row, naive_greedy(model, prompt, 12))
+
+
+@pytest.mark.parametrize("pad_to", [8, 16, 30])
+def test_bucket_padding_gives_identical_tokens(pad_to):
+    """Right-padding the prompt writes garbage keys/values at positions >= T; the causal mask hides them from the
+    last prompt position and each decode step overwrites its position before attending to it. Fill the cache
+    with noise first so that nothing depends on it starting at zero."""
+    model = tiny_model()
+    prompt = torch.randint(0, 320, (7,), generator=torch.Generator().manual_seed(1))
+    expected = naive_greedy(model, prompt, 10)
+    setup_kv_cache(model, 7, 10, max_seq_length=40)
+    for block in model.transformer.h:
+        block.attn.kv_cache.k.normal_(std=100.0)
+        block.attn.kv_cache.v.normal_(std=100.0)
+    out = generate(model, prompt, 10, pad_to=pad_to, pad_id=5)
+    assert torch.equal(out, expected)
+    assert kv_cache_length(model, 1) == 40  # an existing cache that fits is reused
+
+
+def test_prefill_logits_do_not_depend_on_padding():
+    model = tiny_model()
+    prompt = torch.randint(0, 320, (1, 7), generator=torch.Generator().manual_seed(1))
+    last = torch.tensor([6])
+    with torch.no_grad():
+        setup_kv_cache(model, 7, 25)
+        plain = model(prompt, torch.arange(7), last_only=last)
+        padded_prompt = torch.nn.functional.pad(prompt, (0, 25), value=9)
+        padded = model(padded_prompt, torch.arange(32), last_only=last)
+    torch.testing.assert_close(padded, plain)
+
+
+def test_bucket_length():
+    assert bucket_length(3, limit=100) == 16
+    assert bucket_length(17, limit=100) == 32
+    assert bucket_length(64, limit=100) == 64
+    assert bucket_length(65, limit=100) == 100
+
+
+def test_stop_token_ends_generation():
+    model = tiny_model()
+    prompt = torch.randint(0, 320, (7,), generator=torch.Generator().manual_seed(1))
+    full = naive_greedy(model, prompt, 20).tolist()
+    stop = full[5]
+    first = full.index(stop)
+    for chunk_size in (1, 3, 8, 64):
+        out = generate(model, prompt, 20, stop_ids=[stop], chunk_size=chunk_size)
+        assert out.tolist() == full[:first], chunk_size
+    # an int works too, and a stop id that never comes changes nothing
+    assert generate(model, prompt, 20, stop_ids=stop).tolist() == full[:first]
+    unused = next(i for i in range(320) if i not in full)
+    assert generate(model, prompt, 20, stop_ids=[unused, 319 if 319 not in full else unused]).tolist() == full
+
+
+def test_stop_token_in_a_batch():
+    model = tiny_model()
+    prompts = torch.randint(0, 320, (2, 6), generator=torch.Generator().manual_seed(2))
+    rows = [naive_greedy(model, p, 16).tolist() for p in prompts]
+    stop = rows[0][3]
+    ends = [r.index(stop) if stop in r else 16 for r in rows]
+    out = generate(model, prompts, 16, stop_ids=[stop], chunk_size=4)
+    assert out.size(1) == max(ends)
+    for row, ref, end in zip(out.tolist(), rows, ends):
+        assert row[:end] == ref[:end]
+        assert all(t == stop for t in row[end:])  # a finished row holds stop ids until the batch ends
+
+
+def test_stream_chunks():
+    model = tiny_model()
+    prompt = torch.randint(0, 320, (7,), generator=torch.Generator().manual_seed(1))
+    calls = []
+    chunks = list(generate_stream(model, prompt, 10, chunk_size=4, step_hook=lambda: calls.append(1)))
+    assert [c.numel() for c in chunks] == [4, 4, 2]
+    assert torch.equal(torch.cat(chunks), naive_greedy(model, prompt, 10))
+    assert len(calls) == 10  # one hook call per step: where the XLA recipe cuts the graph
+
+
+def test_sampled_generation_reproducible():
+    model = tiny_model()
+    prompt = torch.randint(0, 320, (5,), generator=torch.Generator().manual_seed(1))
+    kwargs = dict(temperature=1.0, top_k=50, top_p=0.9)
+    a = generate(model, prompt, 15, generator=torch.Generator().manual_seed(7), **kwargs)
+    b = generate(model, prompt, 15, generator=torch.Generator().manual_seed(7), **kwargs)
+    assert torch.equal(a, b)
+
+
+def test_length_errors():
+    model = tiny_model()  # block_size 64
+    prompt = torch.zeros(10, dtype=torch.long)
+    with pytest.raises(LitError, match="max_new_tokens must be > 0"):
+        generate(model, prompt, 0)
+    with pytest.raises(LitError, match="max_new_tokens must be > 0"):
+        generate(model, prompt, -3)
+    with pytest.raises(LitError, match=r"70 tokens .*block_size\) is 64: shorten the prompt by at least 6"):
+        generate(model, torch.zeros(70, dtype=torch.long), 1)
+    with pytest.raises(LitError, match=r"exceeds .* by 6: set max_new_tokens <= 54"):
+        generate(model, prompt, 60)
+    with pytest.raises(LitError, match="empty"):
+        generate(model, torch.zeros(0, dtype=torch.long), 5)
+    with pytest.raises(LitError, match="pad_to"):
+        generate(model, prompt, 5, pad_to=4)
+    # the largest request that fits works
+    assert generate(model, prompt, 54).numel() == 54
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(temperature=-1.0), "temperature"),
+        (dict(temperature=1.0, top_k=0), "top_k"),
+        (dict(temperature=1.0, top_p=0.0), "top_p"),
+        (dict(temperature=1.0, top_p=1.5), "top_p"),
+        (dict(chunk_size=0), "chunk_size"),
+    ],
+)
+def test_argument_errors(kwargs, message):
+    with pytest.raises(LitError, match=message):
+        generate(tiny_model(), torch.zeros(3, dtype=torch.long), 5, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# loading and the recipe
+# ---------------------------------------------------------------------------------------------------------------
+def write_tokenizer(directory: Path) -> None:
+    """A small byte-level BPE tokenizer (vocab < 320) with SmolLM2's special tokens, so that the CLI tests do not
+    need the real model."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(["The capital of France is Paris. What food do llamas eat?"] * 20, trainer)
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "add_bos_token": False})
+    )
+    (directory / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory) -> Path:
+    directory = tmp_path_factory.mktemp("gen") / "tiny-llama"
+    directory.mkdir()
+    model = tiny_model(block_size=32)
+    torch.save(model.state_dict(), directory / "lit_model.pth")
+    model.config.save(directory)
+    write_tokenizer(directory)
+    return directory
+
+
+def test_load_model_keeps_tied_embeddings_one_tensor(tiny_checkpoint):
+    model = load_model(tiny_checkpoint)
+    assert model.lm_head.weight is model.transformer.wte.weight
+    assert model.lm_head.weight.data_ptr() == model.transformer.wte.weight.data_ptr()
+    assert not any(p.is_meta for p in model.parameters())
+    saved = torch.load(tiny_checkpoint / "lit_model.pth", weights_only=True)
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, saved[name]), name
+
+
+def run_script(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1")  # the machine is shared: do not oversubscribe its cores
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env
+    )
+
+
+def run_in_process(capsys, monkeypatch, *args: str) -> subprocess.CompletedProcess:
+    """The script's `__main__` block in this process (a subprocess costs seconds of imports per case); the exit
+    status and output are what a shell would see."""
+    monkeypatch.setattr(sys, "argv", [str(SCRIPT), *args])
+    code = 0
+    try:
+        runpy.run_path(str(SCRIPT), run_name="__main__")
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(args, code, out, err)
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess, *fragments: str) -> None:
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == errors[0]
+    for fragment in fragments:
+        assert fragment in errors[0], errors[0]
+
+
+def test_cli_runs_on_a_tiny_checkpoint(tiny_checkpoint):
+    proc = run_script("--checkpoint_dir", str(tiny_checkpoint), "--prompt", "The capital", "--max_new_tokens", "5",
+                      "--prompt_style", "raw", "--num_samples", "2")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("The capital") == 2
+    assert proc.stderr.count("tokens/s") == 2
+    assert "Memory used" in proc.stderr
+
+
+def test_cli_error_in_a_subprocess(tmp_path):
+    """One bad input through a real process: exit status 1 and a single `error:` line, no traceback."""
+    proc = run_script("--checkpoint_dir", str(tmp_path / "nowhere" / "SmolLM2-135M-Instruct"))
+    assert proc.returncode == 1
+    assert_one_line_error(proc, "does not exist", "download.py --repo_id nowhere/SmolLM2-135M-Instruct")
+
+
+@pytest.mark.parametrize(
+    "make_args, fragments",
+    [
+        (lambda d: ["--checkpoint_dir", str(d.parent / "missing" / "SmolLM2-135M-Instruct")],
+         ["does not exist", "download.py"]),
+        (lambda d: ["--checkpoint_dir", str(d.parent / "HuggingFaceTB" / "SmolLM2-135M-Instrukt")],
+         ["not a known model name", "SmolLM2-135M-Instruct"]),
+        (lambda d: ["--checkpoint_dir", str(d), "--prompt", "The capital of France is Paris. " * 8],
+         ["the prompt has", "block_size", "shorten the prompt"]),
+        (lambda d: ["--checkpoint_dir", str(d), "--max_new_tokens", "30"], ["exceeds", "max_new_tokens <="]),
+        (lambda d: ["--checkpoint_dir", str(d), "--max_new_tokens", "0"], ["max_new_tokens must be > 0"]),
+        (lambda d: ["--checkpoint_dir", str(d), "--temperature", "-1"], ["temperature must be >= 0"]),
+        (lambda d: ["--checkpoint_dir", str(d), "--num_samples", "0"], ["num_samples must be >= 1"]),
+    ],
+    ids=["missing-dir", "unknown-model-name", "prompt-too-long", "too-many-new-tokens", "zero-new-tokens",
+         "negative-temperature", "zero-samples"],
+)
+def test_cli_bad_input(tiny_checkpoint, capsys, monkeypatch, make_args, fragments):
+    proc = run_in_process(capsys, monkeypatch, *make_args(tiny_checkpoint), "--prompt_style", "raw")
+    assert_one_line_error(proc, *fragments)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage"])
+def test_cli_bad_checkpoint_file(tiny_checkpoint, tmp_path, capsys, monkeypatch, damage):
+    directory = tmp_path / "tiny-llama"
+    directory.mkdir()
+    for f in tiny_checkpoint.iterdir():
+        (directory / f.name).write_bytes(f.read_bytes())
+    weights = directory / "lit_model.pth"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2] if damage == "truncated" else os.urandom(len(data)))
+    proc = run_in_process(capsys, monkeypatch, "--checkpoint_dir", str(directory), "--max_new_tokens", "3",
+                          "--prompt_style", "raw")
+    assert_one_line_error(proc, "cannot read checkpoint", "corrupt or truncated")
+
+
+@pytest.mark.slow
+def test_real_model_knows_the_capital_of_france(smollm2_dir):
+    proc = run_script("--checkpoint_dir", str(smollm2_dir), "--prompt", "The capital of France is",
+                      "--prompt_style", "raw", "--temperature", "0", "--max_new_tokens", "8", timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("The capital of France is")
+    assert "Paris" in proc.stdout
