@@ -41,7 +41,7 @@ def setup(
     train: TrainArgs = TrainArgs(global_batch_size=16, micro_batch_size=1, learning_rate=3e-4),
     eval: EvalArgs = EvalArgs(),
     logger_name: Literal["csv", "tensorboard"] = "csv",
-) -> None:
+) -> dict:
     """Finetune a model with LoRA on prepared instruction data.
 
     Args:
@@ -75,7 +75,7 @@ def setup(
     )
     fabric = training.setup_fabric(devices, precision, out_dir, logger_name, strategy, block_cls=Block)
     run_config = training.run_config(method="lora", checkpoint_dir=checkpoint_dir, data=data, train=train, eval=eval)
-    fabric.launch(main, checkpoint_dir, out_dir, config, data, train, eval, resume, run_config)
+    return fabric.launch(main, checkpoint_dir, out_dir, config, data, train, eval, resume, run_config)
 
 
 def main(fabric: L.Fabric, checkpoint_dir, out_dir, config, data, train, eval, resume, run_config) -> dict:

@@ -79,7 +79,7 @@ class EvalArgs:
     interval: int = 100
     """Validate every this many optimizer steps."""
     max_iters: int = 100
-    """Validation micro-batches per device (the whole validation set if it has fewer)."""
+    """Validation micro-batches in all, split over the devices (the whole validation set if it has fewer)."""
     max_new_tokens: int = 100
     """Tokens generated for the sample shown at each validation; 0 disables the sample."""
     initial_validation: bool = False

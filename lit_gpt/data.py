@@ -692,10 +692,11 @@ def val_batches(
     pad_multiple: int = 1,
     pad_pow2: bool = False,
 ) -> List[Dict[str, Any]]:
-    """The validation micro-batches of one rank, in file order: batch k goes to rank k % world_size, and each rank
-    gets at most `max_iters`. A rank may get none (a tiny validation set): sum losses over ranks, not means."""
+    """The validation micro-batches of one rank: the first `max_iters` micro-batches of the validation set (all if
+    None), batch k going to rank k % world_size. The validation set is thus the same whatever the number of
+    devices; a rank may get none: sum losses over ranks, not means."""
     groups = [samples[i : i + micro_batch_size] for i in range(0, len(samples), micro_batch_size)]
-    mine = groups[rank::world_size]
     if max_iters is not None:
-        mine = mine[:max_iters]
+        groups = groups[:max_iters]
+    mine = groups[rank::world_size]
     return [collate(g, max_seq_length, pad_multiple, pad_pow2) for g in mine]

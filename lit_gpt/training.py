@@ -517,8 +517,11 @@ def fit(
     if step >= total_steps:
         fabric.print(f"Nothing to do: the checkpoint is at step {step} of {total_steps}")
     elif step == 0 and eval.initial_validation and data.val:
-        fabric.print(f"initial validation loss {validate(fabric, model, data.val):.4f}")
+        val_loss = validate(fabric, model, data.val)
+        fabric.log_dict({"val_loss": val_loss, "step": 0}, step=0)
+        fabric.print(f"initial validation loss {val_loss:.4f}")
 
+    start_step = step  # the throughput counters start at this run's first step
     config = raw_model.config
     flops_per_token = config.flops_per_token(data.max_seq_length) * (3 if method.trains_all else 2)
     # MFU is reported where Lightning knows the device's peak FLOPs (GPUs/TPUs, not CPUs)
@@ -559,7 +562,7 @@ def fit(
             loss_value = float(mean_loss)  # the only host read of the loss
             running_loss.zero_()
             running_n = 0
-            monitor.update(time=train_time, batches=step, samples=samples, lengths=padded_tokens,
+            monitor.update(time=train_time, batches=step - start_step, samples=samples, lengths=padded_tokens,
                            flops=int(flops_per_token * (padded_tokens - logged_padded_tokens)))
             logged_padded_tokens = padded_tokens
             metrics = {"loss": loss_value, "lr": optimizer.param_groups[0]["lr"], "step": step,
