@@ -26,6 +26,7 @@ Diagnostics (lit_gpt.xla.diagnostics)
     CompileCounter(warmup_steps=2): .step(), .report(), .compiles, .recompiles, .transfers
     metrics_report() -> str                              torch_xla's report, for --xla_metrics
     init_compile_cache(path)                             persistent compilation cache
+    AnonMemorySampler(), rss_anon_bytes()                peak anonymous host memory (staging measurements)
 """
 
 import importlib
@@ -51,6 +52,8 @@ _EXPORTS = {
     "RecompilationWarning": "diagnostics",
     "metrics_report": "diagnostics",
     "init_compile_cache": "diagnostics",
+    "rss_anon_bytes": "diagnostics",
+    "AnonMemorySampler": "diagnostics",
 }
 
 __all__ = sorted(_EXPORTS)

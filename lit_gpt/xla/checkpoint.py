@@ -29,6 +29,7 @@ This module imports torch_xla only when it is used with XLA tensors, so `consoli
 import contextlib
 import io
 import json
+import mmap
 import os
 import random
 import re
@@ -36,6 +37,7 @@ import shutil
 import time
 import uuid
 import warnings
+import zipfile
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple, Union
 
@@ -593,9 +595,82 @@ def _chunks_by_tensor(md: Any, prefix: str) -> Dict[str, List[Tuple[Tuple[int, .
     return chunks
 
 
-def iter_consolidated(
-    checkpoint_dir: PathLike, key: str = "model"
-) -> Iterator[Tuple[str, torch.Tensor]]:
+class _ChunkReader:
+    """Reads DCP chunks (each one a torch.save'd tensor at an offset of a `.distcp` file), keeping files open."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self._files: Dict[str, Any] = {}
+
+    def _file(self, info: Any) -> Any:
+        f = self._files.get(info.relative_path)
+        if f is None:
+            f = self._files[info.relative_path] = open(self.directory / info.relative_path, "rb")
+        return f
+
+    def read(self, info: Any) -> torch.Tensor:
+        return torch.load(_FileSlice(self._file(info), info.offset, info.length), map_location="cpu", weights_only=True)
+
+    def raw_location(self, info: Any) -> Optional[Tuple[int, int, Tuple[int, ...], torch.dtype]]:
+        """(file descriptor, absolute offset, shape, dtype) of a chunk whose bytes are stored as one plain
+        contiguous record, so they can be copied file to file without passing through Python; else None."""
+        f = self._file(info)
+        window = _FileSlice(f, info.offset, info.length)
+        with torch.serialization.skip_data():  # reads the pickled header only, not the data
+            t = torch.load(window, map_location="cpu", weights_only=True)
+        if t.storage_offset() != 0 or not t.is_contiguous():
+            return None
+        window.seek(0)
+        with zipfile.ZipFile(window) as archive:
+            records = [i for i in archive.infolist() if re.search(r"(^|/)data/\d+$", i.filename)]
+        # one storage holding exactly this tensor's bytes (a view of a larger storage keeps the slow path)
+        if len(records) != 1 or records[0].file_size != t.numel() * t.element_size() or records[0].compress_type:
+            return None
+        window.seek(0)
+        # PyTorchFileReader names records without the archive's root folder
+        offset = torch._C.PyTorchFileReader(window).get_record_offset(records[0].filename.split("/", 1)[1])
+        return f.fileno(), info.offset + offset, tuple(t.shape), t.dtype
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()
+
+
+def _numel(size: Tuple[int, ...]) -> int:
+    n = 1
+    for s in size:
+        n *= s
+    return n
+
+
+def _check_covered(directory: Path, fqn: str, covered: int, size: Tuple[int, ...]) -> None:
+    if covered < _numel(size):
+        raise LitError(f"sharded checkpoint {str(directory)!r} does not hold every chunk of {fqn}: it is damaged")
+
+
+def _assemble(reader: _ChunkReader, tmd: Any, chunks: List[Tuple[Tuple[int, ...], Any]], fqn: str) -> torch.Tensor:
+    """The full tensor from its chunks (memory: the tensor plus one chunk)."""
+    size = tuple(tmd.size)
+    dtype = tmd.properties.dtype
+    if len(chunks) == 1:
+        chunk = reader.read(chunks[0][1])
+        if tuple(chunk.shape) == size:
+            return chunk.to(dtype)  # unsharded: no second buffer
+    full = torch.empty(size, dtype=dtype)
+    covered = 0
+    for offsets, info in chunks:
+        chunk = reader.read(info)
+        view = full
+        for dim, (start, length) in enumerate(zip(offsets, chunk.shape)):
+            view = view.narrow(dim, start, length)
+        view.copy_(chunk)
+        covered += chunk.numel()
+        del chunk
+    _check_covered(reader.directory, fqn, covered, size)
+    return full
+
+
+def iter_consolidated(checkpoint_dir: PathLike, key: str = "model") -> Iterator[Tuple[str, torch.Tensor]]:
     """Yield (plain name, full CPU tensor) of module `key`, one tensor at a time (peak RAM ~ one tensor)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -603,65 +678,162 @@ def iter_consolidated(
     _, md = check_complete(checkpoint_dir)
     prefix = key + "."
     chunks = _chunks_by_tensor(md, prefix)
-    handles: Dict[str, io.BufferedReader] = {}
+    reader = _ChunkReader(checkpoint_dir)
     try:
         for fqn, tmd in md.state_dict_metadata.items():
-            if not fqn.startswith(prefix) or not isinstance(tmd, TensorStorageMetadata):
-                continue
-            yield fqn[len(prefix) :], _assemble(checkpoint_dir, tmd, chunks.get(fqn, []), handles, fqn)
+            if fqn.startswith(prefix) and isinstance(tmd, TensorStorageMetadata):
+                yield fqn[len(prefix) :], _assemble(reader, tmd, chunks.get(fqn, []), fqn)
     finally:
-        for f in handles.values():
-            f.close()
+        reader.close()
 
 
-def _assemble(
-    directory: Path, tmd: Any, chunks: List[Tuple[Tuple[int, ...], Any]], handles: Dict[str, Any], fqn: str
-) -> torch.Tensor:
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    while len(data):
+        n = os.pwrite(fd, data, offset)
+        data, offset = data[n:], offset + n
+
+
+def _copy_range(src_fd: int, src_offset: int, dst_fd: int, dst_offset: int, nbytes: int) -> bool:
+    """Copy bytes between files inside the kernel (copy_file_range, what a plain file copy uses). False where the
+    OS or filesystem cannot, before anything was written; the caller then reads and writes instead."""
+    copy = getattr(os, "copy_file_range", None)
+    if copy is None:
+        return False
+    done = 0
+    while done < nbytes:
+        try:
+            n = copy(src_fd, dst_fd, nbytes - done, src_offset + done, dst_offset + done)
+        except OSError:
+            if done:
+                raise
+            return False
+        if n == 0:
+            if done:
+                raise OSError(f"short copy: {done} of {nbytes} bytes")
+            return False
+        done += n
+    return True
+
+
+def _as_bytes(t: torch.Tensor) -> memoryview:
+    return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def _write_tensor(
+    fd: int, base: int, reader: _ChunkReader, tmd: Any, chunks: List[Tuple[Tuple[int, ...], Any]], fqn: str
+) -> None:
+    """Write one tensor's bytes at `base`. Chunks that are whole rows (FSDPv2 sharding dim 0, the common case) go
+    straight to their place in the file; others are assembled in memory first."""
     size = tuple(tmd.size)
     dtype = tmd.properties.dtype
-    full: Optional[torch.Tensor] = None
-    covered = 0
-    for offsets, info in chunks:
-        f = handles.get(info.relative_path)
-        if f is None:
-            f = handles[info.relative_path] = open(directory / info.relative_path, "rb")
-        chunk = torch.load(_FileSlice(f, info.offset, info.length), map_location="cpu", weights_only=True)
-        if tuple(chunk.shape) == size and len(chunks) == 1:
-            return chunk.to(dtype) if chunk.dtype != dtype else chunk  # unsharded: no second buffer
-        if full is None:
-            full = torch.empty(size, dtype=dtype)
-        view = full
-        for dim, (start, length) in enumerate(zip(offsets, chunk.shape)):
-            view = view.narrow(dim, start, length)
-        view.copy_(chunk)
-        covered += chunk.numel()
-        del chunk
-    numel = 1
-    for s in size:
-        numel *= s
-    if full is None or covered < numel:
-        raise LitError(f"sharded checkpoint {str(directory)!r} does not hold every chunk of {fqn}: it is damaged")
-    return full
+    if len(size) >= 1 and all(all(o == 0 for o in offsets[1:]) for offsets, _ in chunks):
+        row_bytes = _numel(size[1:]) * torch.empty((), dtype=dtype).element_size()
+        covered = 0
+        whole_rows = True
+        for offsets, info in chunks:
+            raw = reader.raw_location(info)
+            if raw is not None and raw[3] == dtype and raw[2][1:] == size[1:]:
+                src_fd, src_offset, shape, _ = raw
+                nbytes = _numel(shape) * torch.empty((), dtype=dtype).element_size()
+                if _copy_range(src_fd, src_offset, fd, base + offsets[0] * row_bytes, nbytes):
+                    covered += _numel(shape)
+                    continue
+            chunk = reader.read(info)
+            if tuple(chunk.shape[1:]) != size[1:]:
+                whole_rows = False  # not whole rows after all: assemble below
+                break
+            _pwrite_all(fd, _as_bytes(chunk.to(dtype)), base + offsets[0] * row_bytes)
+            covered += chunk.numel()
+            del chunk
+        if whole_rows:
+            _check_covered(reader.directory, fqn, covered, size)
+            return
+    split = _single_split_dim(chunks, size)
+    if split is not None and hasattr(os, "pwritev"):
+        _gather_write(fd, base, reader, tmd, chunks, split, fqn)
+        return
+    _pwrite_all(fd, _as_bytes(_assemble(reader, tmd, chunks, fqn)), base)
+
+
+def _single_split_dim(chunks: List[Tuple[Tuple[int, ...], Any]], size: Tuple[int, ...]) -> Optional[int]:
+    """The one dimension the chunks are split along (FSDPv2: a weight's largest dimension), if there is one."""
+    dims = {d for offsets, _ in chunks for d, o in enumerate(offsets) if o != 0}
+    return dims.pop() if len(dims) == 1 and len(size) >= 2 else None
+
+
+def _gather_write(
+    fd: int, base: int, reader: _ChunkReader, tmd: Any, chunks: List[Tuple[Tuple[int, ...], Any]], dim: int, fqn: str
+) -> None:
+    """Write a tensor split along `dim` > 0 by gathering, for every index of the leading dimensions, each chunk's
+    contiguous run in order (pwritev): the kernel interleaves the pieces, no assembled copy is made."""
+    size = tuple(tmd.size)
+    dtype = tmd.properties.dtype
+    loaded = sorted(((offsets[dim], reader.read(info).to(dtype)) for offsets, info in chunks), key=lambda c: c[0])
+    outer = _numel(size[:dim])
+    if any(tuple(c.shape[:dim]) != size[:dim] or tuple(c.shape[dim + 1 :]) != size[dim + 1 :] for _, c in loaded):
+        _pwrite_all(fd, _as_bytes(_assemble(reader, tmd, chunks, fqn)), base)
+        return
+    _check_covered(reader.directory, fqn, sum(c.numel() for _, c in loaded), size)
+    rows = [c.contiguous().reshape(outer, -1).view(torch.uint8).numpy() for _, c in loaded]
+    iov_max = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 1024
+    per_call = max(1, iov_max // len(rows))
+    offset = base
+    for start in range(0, outer, per_call):
+        buffers = [r[o] for o in range(start, min(outer, start + per_call)) for r in rows]
+        total = sum(b.nbytes for b in buffers)
+        written = os.pwritev(fd, buffers, offset)
+        if written != total:  # a short vectored write: finish the rest piece by piece
+            _pwrite_all(fd, memoryview(b"".join(bytes(b) for b in buffers))[written:], offset + written)
+        offset += total
+
+
+def _lazy_tensor(size: Tuple[int, ...], dtype: torch.dtype) -> Tuple[torch.Tensor, Any]:
+    """A tensor of the right shape and dtype backed by an anonymous mapping that is never touched, so it takes no
+    memory: torch.save under `skip_data` only needs shapes, dtypes and storage sizes."""
+    numel = _numel(size)
+    if numel == 0:
+        return torch.empty(size, dtype=dtype), None
+    mm = mmap.mmap(-1, numel * torch.empty((), dtype=dtype).element_size())
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        return torch.frombuffer(mm, dtype=dtype, count=numel).view(size), mm
+
+
+def read_values(checkpoint_dir: PathLike) -> Dict[str, Any]:
+    """The plain values saved with a checkpoint (step, data position, ...), without torch_xla or devices."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    checkpoint_dir = Path(checkpoint_dir)
+    _, md = check_complete(checkpoint_dir)
+    info = md.storage_data.get(MetadataIndex(META_KEY))
+    if info is None:
+        raise LitError(f"checkpoint {str(checkpoint_dir)!r} has no {META_KEY} entry: it was not written by save_sharded")
+    with open(checkpoint_dir / info.relative_path, "rb") as f:
+        raw = torch.load(_FileSlice(f, info.offset, info.length), weights_only=True)  # DCP torch.saves the bytes
+    return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)["values"]
 
 
 def consolidate(
     checkpoint_dir: PathLike, output: Optional[PathLike] = None, key: str = "model", progress: bool = True
 ) -> Path:
-    """Turn a sharded checkpoint into one `torch.load`-able state dict file (default `CHECKPOINT_DIR/lit_model.pth`).
+    """Turn a sharded checkpoint into one `torch.load`-able file.
+
+    A full-model checkpoint becomes a plain state dict (default `CHECKPOINT_DIR/lit_model.pth`), loadable with
+    `GPT.load_state_dict`. A parameter-efficient one (saved with `lit_gpt.peft.finetuned_metadata`, so with
+    "method" and "config" values) becomes lit_gpt.peft's finetuned-weights file `{"method", "config", "model"}`
+    (default `CHECKPOINT_DIR/lit_model.pth.METHOD`), which generate/{adapter,adapter_v2,lora}.py read.
 
     Streams: the output file's skeleton (pickled structure, space for every tensor) is written first with
-    `torch.serialization.skip_data`, then each tensor is assembled from its chunks and written into its place, so
-    peak memory is about the largest tensor (plus one chunk), not the model. Tied tensors are written once and
+    `torch.serialization.skip_data`, then each tensor's chunks are written into its place (row chunks directly,
+    others assembled in memory first), so peak memory is about the largest tensor plus one chunk, not the model. Tied tensors are written once and
     appear under all their names, like `torch.save(model.state_dict())`. The result is written atomically.
     (The zip CRCs of the tensor records are left unset, as with `torch.serialization.set_crc32_options(False)`;
     torch.load does not check them.)"""
-    from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     from tqdm import tqdm
 
     checkpoint_dir = Path(checkpoint_dir)
     marker, md = check_complete(checkpoint_dir)
-    output = Path(output) if output is not None else checkpoint_dir / "lit_model.pth"
     prefix = key + "."
     entries = [
         (fqn[len(prefix) :], tmd)
@@ -677,51 +849,59 @@ def consolidate(
         )
     tied: Dict[str, str] = marker.get("state", {}).get(key, {}).get("tied", {})
     names = [n for n, _ in entries]
+    values = read_values(checkpoint_dir)
+    method = values.get("method") if isinstance(values.get("method"), str) else None
+    if output is None and method:
+        output = checkpoint_dir / f"lit_model.pth.{method}"
+    output = Path(output) if output is not None else checkpoint_dir / "lit_model.pth"
 
-    # skeleton: fake tensors have shapes and dtypes but no memory; aliases share their canonical's storage
-    with FakeTensorMode():
-        fakes = {n: torch.empty(tuple(t.size), dtype=t.properties.dtype, device="cpu") for n, t in entries}
-    skeleton: Dict[str, torch.Tensor] = {}
-    for n in names:
-        skeleton[n] = fakes[n]
+    # skeleton: lazily mapped placeholders; aliases share their canonical's storage (one record, like torch.save)
+    lazy: Dict[str, torch.Tensor] = {}
+    mappings = []
+    for n, t in entries:
+        lazy[n], mm = _lazy_tensor(tuple(t.size), t.properties.dtype)
+        mappings.append(mm)
+    skeleton: Dict[str, torch.Tensor] = dict(lazy)
     for alias, canonical in tied.items():
-        if canonical in fakes:
-            skeleton[alias] = fakes[canonical]
+        if canonical in lazy:
+            skeleton[alias] = lazy[canonical]
 
     # a private directory keeps the archive's internal name equal to torch.save(..., output)'s
     tmp_dir = output.parent / f".{output.name}.tmp{os.getpid()}"
     tmp_dir.mkdir(parents=True, exist_ok=True)
     tmp = tmp_dir / output.name
     try:
-        with torch.serialization.skip_data(materialize_fake_tensors=True):
-            torch.save(skeleton, tmp)
+        obj: Dict[str, Any] = skeleton
+        if method:
+            # metadata first: the storages are then still numbered in the order of `skeleton`
+            obj = {"method": method, "config": values.get("config") or {}, "model": skeleton}
+        with torch.serialization.skip_data():
+            torch.save(obj, tmp)
+        del obj, skeleton, lazy
+        for mm in mappings:
+            if mm is not None:
+                mm.close()
         # torch.save numbers storages in the order it first meets them while pickling the dict
         record_of: Dict[str, int] = {}
-        for n in skeleton:
-            if n in tied and tied[n] in fakes:
-                continue
+        for n in names:
             record_of.setdefault(n, len(record_of))
-        reader = torch._C.PyTorchFileReader(str(tmp))
-        records = reader.get_all_records()
+        file_reader = torch._C.PyTorchFileReader(str(tmp))
+        records = file_reader.get_all_records()
         root = next(r for r in records if r.endswith("data.pkl"))[: -len("data.pkl")]
         if sum(r.startswith(f"{root}data/") for r in records) != len(record_of):
             raise RuntimeError("unexpected torch.save layout: storage records do not match the tensors")
-        offsets = {n: reader.get_record_offset(f"{root}data/{i}") for n, i in record_of.items()}
-        del reader
+        offsets = {n: file_reader.get_record_offset(f"{root}data/{i}") for n, i in record_of.items()}
+        del file_reader
         chunks = _chunks_by_tensor(md, prefix)
-        handles: Dict[str, Any] = {}
+        reader = _ChunkReader(checkpoint_dir)
         try:
             with open(tmp, "r+b") as out:
+                fd = out.fileno()
                 for n, tmd in tqdm(entries, desc="consolidating", unit="tensor", disable=not progress):
-                    t = _assemble(checkpoint_dir, tmd, chunks.get(prefix + n, []), handles, prefix + n).contiguous()
-                    out.seek(offsets[n])
-                    out.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
-                    del t
-                out.flush()
-                os.fsync(out.fileno())
+                    _write_tensor(fd, offsets[n], reader, tmd, chunks.get(prefix + n, []), prefix + n)
+                os.fsync(fd)
         finally:
-            for f in handles.values():
-                f.close()
+            reader.close()
         os.replace(tmp, output)
     finally:
         shutil.rmtree(tmp_dir, ignore_errors=True)

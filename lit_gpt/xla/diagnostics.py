@@ -157,3 +157,48 @@ def init_compile_cache(path: Optional[str] = None, readonly: bool = False) -> Op
     os.makedirs(path, exist_ok=True)
     xr.initialize_cache(str(path), readonly=readonly)
     return str(path)
+
+
+def rss_anon_bytes() -> int:
+    """Anonymous resident memory of this process (`RssAnon` in /proc/self/status), in bytes.
+
+    This is the memory that counts for staging: on XLA:CPU the device buffers are anonymous memory, while pages of
+    a memory-mapped checkpoint are file-backed (they show in `ru_maxrss` but the kernel can drop them)."""
+    with open("/proc/self/status", encoding="ascii") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("RssAnon is not in /proc/self/status (Linux only)")
+
+
+class AnonMemorySampler:
+    """Samples `rss_anon_bytes()` in a background thread and keeps the peak (Linux).
+
+        with AnonMemorySampler() as mem:
+            load()
+        print(mem.peak - mem.start)
+    """
+
+    def __init__(self, interval: float = 0.002) -> None:
+        import threading
+
+        self.interval = interval
+        self.start = self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, rss_anon_bytes())
+            self._stop.wait(self.interval)
+
+    def __enter__(self) -> "AnonMemorySampler":
+        self.start = self.peak = rss_anon_bytes()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, rss_anon_bytes())
+        self.end = rss_anon_bytes()

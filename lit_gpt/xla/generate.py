@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from lit_gpt.config import next_power_of_two
 from lit_gpt.generate import bucket_length, check_lengths, check_sampling_args, decode_one_token, sample
-from lit_gpt.model import GPT
+from lit_gpt.model import GPT, KVCache
 from lit_gpt.utils import LitError
 
 
@@ -69,30 +69,39 @@ def cache_length(bucket: int, max_new_tokens: int, block_size: int) -> int:
     return min(next_power_of_two(bucket + max_new_tokens), block_size)
 
 
-def setup_caches(model: GPT, batch_size: int, length: int, dtype: Optional[torch.dtype] = None) -> None:
-    """Give `model` a KV cache of `length` positions and RoPE tables of that length, built on the host and
-    transferred (no device computation, hence no compilation). Kept when it already has that size: positions
-    beyond the current one are masked, so a previous prompt's entries are harmless."""
-    cache = model.transformer.h[0].attn.kv_cache
+def set_rope_length(model: GPT, length: int) -> None:
+    """RoPE tables for `length` positions, built on the host and transferred (replicated under SPMD).
+
+    Built on the device they would be computed inside the next graph, which then differs from the graphs after
+    it (where the tables are inputs): one compilation more for every graph that first uses them."""
     device = model.transformer.wte.weight.device
-    if (
-        cache is not None
-        and tuple(cache.k.shape[:1]) == (batch_size,)
-        and cache.k.size(2) == length
-        and model.rope_cache_length == length
-        and model.cos.device == device
+    model.max_seq_length = length  # bookkeeping; the device computation it queues is replaced (and never run) below
+    model.reset_rope_cache(device=torch.device("cpu"))
+    model.cos, model.sin = to_device(model.cos, device), to_device(model.sin, device)
+
+
+def setup_caches(model: GPT, batch_size: int, length: int, dtype: Optional[torch.dtype] = None) -> None:
+    """Give `model` a KV cache of `length` positions (built on the host and transferred: no device computation,
+    hence no compilation) and RoPE tables of at least that length.
+
+    A cache of that size is kept: positions beyond the current one are masked, so a previous prompt's entries are
+    harmless. The RoPE tables only grow, so that a training loop that generates samples keeps its own tables (and
+    with them its compiled graphs) when they are long enough."""
+    device = model.transformer.wte.weight.device
+    dtype = dtype or model.transformer.wte.weight.dtype
+    if model.rope_cache_length is None or model.rope_cache_length < length or model.cos.device != device:
+        set_rope_length(model, length)
+    cache = model.transformer.h[0].attn.kv_cache
+    if cache is not None and tuple(cache.k.shape) == (batch_size, cache.k.size(1), length, cache.k.size(3)) and (
+        cache.k.dtype == dtype and cache.k.device == device
     ):
         return
-    dtype = dtype or model.transformer.wte.weight.dtype
-    cpu = torch.device("cpu")
-    model.clear_kv_cache()
-    # `max_seq_length` would rebuild RoPE on the weights' device (lazily, on XLA): build both on the host instead
-    model.set_kv_cache(batch_size, length, device=cpu, dtype=dtype)
-    model.reset_rope_cache(device=cpu)
-    for module in model.modules():
-        for name, buf in module._buffers.items():
-            if buf is not None and buf.device.type == "cpu":
-                module._buffers[name] = to_device(buf, device)
+    c = model.config
+    for block in model.transformer.h:
+        # not `model.set_kv_cache`: it would also resize the RoPE tables (on the device)
+        kv = KVCache(batch_size, c.n_query_groups, length, c.head_size, device=torch.device("cpu"), dtype=dtype)
+        kv.k, kv.v = to_device(kv.k, device), to_device(kv.v, device)
+        block.attn.kv_cache = kv
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -15,6 +15,8 @@ Parameters that are not in any checkpoint (new adapter or LoRA weights) are init
 `fabric.setup(model, ...)` afterwards wraps the blocks without moving or resharding anything.
 """
 
+import ctypes
+import functools
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Type, Union
 
@@ -186,8 +188,11 @@ def load_staged(
                 )
             if dtype is not None and cpu.is_floating_point() and cpu.dtype != dtype:
                 cpu = cpu.to(dtype)
+            nbytes = cpu.numel() * cpu.element_size()
             xt = _to_device(cpu, device, mesh)
             del cpu
+            if nbytes >= _TRIM_BYTES:
+                _release_host_memory()
             if is_param:
                 param = nn.Parameter(xt, requires_grad=old.requires_grad)
                 for alias in names_of.get(id(old), [name]):
@@ -197,6 +202,11 @@ def load_staged(
                 placed[id(old)] = param
             else:
                 owner._buffers[attr] = xt
+    if mesh is not None or str(device).startswith("xla"):
+        import torch_xla.core.xla_model as xm
+
+        xm.wait_device_ops()  # transfers run asynchronously: their staging buffers are freed once they finish
+    _release_host_memory()
     still_meta = [n for n, t in list(module.named_parameters()) + list(module.named_buffers()) if t.is_meta]
     if still_meta:
         raise LitError(
@@ -234,12 +244,44 @@ def _init_missing(
                 f"the checkpoint has no {_few(names)} and {type(owner).__name__} has no reset_parameters() to"
                 " initialise it: check that the model config matches the checkpoint"
             )
-        # materialise only this module's own tensors on the CPU (children stay on meta, where init is a no-op)
-        owner.to_empty(device="cpu", recurse=False)
-        owner.reset_parameters()
+        # materialise only the missing tensors on the CPU: the rest stays on meta, where the init ops are no-ops,
+        # so a LoRA layer does not allocate (and randomly initialise) the big base weight it is about to receive
+        for a in attrs:
+            old = getattr(owner, a)
+            cpu = torch.empty_like(old, device="cpu")
+            if a in owner._parameters:
+                owner._parameters[a] = nn.Parameter(cpu, requires_grad=old.requires_grad)
+            else:
+                owner._buffers[a] = cpu
+        with torch.no_grad():
+            owner.reset_parameters()
         for a in attrs:
             fresh[f"{owner_name}.{a}" if owner_name else a] = getattr(owner, a).detach()
     return fresh
+
+
+_TRIM_BYTES = 1 << 20
+
+
+@functools.lru_cache(maxsize=1)
+def _libc() -> Any:
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.malloc_trim  # glibc only
+        return libc
+    except (OSError, AttributeError):
+        return None
+
+
+def _release_host_memory() -> None:
+    """Give freed host buffers back to the OS.
+
+    A sharded transfer copies each shard on torch_xla's worker threads; glibc keeps what they free in per-thread
+    arenas, which would stay in the process's resident memory (~40% of the model in bench/load.py) and be
+    reused only by chance. Without glibc this is a no-op."""
+    libc = _libc()
+    if libc is not None:
+        libc.malloc_trim(0)
 
 
 def _to_device(cpu: torch.Tensor, device: torch.device, mesh: Any) -> torch.Tensor:

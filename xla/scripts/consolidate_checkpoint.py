@@ -1,0 +1,38 @@
+"""Turn a sharded XLA checkpoint (a directory written by `fabric.save` / `lit_gpt.xla.save_sharded`) into one file
+that the plain recipes load on any CPU/GPU machine, without torch_xla.
+
+    python xla/scripts/consolidate_checkpoint.py --checkpoint_dir out/xla/full/step-000100
+    python xla/scripts/consolidate_checkpoint.py --checkpoint_dir out/xla/adapter/final --output adapter.pth
+
+A full-model checkpoint becomes `lit_model.pth` (copy `lit_config.json` and the tokenizer files next to it to use
+it as a `--checkpoint_dir`); an adapter / LoRA checkpoint becomes the finetuned-weights file `lit_model.pth.METHOD`
+that generate/{adapter,adapter_v2,lora}.py take. Memory stays around the largest tensor: tensors are assembled
+from their shards and written one at a time.
+
+Multi-host runs without a shared disk leave each host's shards (`__RANK_*.distcp`) on that host: copy them all
+into the directory holding `lit_checkpoint.json` and `.metadata` first (the error lists any that are missing).
+"""
+
+import sys
+from pathlib import Path
+from typing import Optional
+
+from lit_gpt.utils import run_cli
+from lit_gpt.xla.checkpoint import consolidate
+
+
+def setup(checkpoint_dir: Path, output: Optional[Path] = None, key: str = "model") -> None:
+    """Consolidate a sharded checkpoint.
+
+    Args:
+        checkpoint_dir: the checkpoint directory (it holds lit_checkpoint.json, .metadata and __RANK_*.distcp).
+        output: the file to write. Default: CHECKPOINT_DIR/lit_model.pth, or CHECKPOINT_DIR/lit_model.pth.METHOD
+            for adapter/LoRA checkpoints.
+        key: which saved module to write (the key it had in the saved state, "model" in the recipes).
+    """
+    path = consolidate(checkpoint_dir, output, key=key)
+    print(f"Wrote {path}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    run_cli(setup, as_positional=False)
