@@ -35,12 +35,16 @@ METHOD_ARGS = {
 WORDS = "the a cat dog runs quickly over lazy river mountain blue red green small large happy sad".split()
 
 
-def load_recipe(name: str):
-    """Import finetune/<name>.py (recipes are scripts, not a package)."""
-    spec = importlib.util.spec_from_file_location(f"recipe_finetune_{name}", ROOT / "finetune" / f"{name}.py")
+def load_script(directory: str, name: str):
+    spec = importlib.util.spec_from_file_location(f"recipe_{directory}_{name}", ROOT / directory / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def load_recipe(name: str):
+    """Import finetune/<name>.py (recipes are scripts, not a package)."""
+    return load_script("finetune", name)
 
 
 def alpaca_rows(n: int, seed: int = 0):
@@ -152,12 +156,21 @@ def test_recipe_trains_and_saves_only_trained_weights(trained, tiny_dir):
     assert not list(out.glob(".*partial"))
 
 
-def test_result_loads_for_generation(trained, tiny_dir):
+def test_result_loads_for_generation(trained, tiny_dir, capsys):
     from lit_gpt import adapter, adapter_v2, lora
     from lit_gpt.generate import generate, load_model
     from lit_gpt.peft import load_variant_model
 
     method, out, _ = trained
+    # the method's generate recipe reads what the finetune recipe wrote
+    path_arg = {"full": "checkpoint_path", "lora": "lora_path"}.get(method, "adapter_path")
+    capsys.readouterr()
+    load_script("generate", method).setup(
+        prompt="Repeat: the cat", checkpoint_dir=tiny_dir, max_new_tokens=6, temperature=0.0, prompt_style="alpaca",
+        accelerator="cpu", **{path_arg: out / "final" / WEIGHTS_FILE[method]},
+    )
+    assert capsys.readouterr().out.strip()
+
     base = load_model(tiny_dir)
     if method == "full":
         model = load_model(out / "final")  # a complete checkpoint directory
