@@ -65,6 +65,29 @@ def load_data(
     return training.load_data(fabric, data, per_host, eval, checkpoint_dir, block_size)
 
 
+def load_model(fabric: Any, build: Any, checkpoint_dir: Path) -> nn.Module:
+    """`lit_gpt.xla.load_staged` of the base checkpoint into `build()` (a GPT or a PEFT variant, whose own new
+    parameters are initialised by their modules).
+
+    The meta-device parameters are kept referenced while it runs: the loader tells parameters apart by `id()`,
+    and once it has replaced a module's parameters to initialise them, a new tensor can reuse a freed parameter's
+    id and be mistaken for it (seen as an adapter weight of the second block receiving a norm's tensor)."""
+    from lit_gpt.utils import check_checkpoint_dir
+    from lit_gpt.xla.loader import load_staged
+
+    originals: List[torch.Tensor] = []
+
+    def build_and_hold() -> nn.Module:
+        module = build()
+        originals.extend(p for _, p in module.named_parameters(remove_duplicate=False))
+        return module
+
+    try:
+        return load_staged(build_and_hold, check_checkpoint_dir(checkpoint_dir), fabric)
+    finally:
+        originals.clear()
+
+
 def build_optimizer(model: nn.Module, train: TrainArgs, name: str = "adamw") -> torch.optim.Optimizer:
     """AdamW (default) or SGD with momentum over the trainable parameters, with the parameter groups of the GPU
     recipes (no weight decay on 1-D parameters)."""
@@ -195,28 +218,18 @@ def save_step(fabric: Any, directory: Path, model: nn.Module, optimizer: Any, me
 
 
 def export_final(fabric: Any, step_checkpoint: Path, out_dir: Path, method: training.Method,
-                 checkpoint_dir: Path) -> Optional[Path]:
+                 checkpoint_dir: Path) -> Path:
     """Consolidate the trained weights of a sharded checkpoint into `out_dir/final/{method.weights_file}`, the file
-    the GPU/CPU recipes write: a plain state dict for full finetuning, the `lit_gpt.peft` format otherwise.
-    Host 0 does it (the other hosts' shards must be in the same, shared, directory)."""
-    from lit_gpt.utils import load_state_dict, save_atomic
+    the GPU/CPU recipes write (`lit_gpt.xla.checkpoint.consolidate`: a plain state dict for full finetuning, the
+    `lit_gpt.peft` format when the checkpoint records a PEFT method), streamed tensor by tensor. Host 0 does it;
+    the other hosts' shards must be in the same (shared) directory."""
     from lit_gpt.xla.checkpoint import consolidate
 
     final = out_dir / training.FINAL_DIR
     path = final / method.weights_file
     if fabric.global_rank == 0:
         final.mkdir(parents=True, exist_ok=True)
-        if method.trains_all:
-            # streamed tensor by tensor: the model is never whole in host memory
-            consolidate(step_checkpoint, path, key="model")
-        else:
-            tmp = final / f".{method.weights_file}.consolidated.tmp{os.getpid()}"
-            try:
-                consolidate(step_checkpoint, tmp, key="model", progress=False)
-                weights = dict(load_state_dict(tmp, mmap=False))
-                save_atomic({**method.metadata, "model": weights}, path)
-            finally:
-                tmp.unlink(missing_ok=True)
+        consolidate(step_checkpoint, path, key="model")
         training.copy_model_files(checkpoint_dir, final)
     fabric.barrier()
     return path
