@@ -204,7 +204,7 @@ def _read_json_array(text: str, path: Path) -> List[Record]:
             if text[i + 1 :].strip():
                 raise fail(i + 1, "extra data after the array")
             return records
-        raise fail(i, "expected ',' or ']' after an element")
+        raise fail(i, "the array is not closed" if i >= len(text) else "expected ',' or ']' after an element")
 
 
 def _read_json_lines(text: str) -> Tuple[List[Record], List[BadRow]]:
@@ -227,7 +227,7 @@ def read_csv_records(path: Path, delimiter: Optional[str] = None) -> Tuple[List[
     text = _read_text(path)
     if delimiter is None:
         delimiter = "\t" if Path(path).suffix.lower() == ".tsv" else ","
-    reader = csv.reader(io.StringIO(text, newline=""), delimiter=delimiter)
+    reader = csv.reader(io.StringIO(text, newline=""), delimiter=delimiter, strict=True)
     try:
         header = next(reader)
     except StopIteration:

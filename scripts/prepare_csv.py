@@ -11,11 +11,11 @@ from pathlib import Path
 from typing import Literal, Optional
 
 from lit_gpt import data
-from lit_gpt.utils import DEFAULT_CHECKPOINT_DIR, run_cli
+from lit_gpt.utils import DEFAULT_CHECKPOINT_DIR, LitError, run_cli
 
 
 def prepare(
-    data_file: Path,
+    data_file: Optional[Path] = None,
     destination_path: Path = Path("data/csv"),
     checkpoint_dir: Path = DEFAULT_CHECKPOINT_DIR,
     instruction_key: str = "instruction",
@@ -46,6 +46,8 @@ def prepare(
         prompt_style: How instruction + input become the prompt ("alpaca", "chat", "raw").
         on_bad_rows: "skip" bad rows (listed in the output and in meta.json) or stop with an "error".
     """
+    if data_file is None:
+        raise LitError("pass your data file with --data_file")
     records, bad = data.read_csv_records(data_file, delimiter)
     rows, bad_fields = data.records_to_rows(records, data.instruction_rows(instruction_key, input_key, output_key))
     meta = data.prepare(
