@@ -171,6 +171,18 @@ def load_base_weights(
     missing = [k for k in result.missing_keys if not own(k, None)]
     if missing:
         raise LitError(f"checkpoint {str(path)!r} lacks {len(missing)} weights of the model (e.g. {missing[0]!r})")
+    _initialize_unloaded(model, set(result.missing_keys))
+
+
+def _initialize_unloaded(model: nn.Module, missing: set) -> None:
+    """Initialise the modules whose own parameters all stayed out of the checkpoint (e.g. the adapter's prompt
+    embedding): the model was built without running `nn.init` (Lightning's empty init), which leaves them
+    uninitialised. The variants create parameters that share a module with base weights with plain tensor ops
+    (`uniform_`, `zeros`), which empty init does not skip."""
+    for prefix, module in model.named_modules():
+        names = [f"{prefix}.{n}" if prefix else n for n, _ in module.named_parameters(recurse=False)]
+        if names and all(n in missing for n in names) and hasattr(module, "reset_parameters"):
+            module.reset_parameters()
 
 
 def setup_model(
@@ -192,7 +204,9 @@ def setup_model(
         wrapped = fabric.setup_module(model)
         fabric.load_raw(check_checkpoint_dir(checkpoint_dir), wrapped, strict=own_filter is None)
         return wrapped, model
-    with fabric.init_module(empty_init=False):
+    # no random init of weights that the checkpoint overwrites: faster, and on the CPU (where the weights are
+    # assigned from the memory-mapped file) the never-touched empty tensors never take memory
+    with fabric.init_module(empty_init=True):
         model = build()
     load_base_weights(model, checkpoint_dir, own_filter, assign=fabric.device.type == "cpu")
     if mark_trainable is not None:
