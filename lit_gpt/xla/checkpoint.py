@@ -79,13 +79,12 @@ def module_state_dict(
     Returns (state, aliases): `state` maps a canonical name to the live tensor (so loading into it is in place),
     `aliases` maps every other name of a tied tensor to its canonical name (`lm_head.weight` ->
     `transformer.wte.weight`). The canonical name is the one a GPT state dict cannot do without (the embedding)."""
-    named: List[Tuple[str, torch.Tensor]] = []
-    for name, t in module.state_dict(keep_vars=True).items():
-        named.append((plain_name(name), t))
     groups: Dict[int, List[str]] = {}
+    raw_names: Dict[int, List[str]] = {}
     tensors: Dict[int, torch.Tensor] = {}
-    for name, t in named:
-        groups.setdefault(id(t), []).append(name)
+    for raw, t in module.state_dict(keep_vars=True).items():
+        groups.setdefault(id(t), []).append(plain_name(raw))
+        raw_names.setdefault(id(t), []).append(raw)
         tensors[id(t)] = t
     state: Dict[str, torch.Tensor] = {}
     aliases: Dict[str, str] = {}
@@ -93,7 +92,8 @@ def module_state_dict(
         # GPT ties lm_head.weight to transformer.wte.weight and its loader restores the head from the embedding
         canonical = next((n for n in names if not n.startswith("lm_head.")), names[0])
         t = tensors[key].detach()
-        if filter is not None and not filter(canonical, t):
+        # a filter may have been built from the wrapped model's names (`_orig_module.`): accept either spelling
+        if filter is not None and not any(filter(n, t) for n in names + raw_names[key]):
             continue
         state[canonical] = t
         for n in names:

@@ -19,9 +19,10 @@ compilation; on XLA:CPU torch_xla 2.9 writes the cache but cannot read it back (
 `PersistentCacheDeserializeFailure`) and recompiles, which is harmless.
 """
 
+import contextlib
 import os
 import warnings
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, Iterator, List, Optional
 
 from lit_gpt.utils import LitError
 
@@ -71,7 +72,8 @@ def metrics_report() -> str:
 class CompileCounter:
     """Per-step compilation and transfer counts, with a warning when compilations keep happening after warm-up.
 
-    Call `step()` once at the end of every step (after the `sync`). Steps before `warmup_steps` may compile
+    Call `step()` once at the end of every step (after the `sync`); wrap work between steps that may compile
+    (saving, validation) in `with counter.pause():`. Steps before `warmup_steps` may compile
     (the first forward/backward, the first optimizer step); any later compilation is reported through `warn`
     (default: `warnings.warn(..., RecompilationWarning)`)."""
 
@@ -84,6 +86,7 @@ class CompileCounter:
         self.steps = 0
         self.per_step: List[int] = []
         self.recompiled_steps: List[int] = []
+        self.paused = 0
 
     def step(self) -> int:
         """Close a step: returns how many graphs it compiled."""
@@ -101,10 +104,20 @@ class CompileCounter:
         self.steps += 1
         return new
 
+    @contextlib.contextmanager
+    def pause(self) -> Iterator[None]:
+        """Compilations inside this block (a checkpoint save, a validation pass) are not charged to a step."""
+        before = compile_count()
+        try:
+            yield
+        finally:
+            self._last += compile_count() - before
+            self.paused += compile_count() - before
+
     @property
     def compiles(self) -> int:
-        """Compilations since this counter was created."""
-        return compile_count() - self._start_compiles
+        """Compilations in steps since this counter was created (not those inside `pause()`)."""
+        return compile_count() - self._start_compiles - self.paused
 
     @property
     def warmup_compiles(self) -> int:
@@ -124,7 +137,9 @@ class CompileCounter:
         t = self.transfers
         line = (
             f"XLA: {self.compiles} compilation(s) in {self.steps} step(s) ({self.warmup_compiles} during"
-            f" {min(self.warmup_steps, self.steps)} warm-up step(s), {self.recompiles} after);"
+            f" {min(self.warmup_steps, self.steps)} warm-up step(s), {self.recompiles} after"
+            + (f", {self.paused} outside steps" if self.paused else "")
+            + ");"
             f" transfers host->device {t['to_device']}, device->host {t['from_device']}"
         )
         cache = {k: _counter(k) for k in ("PersistentCacheHit", "PersistentCacheMiss", "PersistentCacheDeserializeFailure")}

@@ -132,6 +132,9 @@ def load_staged(
     names_of: Dict[int, List[str]] = {}
     for name, p in module.named_parameters(remove_duplicate=False):
         names_of.setdefault(id(p), []).append(name)
+    # the bookkeeping is by id(): every tensor it has seen stays referenced until the end, so that no id is
+    # reused by a new tensor while loading (which would alias two parameters)
+    keepalive: List[Any] = [p for _, p in module.named_parameters(remove_duplicate=False)]
 
     units = [(name, m) for name, m in module.named_modules() if isinstance(m, layer_cls)]
     unit_names = [n for n, _ in units]
@@ -167,6 +170,7 @@ def load_staged(
         bar.set_postfix_str(unit or "embeddings, norms, head")
         entries = plan[unit]
         fresh = _init_missing(module, entries, sources, names_of)
+        keepalive.extend(fresh.values())
         for name, is_param in entries:
             owner_name, _, attr = name.rpartition(".")
             owner = module.get_submodule(owner_name) if owner_name else module
@@ -191,7 +195,11 @@ def load_staged(
             nbytes = cpu.numel() * cpu.element_size()
             xt = _to_device(cpu, device, mesh)
             del cpu
-            if nbytes >= _TRIM_BYTES:
+            if nbytes >= _TRIM_BYTES and str(device).startswith("xla"):
+                import torch_xla.core.xla_model as xm
+
+                # transfers are asynchronous: without waiting, a whole block's staging copies can be in flight
+                xm.wait_device_ops()
                 _release_host_memory()
             if is_param:
                 param = nn.Parameter(xt, requires_grad=old.requires_grad)
@@ -200,6 +208,7 @@ def load_staged(
                     a_owner = module.get_submodule(a_owner_name) if a_owner_name else module
                     setattr(a_owner, a_attr, param)
                 placed[id(old)] = param
+                keepalive.append(old)
             else:
                 owner._buffers[attr] = xt
     if mesh is not None or str(device).startswith("xla"):
@@ -207,6 +216,7 @@ def load_staged(
 
         xm.wait_device_ops()  # transfers run asynchronously: their staging buffers are freed once they finish
     _release_host_memory()
+    del keepalive  # only meta tensors and the placed ones' old objects: no memory
     still_meta = [n for n, t in list(module.named_parameters()) + list(module.named_buffers()) if t.is_meta]
     if still_meta:
         raise LitError(

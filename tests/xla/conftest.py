@@ -1,0 +1,137 @@
+"""XLA test setup: tests that use the XLA workers are marked `xla` and skipped without torch_xla.
+
+The XLA work runs in worker processes (tests/xla/worker.py) with PJRT_DEVICE=CPU and CPU_NUM_DEVICES=8, 4 or 1:
+the runtime reads those variables once per process and SPMD mode cannot be turned off again, so the pytest process
+itself never starts an XLA runtime. Multi-process collectives hang on XLA:CPU (pytorch/xla #9089); SPMD in one
+process over 8 virtual devices is the design under test, not a workaround. The workers start together (they
+spend most of their time importing and compiling) and each test waits for the result it needs.
+"""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Dict, Tuple
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+WORKER = HERE / "worker.py"
+TIMEOUT = 900
+
+HAS_XLA = importlib.util.find_spec("torch_xla") is not None
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        # tests that use the XLA workers; the others here (checkpoint files) need plain torch only
+        if Path(str(item.fspath)).resolve().parent == HERE and "xla_workers" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xla)
+            if not HAS_XLA:
+                item.add_marker(pytest.mark.skip(reason="torch_xla is not installed (pip install torch_xla==2.9.0)"))
+
+
+def xla_env(devices: int, **extra: str) -> Dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PJRT_", "XLA_", "TPU_"))}
+    # TF_CPP_MIN_LOG_LEVEL=2: no "GSPMD sharding propagation is going to be deprecated" line per compilation.
+    # --xla_backend_optimization_level=0: XLA:CPU compiles ~4x faster; the tests check graphs, not speed
+    env.update(PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(devices), TF_CPP_MIN_LOG_LEVEL="2",
+               XLA_FLAGS="--xla_backend_optimization_level=0", **extra)
+    return env
+
+
+class Workers:
+    """Worker processes started at once; `result(name)` waits for one and returns its JSON."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self.procs: Dict[str, Tuple[subprocess.Popen, float]] = {}
+
+    def start(self, name: str, devices: int) -> None:
+        log = open(self.out / f"{name}.log", "w")
+        proc = subprocess.Popen(
+            [sys.executable, str(WORKER), name, str(self.out)], env=xla_env(devices), stdout=log, stderr=log
+        )
+        self.procs[name] = (proc, time.time())
+
+    def wait(self, name: str) -> int:
+        proc, started = self.procs[name]
+        try:
+            return proc.wait(timeout=max(1.0, TIMEOUT - (time.time() - started)))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            pytest.fail(f"worker {name} timed out; log: {self.out / (name + '.log')}")
+
+    def log(self, name: str) -> str:
+        return (self.out / f"{name}.log").read_text()[-6000:]
+
+    def result(self, name: str, killed: bool = False) -> dict:
+        """The worker's results; `killed`: it ends by SIGKILL on purpose (after writing them)."""
+        rc = self.wait(name)
+        path = self.out / f"{name}.json"
+        if rc != (-9 if killed else 0) or not path.is_file():
+            pytest.fail(f"worker {name} failed (exit {rc}):\n{self.log(name)}")
+        return json.loads(path.read_text())
+
+    def stop(self) -> None:
+        for proc, _ in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+@pytest.fixture(scope="session")
+def xla_workers(tmp_path_factory):
+    if not HAS_XLA:
+        pytest.skip("torch_xla is not installed")
+    import torch
+
+    out = tmp_path_factory.mktemp("xla")
+    from lit_gpt import GPT, Config
+
+    # the models the workers load, written before any of them starts (so they measure loading, not writing)
+    for name, config in (("tiny", _worker_dict("TINY")), ("mem", _worker_dict("MEMORY"))):
+        torch.manual_seed(0)
+        with torch.device("meta"):
+            meta = GPT(Config(**config))
+        if name == "tiny":
+            model = GPT(Config(**config))
+            model.apply(model._init_weights)
+            state = model.state_dict()
+        else:
+            state = {k: torch.randn(t.shape) * 0.02 for k, t in meta.state_dict().items()}
+        (out / name).mkdir()
+        torch.save(state, out / name / "lit_model.pth")
+        del state
+    workers = Workers(out)
+    workers.start("train8", 8)
+    workers.start("extra8", 8)
+    workers.start("reshard", 4)
+    workers.start("ref1", 1)
+    yield workers
+    workers.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_config():
+    from lit_gpt import Config
+
+    return Config(**_worker_dict("TINY"))
+
+
+@pytest.fixture(scope="session", name="xla_env")
+def xla_env_fixture():
+    return xla_env
+
+
+def _worker_dict(name: str) -> dict:
+    """A `NAME = dict(...)` constant of worker.py, read without importing it (that would import torch_xla here)."""
+    import ast
+
+    for node in ast.parse(WORKER.read_text()).body:
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == name:
+            return {kw.arg: ast.literal_eval(kw.value) for kw in node.value.keywords}
+    raise RuntimeError(f"{name} not found in worker.py")

@@ -1,0 +1,168 @@
+"""The XLA runtime layer on XLA:CPU: FSDP over SPMD on 8 virtual devices, staged loading, sharded checkpoints,
+compile counting and errors. The XLA parts run in worker processes (see conftest.py); consolidation and the
+checks of checkpoint files run here, in plain torch, as they would on a machine without torch_xla."""
+
+import math
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lit_gpt import GPT
+from lit_gpt.utils import LitError
+
+REPO = Path(__file__).resolve().parents[2]
+CONSOLIDATE = REPO / "xla" / "scripts" / "consolidate_checkpoint.py"
+
+
+def test_fsdp_8_devices_matches_one_device(xla_workers):
+    main = xla_workers.result("train8")["train"]
+    one = xla_workers.result("ref1")["train"]
+    assert main["devices"] == 8 and one["devices"] == 1
+    assert len(main["losses"]) == 5 and all(math.isfinite(x) for x in main["losses"])
+    for a, b in zip(main["losses"], one["losses"]):
+        assert abs(a - b) < 1e-5, (main["losses"], one["losses"])
+    # the loss goes down: the 5 steps really train (the batches are learnable counting sequences)
+    assert main["losses"][-1] < main["losses"][0]
+    # every parameter is sharded over the 8 devices (FSDPv2: the largest dimension)
+    assert main["shardings"] and all("devices=[8" in s or "devices=[1,8" in s for s in main["shardings"].values()), main["shardings"]
+    assert main["shardings"]["transformer.wte.weight"].startswith("{devices=[8,1]")
+    assert all(s == "{replicated}" or "devices=[1" in s for s in one["shardings"].values())
+    # the step compiles during warm-up only (first step; first optimizer step with state)
+    assert main["compiles_per_step"][2:] == [0, 0, 0], main["report"]
+
+
+def test_frozen_adapter_training_sharded(xla_workers):
+    r = xla_workers.result("extra8", killed=True)["adapter"]
+    assert all(math.isfinite(x) for x in r["losses"])
+    assert r["changed"], "the adapter parameters did not train"
+    assert all("adapter_wte" in n or "gating_factor" in n for n in r["changed"]), r["changed"]
+    assert not set(r["changed"]) & set(r["frozen"])
+    wte = [s for n, s in r["shardings"].items() if "adapter_wte" in n]
+    assert wte and all("devices=[" in s and "replicated" not in s for s in wte)
+
+
+def test_precision_bf16_true_casts_parameters_bf16_mixed_keeps_fp32(xla_workers):
+    fp32_loss = xla_workers.result("ref1")["train"]["losses"][0]
+    precision = xla_workers.result("ref1")["precision"]
+    true, mixed = precision["bf16-true"], precision["bf16-mixed"]
+    assert true["dtype"] == "torch.bfloat16" and mixed["dtype"] == "torch.float32"
+    assert true["xla_use_bf16"] is None and mixed["xla_use_bf16"] is None  # the deprecated flag is never set
+    assert abs(true["loss"] - fp32_loss) < 0.05 and abs(mixed["loss"] - fp32_loss) < 0.05
+
+
+def test_staged_loader_host_memory(xla_workers):
+    staged = xla_workers.result("train8")["memory"]
+    naive = xla_workers.result("reshard")["memory"]
+    mib = 1024 * 1024
+    summary = {m: {k: round(v / mib, 1) if isinstance(v, int) else v for k, v in r.items()} for m, r in
+               (("staged", staged), ("naive", naive))}
+    # staged: peak anonymous memory stays within ~1 block above the final resident size and above start + model
+    assert staged["peak_minus_final"] <= 1.2 * staged["block"], summary
+    assert staged["above_model"] <= 1.2 * staged["block"], summary
+    assert staged["resident_added"] >= 0.9 * staged["model"], summary  # the model really is resident
+    # a naive full load holds at least a second copy of the model at its peak
+    assert naive["above_model"] >= 1.0 * naive["model"], summary
+    assert staged["spec"].startswith("{devices=[8") and naive["spec"].startswith("{devices=[4"), summary
+
+
+def test_compile_counter(xla_workers):
+    r = xla_workers.result("train8")["compile_counter"]
+    assert r["fixed"] == [1, 0, 0, 0], r
+    assert r["recompiles"] == 1
+    assert len(r["warnings"]) == 1 and "step 4" in r["warnings"][0] and "PT_XLA_DEBUG_LEVEL=2" in r["warnings"][0]
+    assert "1 after" in r["report"]
+
+
+def test_clear_errors(xla_workers):
+    errors = xla_workers.result("train8")["errors"]["errors"]
+    assert "batch size 6 is not divisible by the 8 devices" in errors["batch"]
+    assert "devices=3" in errors["devices"] and "CPU_NUM_DEVICES" in errors["devices"]
+    # PJRT_DEVICE=TPU on a machine without TPU: a LitError (one line from a recipe) that says what to do
+    tpu = xla_workers.result("ref1")["tpu_missing"]["error"]
+    assert tpu.startswith("PJRT_DEVICE=TPU but") and "PJRT_DEVICE=CPU" in tpu and "\n" not in tpu
+
+
+def _consolidate_cli(*args):
+    return subprocess.run([sys.executable, str(CONSOLIDATE), *map(str, args)], capture_output=True, text=True, timeout=300)
+
+
+def test_save_on_8_consolidate_load_on_plain_cpu(xla_workers, tiny_config, tmp_path):
+    xla_workers.result("train8")
+    ckpt = xla_workers.out / "ckpt" / "step-000003"
+    out = tmp_path / "lit_model.pth"
+    proc = _consolidate_cli("--checkpoint_dir", ckpt, "--output", out)
+    assert proc.returncode == 0, proc.stderr
+    reference = torch.load(xla_workers.out / "reference.pt", weights_only=True)["model"]
+    state = torch.load(out, weights_only=True, mmap=True)
+    assert set(state) == set(reference) | {"lm_head.weight"}  # the tied head under its own name too
+    for name, tensor in reference.items():
+        assert torch.equal(state[name], tensor), name
+    assert state["lm_head.weight"].data_ptr() == state["transformer.wte.weight"].data_ptr()
+    model = GPT(tiny_config)
+    model.load_state_dict(state)  # strict: exactly the plain lit names
+    assert not any(k.startswith("_") or "._orig_module" in k for k in state)
+
+
+def test_reshard_8_to_4_and_resume(xla_workers):
+    r = xla_workers.result("reshard")
+    main = xla_workers.result("train8")["train"]
+    assert r["model_equal"] and r["optimizer_equal"]
+    assert r["step"] == 3 and r["remainder"] == {"data": {"position": 24}}
+    assert all("devices=[4" in s or "devices=[1,4" in s for s in r["shardings"].values()), r["shardings"]
+    # training resumed on 4 devices continues exactly like the uninterrupted 8-device run
+    for a, b in zip(r["losses_after"], main["losses"][3:]):
+        assert abs(a - b) < 1e-5, (r["losses_after"], main["losses"])
+
+
+def test_killed_save_leaves_previous_checkpoint_and_no_valid_partial(xla_workers):
+    import lit_gpt.xla.checkpoint as ck
+
+    rc = xla_workers.wait("extra8")
+    assert rc == -9, xla_workers.log("extra8")
+    kill_dir = xla_workers.out / "kill"
+    first, second = kill_dir / "step-000001", kill_dir / "step-000002"
+    assert not second.exists()
+    partial = list(kill_dir.glob(".step-000002.tmp-*"))
+    assert len(partial) == 1 and (partial[0] / ".metadata").is_file()  # DCP had finished: only the marker is missing
+    assert ck.latest_checkpoint(kill_dir) == first
+    with pytest.raises(LitError, match="incomplete checkpoint"):
+        ck.check_complete(partial[0])
+    with pytest.raises(LitError, match="incomplete checkpoint"):
+        ck.consolidate(partial[0], xla_workers.out / "never.pth")
+    # the previous checkpoint is intact
+    out = ck.consolidate(first, xla_workers.out / "kill.pth", progress=False)
+    reference = torch.load(xla_workers.out / "kill_reference.pt", weights_only=True)["model"]
+    state = torch.load(out, weights_only=True)
+    assert all(torch.equal(state[k], v) for k, v in reference.items())
+    assert ck.read_values(first) == {"step": 1}
+    # the adapter and precision checks of this worker ran before the kill
+    assert "adapter" in xla_workers.result("extra8", killed=True)
+
+
+def test_adapter_checkpoint_consolidates_to_finetuned_file(xla_workers):
+    xla_workers.result("extra8", killed=True)
+    from lit_gpt.peft import load_finetuned
+    from lit_gpt.xla.checkpoint import consolidate
+
+    out = consolidate(xla_workers.out / "ckpt" / "adapter", progress=False)
+    assert out.name == "lit_model.pth.adapter"
+    state, config = load_finetuned(out, "adapter")
+    reference = torch.load(xla_workers.out / "adapter_reference.pt", weights_only=True)
+    assert set(state) == set(reference) and reference
+    assert all(torch.equal(state[k], v) for k, v in reference.items())
+    assert config == {"adapter_prompt_length": 4, "adapter_start_layer": 1}
+
+
+def test_missing_host_files_are_named(xla_workers, tmp_path):
+    xla_workers.result("train8")
+    broken = tmp_path / "step-000003"
+    shutil.copytree(xla_workers.out / "ckpt" / "step-000003", broken)
+    (broken / "__0_0.distcp").unlink()
+    proc = _consolidate_cli("--checkpoint_dir", broken)
+    assert proc.returncode == 1
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and "host/rank 0: __0_0.distcp" in lines[0], proc.stderr
