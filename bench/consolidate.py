@@ -119,9 +119,8 @@ def main(
     print(f"  plain copy: {copy_s:.2f} s = {nbytes / gb / copy_s:.2f} GiB/s")
     for what in ["consolidate"] + (["reference"] if reference else []):
         env = {k: v for k, v in os.environ.items() if k not in ("PJRT_DEVICE", "CPU_NUM_DEVICES")}
-        proc = subprocess.run(
-            [sys.executable, __file__, "--out_dir", str(out_dir), "--child", what], env=env, capture_output=True, text=True
-        )
+        cmd = [sys.executable, __file__, "--out_dir", str(out_dir), "--child", what]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if proc.returncode != 0:
             print(proc.stderr[-3000:], file=sys.stderr)
             raise SystemExit(f"{what} failed")

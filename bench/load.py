@@ -40,7 +40,7 @@ def bench_config(n_layer: int, n_embd: int, intermediate_size: int, vocab_size: 
     )
 
 
-def make_checkpoint(path: Path, config: Config) -> None:
+def make_checkpoint(path: Path, config: Config, dtype: torch.dtype = torch.float32) -> None:
     if path.is_file():
         return
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -48,7 +48,7 @@ def make_checkpoint(path: Path, config: Config) -> None:
     with torch.device("meta"):
         meta = GPT(config)
     # random tensors one at a time, written in one torch.save: the bench machine needs ~1x the file, not 2x
-    sd = {name: torch.randn(t.shape) * 0.02 for name, t in meta.state_dict().items()}
+    sd = {name: (torch.randn(t.shape) * 0.02).to(dtype) for name, t in meta.state_dict().items()}
     torch.save(sd, path)
     config.save(path.parent)
 
@@ -100,6 +100,7 @@ def main(
     devices: int = 8,
     precision: str = "32-true",
     modes: str = "staged,naive",
+    checkpoint_dtype: str = "float32",
     measure_only: Optional[str] = None,
 ) -> None:
     """Make (once) a random fp32 checkpoint and report each mode's host-memory overhead.
@@ -110,25 +111,30 @@ def main(
         devices: virtual XLA:CPU devices (CPU_NUM_DEVICES).
         precision: 32-true or bf16-true (bf16 casts while loading).
         modes: comma-separated: staged, naive.
+        checkpoint_dtype: dtype of the checkpoint file (float32 or bfloat16); loading bf16-true from a float32
+            file casts each tensor on the host.
         measure_only: internal: run one measurement in this process and print it as JSON.
     """
-    checkpoint = Path(out_dir) / "lit_model.pth"
+    name = "lit_model.pth" if checkpoint_dtype == "float32" else f"{checkpoint_dtype}/lit_model.pth"
+    checkpoint = Path(out_dir) / name
     if measure_only:
         print(json.dumps(measure(measure_only, checkpoint, precision)))
         return
     config = bench_config(n_layer, n_embd, intermediate_size, vocab_size)
-    make_checkpoint(checkpoint, config)
+    make_checkpoint(checkpoint, config, getattr(torch, checkpoint_dtype))
     bytes_per = 2 if precision == "bf16-true" else 4
     model, block, tensor = _sizes(config, bytes_per)
     gb = 1024**3
     print(
-        f"checkpoint {checkpoint} ({checkpoint.stat().st_size / gb:.2f} GiB fp32); loaded as {precision}: model"
+        f"checkpoint {checkpoint} ({checkpoint.stat().st_size / gb:.2f} GiB {checkpoint_dtype}); loaded as {precision}:"
+        " model"
         f" {model / gb:.2f} GiB, largest block {block / gb:.3f} GiB, largest tensor {tensor / gb:.3f} GiB;"
         f" {devices} devices"
     )
     env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(devices))
     for mode in filter(None, modes.split(",")):
-        cmd = [sys.executable, __file__, "--out_dir", str(out_dir), "--precision", precision, "--measure_only", mode]
+        cmd = [sys.executable, __file__, "--out_dir", str(out_dir), "--precision", precision, "--measure_only", mode,
+               "--checkpoint_dtype", checkpoint_dtype]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if proc.returncode != 0:
             print(proc.stderr[-3000:], file=sys.stderr)

@@ -19,7 +19,8 @@ Sharded checkpoints (lit_gpt.xla.checkpoint; fabric.save(dir, state) / fabric.lo
     save_sharded(dir, state, filter=None) -> Path      atomic; every host writes its own shards
     load_sharded(dir, state, strict=True) -> dict      in place; returns saved values not asked for
     latest_checkpoint(out_dir) -> Optional[Path]        newest complete checkpoint (for --resume auto)
-    consolidate(dir, output=None, key="model") -> Path  one lit_model.pth, streaming (also: xla/scripts/consolidate_checkpoint.py)
+    consolidate(dir, output=None, key="model") -> Path  one lit_model.pth, streaming
+                                                         (CLI: xla/scripts/consolidate_checkpoint.py)
 
 Diagnostics (lit_gpt.xla.diagnostics)
     sync()                                               torch_xla.sync(): end the lazy graph here

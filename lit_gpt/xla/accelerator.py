@@ -39,9 +39,20 @@ def configure_pjrt_device(verbose: bool = True) -> str:
     device is not there (e.g. `PJRT_DEVICE=TPU` on a machine without TPU chips)."""
     if not RequirementCache("torch_xla"):
         raise LitError("torch_xla is not installed: pip install torch==2.9.0 torch_xla==2.9.0 (versions must match)")
+    requested = os.environ.get("PJRT_DEVICE", "").strip().upper()
+    if not requested and "torch_xla" not in sys.modules:
+        # importing torch_xla picks a default device itself (with only a logging warning): decide here instead
+        previous = os.environ.get("PJRT_SELECT_DEFAULT_DEVICE")
+        os.environ["PJRT_SELECT_DEFAULT_DEVICE"] = "0"
+        try:
+            import torch_xla  # noqa: F401
+        finally:
+            if previous is None:
+                os.environ.pop("PJRT_SELECT_DEFAULT_DEVICE", None)
+            else:
+                os.environ["PJRT_SELECT_DEFAULT_DEVICE"] = previous
     import torch_xla
 
-    requested = os.environ.get("PJRT_DEVICE", "").strip().upper()
     if not requested:
         # torch_xla would pick a default itself, but only with a logging warning; decide here and say so on stdout
         if torch_xla._found_libtpu and _tpu_chips_present() > 0:
@@ -52,7 +63,8 @@ def configure_pjrt_device(verbose: bool = True) -> str:
         if verbose:
             extra = f" with CPU_NUM_DEVICES={os.environ['CPU_NUM_DEVICES']}" if "CPU_NUM_DEVICES" in os.environ else ""
             reason = "TPU chips and libtpu found" if requested == "TPU" else "no TPU found"
-            print(f"PJRT_DEVICE is not set: using PJRT_DEVICE={requested}{extra} ({reason})", file=sys.stderr, flush=True)
+            message = f"PJRT_DEVICE is not set: using PJRT_DEVICE={requested}{extra} ({reason})"
+            print(message, file=sys.stderr, flush=True)
     else:
         os.environ["PJRT_DEVICE"] = requested
 

@@ -341,7 +341,9 @@ def read_marker(path: PathLike) -> Dict[str, Any]:
     path = Path(path)
     marker = path / MARKER
     if not path.is_dir():
-        raise LitError(f"sharded checkpoint {str(path)!r} does not exist (expected a directory written by save_sharded)")
+        raise LitError(
+            f"sharded checkpoint {str(path)!r} does not exist (expected a directory written by save_sharded)"
+        )
     if not marker.is_file():
         if any(path.glob("*.distcp")) or (path / ".metadata").exists():
             raise LitError(
@@ -371,7 +373,8 @@ def check_complete(path: PathLike) -> Tuple[Dict[str, Any], Any]:
     try:
         md = dcp.FileSystemReader(str(path)).read_metadata()
     except Exception as e:  # a truncated pickle raises anything from EOFError to UnpicklingError
-        raise LitError(f"cannot read {str(path / '.metadata')!r} ({type(e).__name__}): the checkpoint is damaged") from e
+        name = str(path / ".metadata")
+        raise LitError(f"cannot read {name!r} ({type(e).__name__}): the checkpoint is damaged") from e
     needed: Dict[str, int] = {}
     for info in md.storage_data.values():
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
@@ -502,7 +505,9 @@ def load_sharded(
             osd = obj.state_dict()
             prefix = key + "."
             target[key] = {
-                str(pid): {n: v for n, v in pstate.items() if isinstance(v, torch.Tensor) and f"{prefix}{pid}.{n}" in saved}
+                str(pid): {
+                    n: v for n, v in pstate.items() if isinstance(v, torch.Tensor) and f"{prefix}{pid}.{n}" in saved
+                }
                 for pid, pstate in osd["state"].items()
             }
             if strict and not any(fqn.startswith(prefix) for fqn in saved) and osd["state"]:
@@ -541,7 +546,8 @@ def load_sharded(
         if key in values:
             state[key] = values[key]
         elif strict:
-            raise LitError(f"checkpoint {str(path)!r} has no entry {key!r} (saved: {', '.join(sorted(values)) or 'none'})")
+            saved_values = ", ".join(sorted(values)) or "none"
+            raise LitError(f"checkpoint {str(path)!r} has no entry {key!r} (saved: {saved_values})")
     if restore_rng:
         _set_rng_state(meta.get("rng", {}))
     _xla_sync()
@@ -807,7 +813,9 @@ def read_values(checkpoint_dir: PathLike) -> Dict[str, Any]:
     _, md = check_complete(checkpoint_dir)
     info = md.storage_data.get(MetadataIndex(META_KEY))
     if info is None:
-        raise LitError(f"checkpoint {str(checkpoint_dir)!r} has no {META_KEY} entry: it was not written by save_sharded")
+        raise LitError(
+            f"checkpoint {str(checkpoint_dir)!r} has no {META_KEY} entry: it was not written by save_sharded"
+        )
     with open(checkpoint_dir / info.relative_path, "rb") as f:
         raw = torch.load(_FileSlice(f, info.offset, info.length), weights_only=True)  # DCP torch.saves the bytes
     return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)["values"]
@@ -824,11 +832,12 @@ def consolidate(
     (default `CHECKPOINT_DIR/lit_model.pth.METHOD`), which generate/{adapter,adapter_v2,lora}.py read.
 
     Streams: the output file's skeleton (pickled structure, space for every tensor) is written first with
-    `torch.serialization.skip_data`, then each tensor's chunks are written into its place (row chunks directly,
-    others assembled in memory first), so peak memory is about the largest tensor plus one chunk, not the model. Tied tensors are written once and
-    appear under all their names, like `torch.save(model.state_dict())`. The result is written atomically.
-    (The zip CRCs of the tensor records are left unset, as with `torch.serialization.set_crc32_options(False)`;
-    torch.load does not check them.)"""
+    `torch.serialization.skip_data`, then each tensor's chunks are written into its place: whole-row chunks by an
+    in-kernel file copy, column chunks by a gathered write, others assembled in memory first. Peak memory is
+    about the largest tensor, not the model. Tied tensors are written once and appear under all their names,
+    like `torch.save(model.state_dict())`. The result is written atomically. (The zip CRCs of the tensor
+    records are left unset, as with `torch.serialization.set_crc32_options(False)`; torch.load does not check
+    them.)"""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     from tqdm import tqdm
 

@@ -142,7 +142,8 @@ class CompileCounter:
             + ");"
             f" transfers host->device {t['to_device']}, device->host {t['from_device']}"
         )
-        cache = {k: _counter(k) for k in ("PersistentCacheHit", "PersistentCacheMiss", "PersistentCacheDeserializeFailure")}
+        names = ("PersistentCacheHit", "PersistentCacheMiss", "PersistentCacheDeserializeFailure")
+        cache = {k: _counter(k) for k in names}
         if any(cache.values()):
             line += "; persistent cache " + ", ".join(f"{k[len('PersistentCache'):]} {v}" for k, v in cache.items())
         if self.recompiled_steps:

@@ -18,7 +18,7 @@ Parameters that are not in any checkpoint (new adapter or LoRA weights) are init
 import ctypes
 import functools
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Type, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Type, Union
 
 import torch
 import torch.nn as nn

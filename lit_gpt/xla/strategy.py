@@ -34,7 +34,8 @@ Precision (`SPMDPrecision`):
 
 Multi-host TPU (a v4-32 has 4 hosts x 4 chips): copy the same code and data to every worker and start the same
 command on all of them at once:
-    gcloud compute tpus tpu-vm ssh NAME --zone ZONE --worker=all --command "cd repo && PJRT_DEVICE=TPU python xla/finetune/adapter.py ..."
+    gcloud compute tpus tpu-vm ssh NAME --zone ZONE --worker=all \
+        --command "cd repo && PJRT_DEVICE=TPU python xla/finetune/adapter.py ..."
 torch_xla's PJRT runtime finds the other hosts itself (TPU metadata), `xr.process_count()` becomes the number of
 hosts and the mesh spans hosts x chips; this strategy then opens a gloo process group (`init_method="xla://"`)
 for checkpoint coordination and host-value collectives. Save checkpoints to a directory all hosts share.
@@ -337,11 +338,10 @@ class SPMDFSDPStrategy(XLAStrategy):
         warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed")
         layer_cls = self.layer_cls if self.layer_cls is not None else _default_layer_cls()
         policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls=layer_cls)
-        wrapper = None
-        if self.activation_checkpointing:
+        def checkpointed(m: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
+            return FSDPv2(checkpoint_module(m), *args, **kwargs)
 
-            def wrapper(m: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
-                return FSDPv2(checkpoint_module(m), *args, **kwargs)
+        wrapper = checkpointed if self.activation_checkpointing else None
 
         return FSDPv2(
             module,
@@ -390,14 +390,15 @@ class SPMDFSDPStrategy(XLAStrategy):
     ) -> Tensor:
         # error_if_nonfinite would read the norm on the host every step (a device->host sync): not on XLA
         parameters = self.precision.main_params(optimizer)
-        return torch.nn.utils.clip_grad_norm_(parameters, max_norm=max_norm, norm_type=norm_type, error_if_nonfinite=False)
+        return torch.nn.utils.clip_grad_norm_(
+            parameters, max_norm=max_norm, norm_type=norm_type, error_if_nonfinite=False
+        )
 
     # -------------------------------------------------------------- data
     def shard_batch(self, batch: Any) -> Any:
         """Move CPU tensors to the devices split along dim 0 over the data axes (each device gets its rows).
 
         On several hosts each host passes its own part of the global batch (what DistributedSampler gives it)."""
-        import torch_xla
         import torch_xla.core.xla_model as xm
         import torch_xla.distributed.spmd as xs
         import torch_xla.runtime as xr
@@ -455,7 +456,10 @@ class SPMDFSDPStrategy(XLAStrategy):
         return self._launched and self.world_size > 1
 
     def all_reduce(
-        self, output: Union[Tensor, Any], group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean"
+        self,
+        output: Union[Tensor, Any],
+        group: Optional[Any] = None,
+        reduce_op: Optional[Union[ReduceOp, str]] = "mean",
     ) -> Tensor:
         if not isinstance(output, Tensor):
             output = torch.tensor(output)
@@ -575,7 +579,9 @@ def make_fabric(
 def get_strategy(fabric: Union[Fabric, SPMDFSDPStrategy]) -> SPMDFSDPStrategy:
     strategy = fabric.strategy if isinstance(fabric, Fabric) else fabric
     if not isinstance(strategy, SPMDFSDPStrategy):
-        raise TypeError(f"expected a Fabric with SPMDFSDPStrategy (lit_gpt.xla.make_fabric), got {type(strategy).__name__}")
+        raise TypeError(
+            f"expected a Fabric with SPMDFSDPStrategy (lit_gpt.xla.make_fabric), got {type(strategy).__name__}"
+        )
     return strategy
 
 

@@ -28,11 +28,23 @@ def test_fsdp_8_devices_matches_one_device(xla_workers):
     # the loss goes down: the 5 steps really train (the batches are learnable counting sequences)
     assert main["losses"][-1] < main["losses"][0]
     # every parameter is sharded over the 8 devices (FSDPv2: the largest dimension)
-    assert main["shardings"] and all("devices=[8" in s or "devices=[1,8" in s for s in main["shardings"].values()), main["shardings"]
+    specs = main["shardings"]
+    assert specs and all("devices=[8" in s or "devices=[1,8" in s for s in specs.values()), specs
     assert main["shardings"]["transformer.wte.weight"].startswith("{devices=[8,1]")
     assert all(s == "{replicated}" or "devices=[1" in s for s in one["shardings"].values())
     # the step compiles during warm-up only (first step; first optimizer step with state)
     assert main["compiles_per_step"][2:] == [0, 0, 0], main["report"]
+
+
+def test_activation_checkpointing_on_a_two_slice_mesh(xla_workers):
+    r = xla_workers.result("extra8", killed=True)["checkpointed"]
+    one = xla_workers.result("ref1")["train"]
+    assert r["mesh"] == {"dcn": 2, "fsdp": 4} and r["checkpointed"]
+    for a, b in zip(r["losses"], one["losses"]):
+        assert abs(a - b) < 1e-5, (r["losses"], one["losses"])
+    # parameters are sharded over "fsdp" (4) and replicated over "dcn" (2)
+    assert r["shardings"]["transformer.wte.weight"].endswith("last_tile_dim_replicate}"), r["shardings"]
+    assert r["shardings"]["transformer.wte.weight"].startswith("{devices=[4,1,2]")
 
 
 def test_frozen_adapter_training_sharded(xla_workers):
@@ -82,12 +94,31 @@ def test_clear_errors(xla_workers):
     assert "batch size 6 is not divisible by the 8 devices" in errors["batch"]
     assert "devices=3" in errors["devices"] and "CPU_NUM_DEVICES" in errors["devices"]
     # PJRT_DEVICE=TPU on a machine without TPU: a LitError (one line from a recipe) that says what to do
-    tpu = xla_workers.result("ref1")["tpu_missing"]["error"]
+    choice = xla_workers.result("ref1")["device_choice"]
+    tpu = choice["error"]
     assert tpu.startswith("PJRT_DEVICE=TPU but") and "PJRT_DEVICE=CPU" in tpu and "\n" not in tpu
+    # PJRT_DEVICE unset: no TPU here, so CPU, and it says so
+    assert choice["unset_choice"] == "CPU"
+    assert "PJRT_DEVICE is not set: using PJRT_DEVICE=CPU" in choice["unset_message"]
+
+
+def test_collectives_have_spmd_semantics(xla_workers):
+    c = xla_workers.result("train8")["errors"]["collectives"]
+    assert c["all_reduce"] == [float(i) for i in range(8)]  # a global tensor is already reduced
+    assert c["broadcast"] == {"a": 1} and c["world_size"] == 1 and c["global_rank"] == 0
+    assert c["host_value"] == 3.0
+
+
+def test_persistent_compile_cache_is_written(xla_workers):
+    one = xla_workers.result("ref1")["train"]
+    cache = xla_workers.out / "cache"
+    assert cache.is_dir() and any(cache.iterdir())
+    assert "persistent cache" in one["report"]
 
 
 def _consolidate_cli(*args):
-    return subprocess.run([sys.executable, str(CONSOLIDATE), *map(str, args)], capture_output=True, text=True, timeout=300)
+    cmd = [sys.executable, str(CONSOLIDATE), *map(str, args)]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
 
 
 def test_save_on_8_consolidate_load_on_plain_cpu(xla_workers, tiny_config, tmp_path):

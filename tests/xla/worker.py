@@ -106,9 +106,9 @@ def cpu_state(model, optimizer) -> Dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-def scenario_train(out: Path, result: Dict[str, Any], save: bool) -> None:
+def scenario_train(out: Path, result: Dict[str, Any], save: bool, **fabric_kwargs: Any) -> None:
     """fp32 FSDP: 5 steps; optionally a sharded save after step 3 (+ CPU reference tensors)."""
-    fabric = lx.make_fabric()
+    fabric = lx.make_fabric(**fabric_kwargs)
     fabric.launch()
     model, optimizer = setup_tiny(fabric, out)
     counter = lx.CompileCounter(warmup_steps=2)
@@ -227,9 +227,33 @@ def scenario_compile_counter(out: Path, result: Dict[str, Any]) -> None:
                   warnings=[str(w.message) for w in caught if issubclass(w.category, lx.RecompilationWarning)])
 
 
+def scenario_checkpointed_two_slices(out: Path, result: Dict[str, Any]) -> None:
+    """Activation checkpointing per block, on a ("dcn", "fsdp") = (2, 4) mesh: 2 steps."""
+    fabric = lx.make_fabric(activation_checkpointing=True, num_slices=2)
+    fabric.launch()
+    model, optimizer = setup_tiny(fabric, out)
+    result["losses"] = [train_step(fabric, model, optimizer, step) for step in range(2)]
+    result["mesh"] = dict(lx.get_strategy(fabric).mesh.shape())
+    result["shardings"] = shardings(model)
+    block = model.module.transformer.h[0]
+    result["checkpointed"] = hasattr(block.module, "_xla_checkpointed_forward_original")
+
+
 def scenario_errors(out: Path, result: Dict[str, Any]) -> None:
     fabric = lx.make_fabric()
     fabric.launch()
+    import torch_xla
+
+    x = torch.arange(8.0).to(torch_xla.device())
+    # SPMD semantics: a device tensor is one global value; host values pass through with a single host
+    result["collectives"] = {
+        "all_reduce": fabric.all_reduce(x, reduce_op="mean").cpu().tolist(),
+        "broadcast": fabric.broadcast({"a": 1}),
+        "world_size": fabric.world_size,
+        "global_rank": fabric.global_rank,
+        "host_value": float(fabric.all_reduce(3.0, reduce_op="sum")),
+    }
+    fabric.barrier()
     errors = {}
     try:
         lx.shard_batch(fabric, torch.zeros(6, 4, dtype=torch.long))
@@ -256,8 +280,17 @@ def train8_scenario(out: Path, result: Dict[str, Any]) -> None:
                        ("compile_counter", scenario_compile_counter), ("errors", scenario_errors)])
 
 
-def scenario_tpu_missing(out: Path, result: Dict[str, Any]) -> None:
-    """PJRT_DEVICE=TPU on a machine without TPU: checked before the runtime starts, so this process goes on."""
+def scenario_device_choice(out: Path, result: Dict[str, Any]) -> None:
+    """PJRT_DEVICE unset, then PJRT_DEVICE=TPU without a TPU: both decided before the runtime starts, so this
+    process goes on (with PJRT_DEVICE=CPU) afterwards."""
+    import contextlib
+    import io
+
+    del os.environ["PJRT_DEVICE"]
+    stderr = io.StringIO()
+    with contextlib.redirect_stderr(stderr):
+        result["unset_choice"] = lx.configure_pjrt_device()
+    result["unset_message"] = stderr.getvalue()
     os.environ["PJRT_DEVICE"] = "TPU"
     try:
         lx.make_fabric()
@@ -269,7 +302,8 @@ def scenario_tpu_missing(out: Path, result: Dict[str, Any]) -> None:
 
 def ref1_scenario(out: Path, result: Dict[str, Any]) -> None:
     """The one-device reference (and checks that do not depend on the device count, where compiling is cheap)."""
-    _run(out, result, [("tpu_missing", scenario_tpu_missing), ("train", lambda o, r: scenario_train(o, r, save=False)),
+    _run(out, result, [("device_choice", scenario_device_choice),
+                       ("train", lambda o, r: scenario_train(o, r, save=False, compile_cache_dir=str(o / "cache"))),
                        ("precision", scenario_precision)])
 
 
@@ -301,8 +335,9 @@ def reshard_scenario(out: Path, result: Dict[str, Any]) -> None:
 
 
 def extra8_scenario(out: Path, result: Dict[str, Any]) -> None:
-    """Frozen-parameter (adapter) training, then (last: it ends with SIGKILL) the killed save."""
-    _run(out, result, [("adapter", scenario_adapter)])
+    """Frozen-parameter (adapter) training, activation checkpointing on two slices, then (last: it ends with
+    SIGKILL) the killed save."""
+    _run(out, result, [("adapter", scenario_adapter), ("checkpointed", scenario_checkpointed_two_slices)])
     (out / "extra8.json").write_text(json.dumps(result, default=str))
     kill_scenario(out)
 
