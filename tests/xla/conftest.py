@@ -1,4 +1,5 @@
-"""XLA test setup: tests that use the XLA workers are marked `xla` and skipped without torch_xla.
+"""XLA test setup: the tests in this folder are marked `xla` and skipped without torch_xla (except modules that set
+`NEEDS_XLA = False`). Fixtures: `xla_workers` (below), `xla_env(devices)`, `tiny_config`.
 
 The XLA work runs in worker processes (tests/xla/worker.py) with PJRT_DEVICE=CPU and CPU_NUM_DEVICES=8, 4 or 1:
 the runtime reads those variables once per process and SPMD mode cannot be turned off again, so the pytest process
@@ -27,11 +28,12 @@ HAS_XLA = importlib.util.find_spec("torch_xla") is not None
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        # tests that use the XLA workers; the others here (checkpoint files) need plain torch only
-        if Path(str(item.fspath)).resolve().parent == HERE and "xla_workers" in getattr(item, "fixturenames", ()):
-            item.add_marker(pytest.mark.xla)
-            if not HAS_XLA:
-                item.add_marker(pytest.mark.skip(reason="torch_xla is not installed (pip install torch_xla==2.9.0)"))
+        # a test module that needs plain torch only (checkpoint files) says so with NEEDS_XLA = False
+        if Path(str(item.fspath)).resolve().parent != HERE or not getattr(item.module, "NEEDS_XLA", True):
+            continue
+        item.add_marker(pytest.mark.xla)
+        if not HAS_XLA:
+            item.add_marker(pytest.mark.skip(reason="torch_xla is not installed (pip install torch_xla==2.9.0)"))
 
 
 def xla_env(devices: int, **extra: str) -> Dict[str, str]:

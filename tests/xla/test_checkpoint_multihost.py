@@ -14,6 +14,7 @@ import torch.multiprocessing as mp
 from lit_gpt.utils import LitError
 from lit_gpt.xla.checkpoint import consolidate, latest_checkpoint, read_marker
 
+NEEDS_XLA = False  # plain torch: runs without torch_xla
 WEIGHT = torch.arange(48, dtype=torch.float32).reshape(8, 6) / 10
 BIAS = torch.arange(8, dtype=torch.float32)
 
