@@ -291,7 +291,8 @@ def fit(
     rows = train.micro_batch_size * local_devices(fabric)  # rows per forward on this host
     accum = train.gradient_accumulation_iters(n_devices)
     total_steps = train.total_steps(data.train.batches_per_epoch, fabric.world_size)
-    tokenizer = Tokenizer(checkpoint_dir)
+    # only the validation sample needs the tokenizer (and a benchmark's random checkpoint has none)
+    tokenizer = Tokenizer(checkpoint_dir) if data.sample_prompt is not None and eval.max_new_tokens > 0 else None
     device = fabric.device
 
     # one RoPE table for training and for the validation samples, placed once (see lit_gpt.xla.generate)
@@ -333,6 +334,7 @@ def fit(
     while step < total_steps:
         t0 = time.perf_counter()
         c0 = compile_count()
+        padded_before = padded_tokens
         training.set_lr(optimizer, training.lr_at(step, total_steps, train.lr_warmup_steps, train.learning_rate,
                                                   train.min_lr))
         lengths = set()
@@ -358,8 +360,11 @@ def fit(
         if step % train.log_interval == 0 or step == total_steps:
             loss_value = float(running_loss.cpu()) / running_n  # the only host read of the loss (waits for the step)
             running_loss, running_n = _device_zeros((), device), 0
-        train_time += time.perf_counter() - t0
+        step_time = time.perf_counter() - t0
+        train_time += step_time
         new_compiles = compile_count() - c0
+        # wall time per step; it includes the device's work only on steps that read the loss (log_interval)
+        summary.setdefault("step_times", []).append((step_time, new_compiles, padded_tokens - padded_before))
         for length in lengths:  # a step with several lengths is charged to its longest
             step_compiles.setdefault(length, 0)
         step_compiles[max(lengths)] += new_compiles

@@ -1,0 +1,94 @@
+"""Full finetuning on XLA devices (TPU; also PJRT_DEVICE=CPU or CUDA), FSDP over SPMD on all devices.
+
+    python scripts/prepare_alpaca.py --checkpoint_dir checkpoints/HuggingFaceTB/SmolLM2-135M-Instruct
+    python xla/finetune/full.py --checkpoint_dir checkpoints/HuggingFaceTB/SmolLM2-135M-Instruct
+    python generate/base.py --checkpoint_dir out/xla/full/alpaca/final --prompt_style alpaca --prompt "..."
+
+Every weight trains (parameters, gradients and optimizer state are sharded over the devices). Only the method
+differs from xla/finetune/adapter.py and lora.py; the loop (lit_gpt/xla/finetune.py) writes sharded checkpoints
+to out_dir/step-XXXXXX/ (`--resume auto` continues from the newest complete one) and, at the end, the complete
+checkpoint folder out_dir/final/ (lit_model.pth, streamed out of the shards, plus config and tokenizer): what
+finetune/full.py writes, loadable on any machine.
+See xla/README.md for TPU VMs.
+"""
+
+from pathlib import Path
+from typing import Literal, Optional, Union
+
+from lit_gpt import training
+from lit_gpt.args import DataArgs, EvalArgs, TrainArgs
+from lit_gpt.model import GPT
+from lit_gpt.utils import DEFAULT_CHECKPOINT_DIR, run_cli
+
+
+def setup(
+    checkpoint_dir: Path = DEFAULT_CHECKPOINT_DIR,
+    out_dir: Path = Path("out/xla/full/alpaca"),
+    precision: Optional[str] = None,
+    devices: Union[int, str] = "auto",
+    resume: Union[bool, Literal["auto"], Path] = False,
+    activation_checkpointing: bool = False,
+    optimizer: Literal["adamw", "sgd"] = "adamw",
+    data: DataArgs = DataArgs(pad_pow2=True),
+    train: TrainArgs = TrainArgs(global_batch_size=16, micro_batch_size=1, learning_rate=3e-5, min_lr=3e-6,
+                                lr_warmup_steps=20),
+    eval: EvalArgs = EvalArgs(),
+    logger_name: Literal["csv", "tensorboard"] = "csv",
+    compile_cache_dir: Optional[Path] = None,
+    xla_metrics: bool = False,
+) -> None:
+    """Finetune all weights of a model on prepared instruction data, on XLA devices.
+
+    Args:
+        checkpoint_dir: The base model (a converted lit checkpoint directory).
+        out_dir: Where sharded checkpoints (step-XXXXXX/), the final model (final/) and logs go.
+        precision: "32-true", "bf16-true" or "bf16-mixed" (default: bf16-true on TPUs, else 32-true).
+        devices: "auto" (all devices of the XLA runtime) or their number: the SPMD mesh spans all of them.
+        resume: Continue from a checkpoint: a step directory, True (the newest complete one in out_dir), or "auto"
+            (the newest if there is one, else start fresh).
+        activation_checkpointing: Recompute each block's activations in the backward pass (less memory, ~1/3
+            more compute).
+        optimizer: "adamw" or "sgd" (with momentum 0.9).
+        data: Where the prepared data is and how it is batched (pad_pow2: batches padded to powers of two, so
+            the train step compiles once per length bucket).
+        train: Optimisation and checkpointing (micro_batch_size is per device).
+        eval: Validation.
+        logger_name: "csv" or "tensorboard" (under out_dir/logs).
+        compile_cache_dir: Persistent XLA compilation cache: a second run skips compiling (TPU/GPU).
+        xla_metrics: Print torch_xla's metrics report (compilations, transfers, timings) at the end.
+    """
+    from lit_gpt.xla import make_fabric, pjrt_device_count
+    from lit_gpt.xla.finetune import default_precision, make_logger
+
+    config = training.load_config(checkpoint_dir)
+    fabric = make_fabric(
+        devices, default_precision(precision), activation_checkpointing=activation_checkpointing,
+        compile_cache_dir=compile_cache_dir, loggers=make_logger(out_dir, logger_name),
+    )
+    train.validate(pjrt_device_count())
+    run_config = training.run_config(method="full", checkpoint_dir=checkpoint_dir, data=data, train=train,
+                                     eval=eval, optimizer=optimizer, platform="xla")
+    fabric.launch(main, checkpoint_dir, out_dir, config, data, train, eval, resume, optimizer, run_config,
+                  xla_metrics)
+
+
+def main(fabric, checkpoint_dir, out_dir, config, data, train, eval, resume, optimizer, run_config,
+         xla_metrics) -> dict:
+    from lit_gpt.xla import finetune
+
+    fabric.seed_everything(train.seed)
+    run_data = finetune.load_data(fabric, data, train, eval, checkpoint_dir, config.block_size)
+
+    # the method: the plain model, every parameter trains and is saved
+    model = finetune.load_model(fabric, lambda: GPT(config), checkpoint_dir)
+    method = training.Method(name="full", weights_file="lit_model.pth")
+
+    wrapped, opt = fabric.setup(model, finetune.build_optimizer(model, train, optimizer))
+    return finetune.fit(
+        fabric, wrapped, model, opt, run_data, method, checkpoint_dir=checkpoint_dir, out_dir=out_dir, train=train,
+        eval=eval, resume=resume, run_config=run_config, xla_metrics=xla_metrics,
+    )
+
+
+if __name__ == "__main__":
+    run_cli(setup)
