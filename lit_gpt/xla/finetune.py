@@ -26,8 +26,6 @@ different here, and why:
 
 import dataclasses
 import math
-import os
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -286,6 +284,8 @@ def fit(
     from lit_gpt.xla.generate import cache_length, set_rope_length
     from lit_gpt.xla.strategy import get_strategy, shard_batch
 
+    if getattr(train, "compile", False):
+        raise LitError("--train.compile (torch.compile) is for the GPU/CPU recipes: XLA compiles every step already")
     out_dir = Path(out_dir)
     n_devices = get_strategy(fabric).num_devices
     rows = train.micro_batch_size * local_devices(fabric)  # rows per forward on this host
@@ -382,10 +382,10 @@ def fit(
                        "tokens_per_sec": tokens * fabric.world_size / max(train_time, 1e-9)}
             metrics.update(throughput.compute())
             fabric.log_dict(metrics, step=step)
-            bar.set_postfix(loss=f"{loss_value:.4f}", lr=f"{metrics['lr']:.2e}", tok_s=f"{metrics['tokens_per_sec']:.0f}")
+            bar.set_postfix(loss=f"{loss_value:.4f}", lr=f"{metrics['lr']:.2e}",
+                            tok_s=f"{metrics['tokens_per_sec']:.0f}")
             summary.update(train_loss=loss_value, tokens_per_sec=metrics["tokens_per_sec"],
                            mfu=metrics.get("device/mfu"))
-            summary.setdefault("losses", []).append((step, loss_value))
 
         c1 = compile_count()
         if data.val and (step % eval.interval == 0 or (step == total_steps and eval.final_validation)):

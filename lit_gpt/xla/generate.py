@@ -139,13 +139,11 @@ def generate(
     stop_ids: Optional[Union[int, Sequence[int]]] = None,
     pad_id: int = 0,
     check_every: int = 8,
-    on_tokens: Optional[Callable[[List[int]], None]] = None,
 ) -> GenerationResult:
     """Generate up to `max_new_tokens` after the 1-D (CPU) `prompt` on the model's XLA device.
 
-    `model` may be wrapped (Fabric, FSDPv2): its forward is used, the caches go to the inner `GPT`.
-    `on_tokens` receives the new token ids each time they reach the host (every `check_every` steps), e.g. to
-    stream text."""
+    `model` may be wrapped (Fabric, FSDPv2): its forward is used, the caches go to the inner `GPT`. The tokens
+    reach the host every `check_every` steps, where the stop tokens are looked for."""
     import torch_xla
 
     from lit_gpt.xla.diagnostics import compile_count
@@ -160,8 +158,6 @@ def generate(
     T = prompt.numel()
     check_lengths(T, max_new_tokens, block_size)
     bucket = bucket_length(T, block_size)
-    if bucket < T:  # a prompt longer than the largest bucket (the block size) was rejected above; keep the guard
-        raise LitError(f"the prompt ({T} tokens) does not fit the largest bucket ({bucket})")
     device = gpt.transformer.wte.weight.device
     stops = set([stop_ids] if isinstance(stop_ids, int) else list(stop_ids or ()))
     sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
@@ -181,8 +177,6 @@ def generate(
     host: List[int] = _to_host(device_tokens)  # waits for the prefill: the first token is on the host here
     time_to_first_token = time.perf_counter() - t0
     stopped = host[0] in stops
-    if on_tokens is not None and not stopped:
-        on_tokens(list(host))
 
     decode_start: Optional[float] = None
     decode_steps = 0
@@ -202,13 +196,7 @@ def generate(
         if step % check_every == 0 or step == max_new_tokens:
             new = _to_host(device_tokens[len(host) :])
             host.extend(new)
-            if stops:
-                cut = next((i for i, t in enumerate(new) if t in stops), None)
-                if cut is not None:
-                    new = new[:cut]
-                    stopped = True
-            if on_tokens is not None and new:
-                on_tokens(new)
+            stopped = any(t in stops for t in new)
     if len(host) < len(device_tokens):  # the loop ended between two checks
         host.extend(_to_host(device_tokens[len(host) :]))
     decode_time = time.perf_counter() - decode_start if decode_start is not None else 0.0
