@@ -19,7 +19,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-from lit_gpt.generate import decode_one_token, generate, load_model
+from lit_gpt.generate import decode_one_token, generate, load_model, use_column_major_weights
 from lit_gpt.tokenizer import Tokenizer
 from lit_gpt.utils import DEFAULT_CHECKPOINT_DIR, LitError, run_cli
 
@@ -37,6 +37,7 @@ def setup(
     threads: Optional[int] = None,
     prompt: str = PROMPT,
     compile: bool = False,
+    column_major: bool = True,
 ) -> Dict[str, float]:
     """Time both implementations and print tokens/s and the ratio.
 
@@ -48,6 +49,8 @@ def setup(
         prompt: The prompt (about 30 tokens by default), used as raw text.
         compile: Also time our loop with the decode step `torch.compile`d (generate/base.py --compile); the
             compilation happens in the warm-up run and is reported separately.
+        column_major: Store our tall weight matrices column-major, as generate/base.py does on the CPU
+            (`lit_gpt.generate.use_column_major_weights`); false measures the plain nn.Linear layout.
     """
     if not (Path(checkpoint_dir) / "config.json").is_file() or not (Path(checkpoint_dir) / "model.safetensors").is_file():
         raise LitError(
@@ -63,6 +66,8 @@ def setup(
     tokenizer = Tokenizer(checkpoint_dir)
     ids = tokenizer.encode(prompt)
     ours = load_model(checkpoint_dir)
+    if column_major:
+        use_column_major_weights(ours)  # as generate/base.py does on the CPU in 32-true
     theirs = AutoModelForCausalLM.from_pretrained(checkpoint_dir, dtype=torch.float32).eval()
 
     def run_ours(decode_fn: Callable = decode_one_token) -> List[int]:

@@ -25,6 +25,7 @@ from lit_gpt.generate import (
     generate,
     load_config,
     load_model,
+    use_column_major_weights,
 )
 from lit_gpt.prompts import PromptStyle, Raw
 from lit_gpt.tokenizer import Tokenizer
@@ -105,6 +106,8 @@ def main(
 
     t0 = time.perf_counter()
     model = load_model(checkpoint_dir)
+    if fabric.device.type == "cpu" and fabric.strategy.precision.precision == "32-true":
+        use_column_major_weights(model)  # faster matrix-vector products on the CPU (see its docstring)
     model = fabric.setup_module(model)
     print(f"Loaded {checkpoint_dir} in {time.perf_counter() - t0:.2f} s", file=sys.stderr)
 

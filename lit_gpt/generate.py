@@ -276,6 +276,35 @@ def generate(model: GPT, prompt: torch.Tensor, max_new_tokens: int, **kwargs) ->
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# CPU weight layout
+# ---------------------------------------------------------------------------------------------------------------
+def use_column_major_weights(model: torch.nn.Module) -> int:
+    """Store the weight of every linear and embedding layer that has at least as many rows (outputs) as columns
+    (inputs) column-major: as the transposed view of a contiguous W^T. Returns how many tensors were changed.
+
+    Why: a decode step multiplies one activation row by every weight matrix, a matrix-vector product bound by
+    memory bandwidth. On x86 CPUs (MKL) `x @ W.T` streams a contiguous W^T clearly faster than the row-major W that
+    nn.Linear keeps when the matrix is square or taller than wide (measured on 2 cores: 10-40% for SmolLM2's
+    576->1536 MLP and 576->49152 head matrices, about 17% per generated token overall) and slower when it is wide
+    (the 1536->576 down projection), hence the rule. Shapes, names and tied parameters stay as they are (tied
+    weights remain one tensor); results differ from the row-major product by float summation order only. Meant for
+    float32 inference on the CPU; a GPU has no use for it."""
+    replaced: dict = {}
+    for module in model.modules():
+        if not isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
+            continue
+        weight = module.weight
+        if weight.dim() != 2 or weight.size(0) < weight.size(1) or weight.stride(0) == 1:
+            continue
+        if id(weight) not in replaced:
+            with torch.no_grad():
+                column_major = weight.detach().t().contiguous().t()
+            replaced[id(weight)] = torch.nn.Parameter(column_major, requires_grad=weight.requires_grad)
+        module.weight = replaced[id(weight)]
+    return len(replaced)
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # Loading for inference
 # ---------------------------------------------------------------------------------------------------------------
 def load_config(checkpoint_dir: Path) -> Config:

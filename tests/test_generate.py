@@ -22,6 +22,7 @@ from lit_gpt.generate import (
     prefill,
     sample,
     setup_kv_cache,
+    use_column_major_weights,
 )
 from lit_gpt.utils import LitError
 
@@ -293,6 +294,25 @@ def test_length_errors():
 def test_argument_errors(kwargs, message):
     with pytest.raises(LitError, match=message):
         generate(tiny_model(), torch.zeros(3, dtype=torch.long), 5, **kwargs)
+
+
+def test_column_major_weights_change_layout_only():
+    model = tiny_model(n_embd=32, intermediate_size=96)
+    prompt = torch.randint(0, 320, (7,), generator=torch.Generator().manual_seed(1))
+    expected = naive_greedy(model, prompt, 16)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    # tall or square: qkv (64x32), fc_1/fc_2 (96x32), the tied head/embedding (320x32); wide: proj (32x32 is
+    # square, so it changes too), mlp.proj (32x96) stays row-major
+    changed = use_column_major_weights(model)
+    assert changed == 1 + 2 * 4  # the tied matrix once, then qkv, attn.proj, fc_1, fc_2 per layer
+    assert model.lm_head.weight is model.transformer.wte.weight
+    assert model.lm_head.weight.stride() == (1, 320)
+    assert model.transformer.h[0].attn.qkv.weight.stride() == (1, 64)
+    assert model.transformer.h[0].mlp.proj.weight.is_contiguous()
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, before[name]), name
+    assert use_column_major_weights(model) == 0  # idempotent
+    assert torch.equal(generate(model, prompt, 16), expected)
 
 
 # ---------------------------------------------------------------------------------------------------------------
