@@ -82,9 +82,9 @@ def main(fabric, checkpoint_dir: Path, max_new_tokens: Tuple[int, ...], eager_re
                 equal = ref.tolist() == r.tokens.tolist()
             xla_speed = r.decode_tokens_per_sec
             ratio = xla_speed / eager_speed if xla_speed and eager_speed else None
-            fmt = lambda v, spec: format(v, spec) if v is not None else "n/a"  # noqa: E731
+            fmt = lambda v, width: f"{v:>{width}.2f}" if v is not None else f"{'n/a':>{width}}"  # noqa: E731
             print(f"{r.prompt_length:>6} {r.bucket:>6} {n:>4} {r.compiles:>8} {r.time_to_first_token:>7.2f}"
-                  f" {fmt(xla_speed, '>9.2f')} {fmt(eager_speed, '>11.2f')} {fmt(ratio, '>9.2f')}"
+                  f" {fmt(xla_speed, 9)} {fmt(eager_speed, 11)} {fmt(ratio, 9)}"
                   f" {str(equal) if equal is not None else 'n/a':>5}", flush=True)
     print("compiles: XLA compilations of that call (prefill + decode: 2 for a new bucket or cache size, 0 otherwise);"
           " TTFT: time to the first token, compilation included; XLA tok/s: steady decode after the first decode"
