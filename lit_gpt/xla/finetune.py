@@ -64,26 +64,12 @@ def load_data(
 
 
 def load_model(fabric: Any, build: Any, checkpoint_dir: Path) -> nn.Module:
-    """`lit_gpt.xla.load_staged` of the base checkpoint into `build()` (a GPT or a PEFT variant, whose own new
-    parameters are initialised by their modules).
-
-    The meta-device parameters are kept referenced while it runs: the loader tells parameters apart by `id()`,
-    and once it has replaced a module's parameters to initialise them, a new tensor can reuse a freed parameter's
-    id and be mistaken for it (seen as an adapter weight of the second block receiving a norm's tensor)."""
+    """`build()` (a GPT or a PEFT variant) with the base checkpoint loaded block by block onto the devices
+    (`lit_gpt.xla.load_staged`); the variant's own new parameters are initialised by their modules."""
     from lit_gpt.utils import check_checkpoint_dir
     from lit_gpt.xla.loader import load_staged
 
-    originals: List[torch.Tensor] = []
-
-    def build_and_hold() -> nn.Module:
-        module = build()
-        originals.extend(p for _, p in module.named_parameters(remove_duplicate=False))
-        return module
-
-    try:
-        return load_staged(build_and_hold, check_checkpoint_dir(checkpoint_dir), fabric)
-    finally:
-        originals.clear()
+    return load_staged(build, check_checkpoint_dir(checkpoint_dir), fabric)
 
 
 def build_optimizer(model: nn.Module, train: TrainArgs, name: str = "adamw") -> torch.optim.Optimizer:
