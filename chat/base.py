@@ -16,8 +16,14 @@ from typing import Callable, List, Optional, TextIO, Tuple
 import lightning as L
 import torch
 
-from lit_gpt.generate import check_sampling_args, decode_one_token, generate_stream, load_config, load_model
-from lit_gpt.peft import generation_fabric
+from lit_gpt.generate import (
+    check_sampling_args,
+    decode_one_token,
+    generate_stream,
+    generation_fabric,
+    load_config,
+    load_model,
+)
 from lit_gpt.prompts import PromptStyle
 from lit_gpt.tokenizer import Tokenizer
 from lit_gpt.utils import DEFAULT_CHECKPOINT_DIR, LitError, run_cli

@@ -14,7 +14,8 @@ from typing import Optional
 import lightning as L
 
 from lit_gpt import adapter_v2
-from lit_gpt.peft import generate_samples, generation_fabric, load_variant_model
+from lit_gpt.generate import generate_samples, generation_fabric
+from lit_gpt.peft import load_variant_model
 from lit_gpt.utils import DEFAULT_CHECKPOINT_DIR, run_cli
 
 

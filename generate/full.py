@@ -13,7 +13,8 @@ from typing import Optional
 
 import lightning as L
 
-from lit_gpt.peft import generate_samples, generation_fabric, load_full_finetuned
+from lit_gpt.generate import generate_samples, generation_fabric
+from lit_gpt.peft import load_full_finetuned
 from lit_gpt.utils import DEFAULT_CHECKPOINT_DIR, run_cli
 
 

@@ -15,7 +15,8 @@ import lightning as L
 from lit_gpt import lora
 from lit_gpt.lora import merge_lora_weights
 from lit_gpt.model import GPT
-from lit_gpt.peft import generate_samples, generation_fabric, load_variant_model
+from lit_gpt.generate import generate_samples, generation_fabric
+from lit_gpt.peft import load_variant_model
 from lit_gpt.utils import DEFAULT_CHECKPOINT_DIR, run_cli
 
 

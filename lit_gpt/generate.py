@@ -11,7 +11,7 @@ No XLA import lives here: the XLA recipe passes `step_hook=torch_xla.sync` to cu
 """
 
 from pathlib import Path
-from typing import Callable, Iterator, List, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Union
 
 import torch
 
@@ -345,3 +345,88 @@ def load_model(checkpoint_dir: Path) -> GPT:
     load_checkpoint(model, path, assign=True)
     model.eval()
     return model
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The body of the generate/*.py recipes (they differ only in how the model is loaded)
+# ---------------------------------------------------------------------------------------------------------------
+def generation_fabric(accelerator: str = "auto", precision: Optional[str] = None):
+    """A one-device Fabric for generation: bf16-true on GPUs that support it, else 32-true, unless given."""
+    import lightning as L  # here: only the generation recipes need Lightning
+
+    if accelerator == "auto":
+        accelerator = "cuda" if torch.cuda.is_available() else "cpu"
+    if precision is None:
+        precision = "bf16-true" if accelerator == "cuda" and torch.cuda.is_bf16_supported() else "32-true"
+    if precision not in ("32-true", "bf16-true", "16-true"):
+        raise LitError(f"--precision must be 32-true, bf16-true or 16-true for generation (got {precision!r})")
+    return L.Fabric(devices=1, accelerator=accelerator, precision=precision)
+
+
+def generate_samples(
+    fabric: Any,
+    load_model: Callable[[], GPT],
+    checkpoint_dir: Path,
+    prompt: str,
+    *,
+    num_samples: int = 1,
+    max_new_tokens: int = 100,
+    temperature: float = 0.8,
+    top_k: Optional[int] = 50,
+    top_p: float = 1.0,
+    prompt_style: Optional[str] = None,
+    seed: int = 1234,
+    compile: bool = False,
+) -> List[str]:
+    """Check the request, then `load_model()`, then print `num_samples` generations to stdout (time, tokens/s and
+    memory to stderr). Every check on the user's input runs before the weights are read. Returns the texts."""
+    import resource
+    import sys
+    import time
+
+    from lit_gpt.prompts import PromptStyle, Raw  # here: only the generation recipes need prompts and tokenizer
+    from lit_gpt.tokenizer import Tokenizer
+
+    if num_samples < 1:
+        raise LitError(f"--num_samples must be >= 1 (got {num_samples})")
+    check_sampling_args(temperature, top_k, top_p)
+    check_model_dir(checkpoint_dir)
+    config = load_config(checkpoint_dir)
+    tokenizer = Tokenizer(checkpoint_dir)
+    style = PromptStyle.from_checkpoint(checkpoint_dir, prompt_style)
+    encoded = tokenizer.encode(style.apply(prompt), device=fabric.device)
+    check_lengths(encoded.numel(), max_new_tokens, config.block_size)
+    # single-token stop sequences end generation on the device; the styles here have no longer ones
+    stop_ids = [ids[0] for ids in style.stop_tokens(tokenizer) if len(ids) == 1]
+
+    t0 = time.perf_counter()
+    model = load_model().eval()
+    if fabric.device.type == "cpu" and fabric.strategy.precision.precision == "32-true":
+        use_column_major_weights(model)  # faster matrix-vector products on the CPU (see its docstring)
+    model = fabric.setup_module(model)
+    print(f"Loaded {checkpoint_dir} in {time.perf_counter() - t0:.2f} s", file=sys.stderr)
+
+    decode_fn = torch.compile(decode_one_token, dynamic=False) if compile else decode_one_token
+    # the CPU reads the stop flag for free; on a GPU reading it every step would stall the queue of kernels
+    chunk_size = 1 if fabric.device.type == "cpu" else 16
+    fabric.seed_everything(seed)
+    texts = []
+    for i in range(num_samples):
+        t0 = time.perf_counter()
+        # inference mode: nothing here needs autograd afterwards, and each small op dispatches a little faster
+        with torch.inference_mode():
+            new = generate(
+                model, encoded, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                stop_ids=stop_ids, chunk_size=chunk_size, decode_fn=decode_fn,
+            )
+            new_ids = new.tolist()  # a host read: the timing includes all of the device's work
+        t = time.perf_counter() - t0
+        texts.append(tokenizer.decode(encoded.tolist() + new_ids if isinstance(style, Raw) else new_ids))
+        print(texts[-1], flush=True)
+        print(f"Sample {i + 1}: {len(new_ids)} tokens in {t:.02f} s, {len(new_ids) / t:.02f} tokens/s", file=sys.stderr)
+    if fabric.device.type == "cuda":
+        print(f"Memory used: {torch.cuda.max_memory_allocated() / 1e9:.02f} GB (max allocated)", file=sys.stderr)
+    else:
+        peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+        print(f"Memory used: {peak_rss / 1e9:.02f} GB (peak RSS, includes the mapped weights)", file=sys.stderr)
+    return texts

@@ -11,14 +11,8 @@ Finetuned-weights file (`torch.save` of a dict, written atomically by `save_fine
 `generate/{adapter,adapter_v2,lora}.py` and `scripts/merge_lora.py` read it with `load_finetuned`. Recipes that
 save through Fabric write the same layout with
     fabric.save(path, {"model": model, **finetuned_metadata(model)}, filter={"model": finetuned_filter(model)})
-
-`generation_fabric` and `generate_samples` are the body of the `generate/{full,adapter,adapter_v2,lora}.py`
-recipes, which differ from `generate/base.py` only in how the model is loaded.
 """
 
-import resource
-import sys
-import time
 from dataclasses import fields
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Tuple, Type, Union
@@ -27,14 +21,7 @@ import torch
 import torch.nn as nn
 
 from lit_gpt.config import Config
-from lit_gpt.generate import (
-    check_lengths,
-    check_model_dir,
-    check_sampling_args,
-    decode_one_token,
-    generate,
-    load_config,
-)
+from lit_gpt.generate import load_config
 from lit_gpt.model import GPT
 from lit_gpt.utils import LitError, check_checkpoint_dir, load_state_dict, save_atomic
 
@@ -157,74 +144,3 @@ def load_full_finetuned(checkpoint_dir: Union[str, Path], checkpoint_path: Union
         model = GPT(config)
     _load_part(model, state, Path(checkpoint_path), allowed_missing=set())
     return model
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Generation with a finetuned model (what generate/{full,adapter,adapter_v2,lora}.py share)
-# ---------------------------------------------------------------------------------------------------------------
-def generation_fabric(accelerator: str = "auto", precision: Optional[str] = None):
-    """A one-device Fabric for generation: bf16-true on GPUs that support it, else 32-true, unless given."""
-    import lightning as L  # here: only the generation recipes need Lightning
-
-    if accelerator == "auto":
-        accelerator = "cuda" if torch.cuda.is_available() else "cpu"
-    if precision is None:
-        precision = "bf16-true" if accelerator == "cuda" and torch.cuda.is_bf16_supported() else "32-true"
-    if precision not in ("32-true", "bf16-true", "16-true"):
-        raise LitError(f"--precision must be 32-true, bf16-true or 16-true for generation (got {precision!r})")
-    return L.Fabric(devices=1, accelerator=accelerator, precision=precision)
-
-
-def generate_samples(
-    fabric: Any,
-    load_model: Callable[[], GPT],
-    checkpoint_dir: Path,
-    prompt: str,
-    *,
-    num_samples: int = 1,
-    max_new_tokens: int = 100,
-    temperature: float = 0.8,
-    top_k: Optional[int] = 50,
-    top_p: float = 1.0,
-    prompt_style: Optional[str] = None,
-    seed: int = 1234,
-    compile: bool = False,
-) -> None:
-    """Check the request, then `load_model()`, then print `num_samples` generations to stdout (timings and memory
-    to stderr), as generate/base.py does. Every check on the user's input runs before the weights are read."""
-    from lit_gpt.prompts import PromptStyle, Raw  # here: only the generation recipes need prompts and tokenizer
-    from lit_gpt.tokenizer import Tokenizer
-
-    if num_samples < 1:
-        raise LitError(f"--num_samples must be >= 1 (got {num_samples})")
-    check_sampling_args(temperature, top_k, top_p)
-    check_model_dir(checkpoint_dir)
-    tokenizer = Tokenizer(checkpoint_dir)
-    style = PromptStyle.from_checkpoint(checkpoint_dir, prompt_style)
-    encoded = tokenizer.encode(style.apply(prompt), device=fabric.device)
-    check_lengths(encoded.numel(), max_new_tokens, load_config(checkpoint_dir).block_size)
-
-    t0 = time.perf_counter()
-    model = fabric.setup_module(load_model().eval())
-    print(f"Loaded the model in {time.perf_counter() - t0:.2f} s", file=sys.stderr)
-
-    # single-token stop sequences end generation on the device; the styles here have no longer ones
-    stop_ids = [ids[0] for ids in style.stop_tokens(tokenizer) if len(ids) == 1]
-    decode_fn = torch.compile(decode_one_token, dynamic=False) if compile else decode_one_token
-    # the CPU reads the stop flag for free; on a GPU reading it every step would stall the queue of kernels
-    chunk_size = 1 if fabric.device.type == "cpu" else 16
-    fabric.seed_everything(seed)
-    for i in range(num_samples):
-        t0 = time.perf_counter()
-        new_ids = generate(
-            model, encoded, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, stop_ids=stop_ids,
-            chunk_size=chunk_size, decode_fn=decode_fn,
-        ).tolist()  # a host read: the timing includes all of the device's work
-        t = time.perf_counter() - t0
-        print(tokenizer.decode(encoded.tolist() + new_ids if isinstance(style, Raw) else new_ids), flush=True)
-        print(f"Sample {i + 1}: {len(new_ids)} tokens in {t:.02f} s, {len(new_ids) / t:.02f} tokens/s", file=sys.stderr)
-    if fabric.device.type == "cuda":
-        print(f"Memory used: {torch.cuda.max_memory_allocated() / 1e9:.02f} GB (max allocated)", file=sys.stderr)
-    else:
-        peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-        print(f"Memory used: {peak_rss / 1e9:.02f} GB (peak RSS, includes the mapped weights)", file=sys.stderr)
