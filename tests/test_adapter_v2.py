@@ -3,7 +3,7 @@ trained scales/biases and prefix give the same logits with and without a cache; 
 
 import pytest
 import torch
-from test_adapter import (
+from variants import (
     FAMILIES,
     base_and_variant,
     cached_logits,

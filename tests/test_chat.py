@@ -5,7 +5,6 @@ import io
 from pathlib import Path
 
 import pytest
-import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -44,7 +43,7 @@ def scripted(messages):
 @pytest.fixture(scope="module")
 def smollm2(smollm2_dir):
     from lit_gpt.generate import load_model
-    from lit_gpt.peft import generation_fabric
+    from lit_gpt.generate import generation_fabric
     from lit_gpt.prompts import PromptStyle
     from lit_gpt.tokenizer import Tokenizer
 
@@ -86,7 +85,7 @@ def test_real_model_streams_answer_stops_at_end_of_turn_and_keeps_history(smollm
 
 def test_reset_exit_and_eof(tiny_dir):
     from lit_gpt.generate import load_model
-    from lit_gpt.peft import generation_fabric
+    from lit_gpt.generate import generation_fabric
     from lit_gpt.prompts import PromptStyle
     from lit_gpt.tokenizer import Tokenizer
 

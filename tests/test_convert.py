@@ -21,7 +21,7 @@ from lit_gpt.convert import (  # noqa: E402
     hf_model_type,
 )
 from lit_gpt.utils import LitError  # noqa: E402
-from test_model import FAMILIES, VOCAB, build_hf_model  # noqa: E402  (the tiny HF configs of every family)
+from tiny_hf import FAMILIES, VOCAB, build_hf_model  # noqa: E402  (the tiny HF configs of every family)
 
 REPO = Path(__file__).resolve().parents[1]
 

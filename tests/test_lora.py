@@ -3,7 +3,7 @@ gives the LoRA model's outputs; only the enabled q/k/v parts get an update; the 
 
 import pytest
 import torch
-from test_adapter import (
+from variants import (
     FAMILIES,
     base_and_variant,
     cached_logits,

@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from test_adapter import base_and_variant, finetuned_on, randomize_own_, run_recipe, tokens, write_base_checkpoint
+from variants import base_and_variant, finetuned_on, randomize_own_, run_recipe, tokens, write_base_checkpoint
 
 from lit_gpt import GPT, Config, lora
 from lit_gpt.peft import load_full_finetuned, save_finetuned

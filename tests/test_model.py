@@ -1,148 +1,18 @@
 """Numerical parity of `GPT` with `transformers` (the reference) for every supported family.
 
 Each case builds a tiny random HF model in float32 with eager attention, saves it with `save_pretrained`, converts
-it with the production converter and compares logits. Weights are re-drawn large enough that logits are O(1):
-HF's default init (std 0.02) gives near-zero logits that would hide most bugs.
+it with the production converter and compares logits (the tiny configs: tests/tiny_hf.py).
 """
-
-import math
 
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
 
+from tiny_hf import FAMILIES, SEQ, VOCAB, hf_to_lit  # noqa: E402  (the tiny HF model of each family)
+
 from lit_gpt import GPT, Config  # noqa: E402
-from lit_gpt.convert import convert_hf_checkpoint  # noqa: E402
 from lit_gpt.model import build_rope_cache  # noqa: E402
-
-VOCAB = 128
-SEQ = 12
-_LLAMA3_ROPE = dict(
-    rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=32
-)
-_SMALL = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4)
-
-# name -> (HF config class, kwargs). Each mirrors the shape features of the real family at toy size.
-FAMILIES = {
-    "llama-2": ("LlamaConfig", dict(_SMALL, intermediate_size=96, rms_norm_eps=1e-5)),
-    "code-llama": ("LlamaConfig", dict(_SMALL, intermediate_size=96, rms_norm_eps=1e-5, rope_theta=1e6)),
-    "llama-3.1": (
-        "LlamaConfig",
-        dict(_SMALL, intermediate_size=96, num_key_value_heads=2, rope_theta=500000.0, rope_scaling=_LLAMA3_ROPE),
-    ),
-    "llama-3.2": (
-        "LlamaConfig",
-        dict(
-            _SMALL,
-            intermediate_size=96,
-            num_key_value_heads=2,
-            rope_theta=500000.0,
-            rope_scaling=_LLAMA3_ROPE,
-            tie_word_embeddings=True,
-        ),
-    ),
-    "tinyllama": (
-        "LlamaConfig",
-        dict(_SMALL, num_attention_heads=8, num_key_value_heads=2, intermediate_size=96, rms_norm_eps=1e-5),
-    ),
-    "smollm2": (
-        "LlamaConfig",
-        dict(
-            _SMALL,
-            hidden_size=96,
-            num_attention_heads=6,
-            num_key_value_heads=3,
-            intermediate_size=128,
-            rope_theta=100000.0,
-            tie_word_embeddings=True,
-            rms_norm_eps=1e-5,
-        ),
-    ),
-    # window 4 < SEQ: the sliding-window mask really drops keys
-    "mistral-v0.1": ("MistralConfig", dict(_SMALL, intermediate_size=96, num_key_value_heads=2, sliding_window=4)),
-    "mistral-v0.3": (
-        "MistralConfig",
-        dict(_SMALL, intermediate_size=96, num_key_value_heads=2, sliding_window=None, rope_theta=1e6),
-    ),
-    "pythia": ("GPTNeoXConfig", dict(_SMALL, intermediate_size=256, rotary_pct=0.25)),
-    "stablelm-base-alpha": ("GPTNeoXConfig", dict(_SMALL, intermediate_size=192, rotary_pct=0.25, layer_norm_eps=1e-5)),
-    "gpt-neox-sequential": ("GPTNeoXConfig", dict(_SMALL, intermediate_size=128, rotary_pct=0.5, use_parallel_residual=False)),
-    "stablelm-2": (
-        "StableLmConfig",
-        dict(_SMALL, intermediate_size=96, num_key_value_heads=4, partial_rotary_factor=0.25, use_qkv_bias=True),
-    ),
-    "stablelm-zephyr-3b": (
-        "StableLmConfig",
-        dict(_SMALL, intermediate_size=96, num_key_value_heads=4, partial_rotary_factor=0.25, use_qkv_bias=False),
-    ),
-    "stablelm-gqa-parallel": (
-        "StableLmConfig",
-        dict(_SMALL, intermediate_size=96, num_key_value_heads=2, partial_rotary_factor=0.5, use_parallel_residual=True),
-    ),
-    "falcon-7b": (
-        "FalconConfig",
-        dict(_SMALL, multi_query=True, parallel_attn=True, new_decoder_architecture=False, bias=False),
-    ),
-    "falcon-40b": (
-        "FalconConfig",
-        dict(_SMALL, num_attention_heads=8, new_decoder_architecture=True, num_kv_heads=2, bias=False),
-    ),
-    "falcon-mha-sequential": (
-        "FalconConfig",
-        dict(_SMALL, multi_query=False, parallel_attn=False, new_decoder_architecture=False, bias=True),
-    ),
-    "phi-1.5": ("PhiConfig", dict(_SMALL, intermediate_size=256, partial_rotary_factor=0.5)),
-    # head size 20 as in phi-2 (80): 0.4 of it is 8 rotary dims
-    "phi-2": ("PhiConfig", dict(_SMALL, hidden_size=80, intermediate_size=320, partial_rotary_factor=0.4)),
-    "gemma-2b": ("GemmaConfig", dict(_SMALL, intermediate_size=128, num_key_value_heads=1, head_dim=32)),
-    "gemma-7b": ("GemmaConfig", dict(_SMALL, intermediate_size=128, num_key_value_heads=4, head_dim=32)),
-    "qwen2.5": (
-        "Qwen2Config",
-        dict(_SMALL, intermediate_size=96, num_key_value_heads=2, tie_word_embeddings=True, rope_theta=1e6),
-    ),
-}
-
-
-def randomize_(model: torch.nn.Module, seed: int = 0) -> None:
-    """Re-draw every parameter: norms around 1, everything else N(0, 1/fan_in)-ish, biases small but nonzero."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for module in model.modules():
-            is_norm = type(module).__name__.endswith("Norm")
-            for name, p in module.named_parameters(recurse=False):
-                noise = torch.randn(p.shape, generator=gen)
-                if is_norm and name == "weight":
-                    # Gemma stores the norm as an offset from 1, the others the scale itself
-                    offset = 0.0 if "Gemma" in type(module).__name__ else 1.0
-                    p.copy_(offset + 0.1 * noise)
-                elif p.ndim == 1:
-                    p.copy_(0.1 * noise)
-                else:
-                    p.copy_(noise / math.sqrt(p.shape[-1]))
-
-
-def build_hf_model(family: str, seed: int = 0):
-    cls_name, kwargs = FAMILIES[family]
-    hf_config = getattr(transformers, cls_name)(**kwargs)
-    hf_config._attn_implementation = "eager"
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(hf_config, attn_implementation="eager", dtype=torch.float32)
-    randomize_(model, seed)
-    return model.eval()
-
-
-def hf_to_lit(family: str, tmp_path, seed: int = 0):
-    """(HF model, converted lit GPT) for one family, through save_pretrained and the production converter."""
-    hf_model = build_hf_model(family, seed)
-    checkpoint_dir = tmp_path / family
-    hf_model.save_pretrained(checkpoint_dir)
-    convert_hf_checkpoint(checkpoint_dir)
-    config = Config.from_checkpoint(checkpoint_dir)
-    model = GPT(config)
-    model.load_state_dict(torch.load(checkpoint_dir / "lit_model.pth", weights_only=True))
-    return hf_model, model.eval()
-
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 @torch.no_grad()
