@@ -320,7 +320,7 @@ def test_lora_on_real_smollm2_lowers_validation_loss(smollm2_dir, tmp_path):
     rows = []
     for i in range(40):
         a, b = rng.sample(colors, 2)
-        rows.append({"instruction": f"Name the two colors in this list, separated by ' and '.",
+        rows.append({"instruction": "Name the two colors in this list, separated by ' and '.",
                      "input": f"{rng.randint(1, 9)} {a} apples, {rng.randint(1, 9)} {b} pears",
                      "output": f"{a} and {b}"})
     src = tmp_path / "colors.json"
