@@ -11,7 +11,7 @@ No XLA import lives here: the XLA recipe passes `step_hook=torch_xla.sync` to cu
 """
 
 from pathlib import Path
-from typing import Any, Callable, Iterator, List, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, List, NamedTuple, Optional, Sequence, Union
 
 import torch
 
@@ -363,6 +363,55 @@ def generation_fabric(accelerator: str = "auto", precision: Optional[str] = None
     return L.Fabric(devices=1, accelerator=accelerator, precision=precision)
 
 
+class Request(NamedTuple):
+    """A checked generation request: what the CPU/GPU and the XLA `generate_samples` share."""
+
+    tokenizer: Any
+    style: Any
+    encoded: torch.Tensor
+    """The prompt with its template applied, encoded (1-D, on the CPU unless a device was given)."""
+    stop_ids: List[int]
+    """The single-token stop sequences of the style: generation ends on the device at any of them."""
+
+    def text(self, new_ids: List[int]) -> str:
+        """What the recipes print: with a raw prompt, the prompt and its continuation; with a template, the reply."""
+        from lit_gpt.prompts import Raw
+
+        raw = isinstance(self.style, Raw)
+        return self.tokenizer.decode(self.encoded.tolist() + new_ids if raw else new_ids)
+
+
+def check_request(
+    checkpoint_dir: Path,
+    prompt: str,
+    *,
+    num_samples: int,
+    max_new_tokens: int,
+    temperature: float,
+    top_k: Optional[int],
+    top_p: float,
+    prompt_style: Optional[str],
+    device: Optional[torch.device] = None,
+) -> Request:
+    """Every check on the user's input (folder, sampling arguments, prompt length against the context), run before
+    any weights are read, and the encoded prompt."""
+    from lit_gpt.prompts import PromptStyle  # here: only the generation recipes need prompts and tokenizer
+    from lit_gpt.tokenizer import Tokenizer
+
+    if num_samples < 1:
+        raise LitError(f"--num_samples must be >= 1 (got {num_samples})")
+    check_sampling_args(temperature, top_k, top_p)
+    check_model_dir(checkpoint_dir)
+    config = load_config(checkpoint_dir)
+    tokenizer = Tokenizer(checkpoint_dir)
+    style = PromptStyle.from_checkpoint(checkpoint_dir, prompt_style)
+    encoded = tokenizer.encode(style.apply(prompt), device=device)
+    check_lengths(encoded.numel(), max_new_tokens, config.block_size)
+    # the styles here have single-token stop sequences only
+    stop_ids = [ids[0] for ids in style.stop_tokens(tokenizer) if len(ids) == 1]
+    return Request(tokenizer, style, encoded, stop_ids)
+
+
 def generate_samples(
     fabric: Any,
     load_model: Callable[[], GPT],
@@ -384,20 +433,10 @@ def generate_samples(
     import sys
     import time
 
-    from lit_gpt.prompts import PromptStyle, Raw  # here: only the generation recipes need prompts and tokenizer
-    from lit_gpt.tokenizer import Tokenizer
-
-    if num_samples < 1:
-        raise LitError(f"--num_samples must be >= 1 (got {num_samples})")
-    check_sampling_args(temperature, top_k, top_p)
-    check_model_dir(checkpoint_dir)
-    config = load_config(checkpoint_dir)
-    tokenizer = Tokenizer(checkpoint_dir)
-    style = PromptStyle.from_checkpoint(checkpoint_dir, prompt_style)
-    encoded = tokenizer.encode(style.apply(prompt), device=fabric.device)
-    check_lengths(encoded.numel(), max_new_tokens, config.block_size)
-    # single-token stop sequences end generation on the device; the styles here have no longer ones
-    stop_ids = [ids[0] for ids in style.stop_tokens(tokenizer) if len(ids) == 1]
+    request = check_request(
+        checkpoint_dir, prompt, num_samples=num_samples, max_new_tokens=max_new_tokens, temperature=temperature,
+        top_k=top_k, top_p=top_p, prompt_style=prompt_style, device=fabric.device,
+    )
 
     t0 = time.perf_counter()
     model = load_model().eval()
@@ -416,12 +455,12 @@ def generate_samples(
         # inference mode: nothing here needs autograd afterwards, and each small op dispatches a little faster
         with torch.inference_mode():
             new = generate(
-                model, encoded, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                stop_ids=stop_ids, chunk_size=chunk_size, decode_fn=decode_fn,
+                model, request.encoded, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                stop_ids=request.stop_ids, chunk_size=chunk_size, decode_fn=decode_fn,
             )
             new_ids = new.tolist()  # a host read: the timing includes all of the device's work
         t = time.perf_counter() - t0
-        texts.append(tokenizer.decode(encoded.tolist() + new_ids if isinstance(style, Raw) else new_ids))
+        texts.append(request.text(new_ids))
         print(texts[-1], flush=True)
         print(f"Sample {i + 1}: {len(new_ids)} tokens in {t:.02f} s, {len(new_ids) / t:.02f} tokens/s", file=sys.stderr)
     if fabric.device.type == "cuda":

@@ -267,21 +267,14 @@ def generate_samples(
     decode tokens/s and the XLA compilations, then the total number of compilations."""
     import torch_xla.core.xla_model as xm
 
-    from lit_gpt.generate import check_model_dir, load_config
-    from lit_gpt.prompts import PromptStyle, Raw
-    from lit_gpt.tokenizer import Tokenizer
+    from lit_gpt.generate import check_request
     from lit_gpt.xla.diagnostics import compile_count
 
-    if num_samples < 1:
-        raise LitError(f"--num_samples must be >= 1 (got {num_samples})")
-    check_sampling_args(temperature, top_k, top_p)
-    check_model_dir(checkpoint_dir)
-    tokenizer = Tokenizer(checkpoint_dir)
-    style = PromptStyle.from_checkpoint(checkpoint_dir, prompt_style)
-    encoded = tokenizer.encode(style.apply(prompt))
-    check_lengths(encoded.numel(), max_new_tokens, load_config(checkpoint_dir).block_size)
-    # single-token stop sequences are checked on the host; the styles here have no longer ones
-    stop_ids = [ids[0] for ids in style.stop_tokens(tokenizer) if len(ids) == 1]
+    # prompt on the host: `generate` pads it there before the transfer (see the module docstring)
+    request = check_request(
+        checkpoint_dir, prompt, num_samples=num_samples, max_new_tokens=max_new_tokens, temperature=temperature,
+        top_k=top_k, top_p=top_p, prompt_style=prompt_style,
+    )
 
     t0 = time.perf_counter()
     model = fabric.setup_module(load_model(fabric))
@@ -293,11 +286,12 @@ def generate_samples(
     results = []
     for i in range(num_samples):
         r = generate(
-            model, encoded, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, stop_ids=stop_ids
+            model, request.encoded, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+            stop_ids=request.stop_ids,
         )
         results.append(r)
         new_ids = r.tokens.tolist()
-        fabric.print(tokenizer.decode(encoded.tolist() + new_ids if isinstance(style, Raw) else new_ids), flush=True)
+        fabric.print(request.text(new_ids), flush=True)
         speed = f"{r.decode_tokens_per_sec:.2f} tokens/s" if r.decode_tokens_per_sec else "n/a (< 3 tokens)"
         fabric.print(
             f"Sample {i + 1}: {len(new_ids)} tokens; time to first token {r.time_to_first_token:.2f} s (compilation"
