@@ -132,11 +132,19 @@ class GPT(nn.Module):
                 raise ValueError(f"Cannot forward a sequence of length {T}: max_seq_length is {self._max_seq_length}")
             cos, sin = self.cos[:T], self.sin[:T]
 
+        mask = None
+        if input_pos is not None:
+            cache = self.transformer.h[0].attn.kv_cache
+            if cache is None:
+                raise TypeError("input_pos was given but no KV cache is set: call model.set_kv_cache(...) first")
+            # once per forward, not per layer: small ops like these are a good part of a one-token decode step
+            mask = cache_mask(input_pos, cache.k.size(2), self.config.sliding_window_size)
+
         x = self.transformer.wte(idx)
         if self.config.scale_embeddings:
             x = x * torch.tensor(self.config.n_embd**0.5, dtype=x.dtype)
         for block in self.transformer.h:
-            x = block(x, cos, sin, input_pos)
+            x = block(x, cos, sin, input_pos, mask)
         if last_only is not None:
             x = x.index_select(1, last_only)
         x = self.transformer.ln_f(x)
@@ -153,10 +161,15 @@ class Block(nn.Module):
         self.config = config
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, input_pos: Optional[torch.Tensor] = None
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        input_pos: Optional[torch.Tensor] = None,
+        mask: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         n_1 = self.norm_1(x)
-        h = self.attn(n_1, cos, sin, input_pos)
+        h = self.attn(n_1, cos, sin, input_pos, mask)
         if self.config.parallel_residual:
             n_2 = n_1 if self.norm_2 is None else self.norm_2(x)
             return x + h + self.mlp(n_2)
@@ -175,8 +188,14 @@ class CausalSelfAttention(nn.Module):
         self.config = config
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, input_pos: Optional[torch.Tensor] = None
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        input_pos: Optional[torch.Tensor] = None,
+        mask: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
+        """With a KV cache (`input_pos` given), `mask` is `cache_mask(input_pos, ...)`, computed here if not given."""
         B, T, _ = x.size()
         c = self.config
         n_qk = c.n_head + c.n_query_groups
@@ -186,16 +205,12 @@ class CausalSelfAttention(nn.Module):
         q, k = qk.split((c.n_head, c.n_query_groups), dim=1)  # (B, nh, T, hs), (B, ng, T, hs)
         v = qkv[:, n_qk:]
 
-        mask = None
         if input_pos is not None:
             if self.kv_cache is None:
                 raise TypeError("input_pos was given but no KV cache is set: call model.set_kv_cache(...) first")
             k, v = self.kv_cache(input_pos, k, v)
-            # positions are tensors: the mask is computed from them, so one graph serves every step
-            k_pos = torch.arange(k.size(2), device=x.device)
-            mask = input_pos.unsqueeze(-1) >= k_pos
-            if c.sliding_window_size is not None:
-                mask = mask & (input_pos.unsqueeze(-1) - k_pos < c.sliding_window_size)
+            if mask is None:
+                mask = cache_mask(input_pos, k.size(2), c.sliding_window_size)
         elif c.sliding_window_size is not None and T > c.sliding_window_size:
             pos = torch.arange(T, device=x.device)
             diff = pos.unsqueeze(-1) - pos
@@ -218,6 +233,16 @@ class CausalSelfAttention(nn.Module):
         if mask is None:
             return F.scaled_dot_product_attention(q, k, v, is_causal=q.size(2) > 1, scale=scale, enable_gqa=gqa)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+
+
+def cache_mask(input_pos: torch.Tensor, cache_length: int, sliding_window_size: Optional[int] = None) -> torch.Tensor:
+    """(T, cache_length) boolean attention mask of the queries at `input_pos` over the KV cache's positions.
+    Positions are tensors: the mask is computed from them, so one traced graph serves every step."""
+    k_pos = torch.arange(cache_length, device=input_pos.device)
+    mask = input_pos.unsqueeze(-1) >= k_pos
+    if sliding_window_size is not None:
+        mask = mask & (input_pos.unsqueeze(-1) - k_pos < sliding_window_size)
+    return mask
 
 
 class KVCache(nn.Module):
