@@ -9,13 +9,15 @@ implementations load the same dequantized weights from one directory. Runs alter
 so that load from other processes hits both alike; the medians and the median of the per-pair ratios are
 printed. Both generate exactly `max_new_tokens` tokens (no early stop at EOS).
 
-Measured on the quiet 2-core development machine (2026-11-22, `python bench/generate.py --compile true`, 5
-interleaved runs, all 128 greedy tokens identical to transformers'): ours 16.64 tokens/s, ours with the decode
-step compiled (generate/base.py --compile true) 24.04, transformers 13.91; median ratios 1.19x (eager) and 1.72x
-(compiled; the compilation, ~27 s, happens in the warm-up run). Where the eager step goes (torch.profiler, 53 ms
-per token): the matrix-vector products take 28 ms, reading the 538 MB of weights at ~20 GB/s, about what these
-two cores stream; the other ~25 ms are ~1500 small ops (norms, RoPE, one-query attention, module calls) whose
-dispatch cost only compiling removes.
+Measured on the quiet 2-core development machine (2026-11-22, 5 interleaved runs, all 128 greedy tokens identical
+to transformers'): `python bench/generate.py --compile true` gave ours 16.64 tokens/s, ours with the decode step
+compiled (generate/base.py --compile true) 24.04, transformers 13.91: median ratios 1.19x (eager) and 1.72x
+(compiled; the compilation, ~27 s with a cold cache, happens in the warm-up run). With the attention mask then
+computed once per step instead of once per layer, `python bench/generate.py`: ours 19.77, transformers 16.11,
+1.23x (the machine's speed drifts between sessions; the ratios within a run are what compare). Where the eager
+step goes (torch.profiler, ~53 ms per token): the matrix-vector products take 28 ms, reading the 538 MB of weights
+at ~20 GB/s, about what these two cores stream; the rest is ~1500 small ops (norms, RoPE, one-query attention,
+module calls) whose dispatch cost only compiling removes.
 """
 
 import functools
