@@ -115,12 +115,20 @@ class GPT(nn.Module):
 
     # ------------------------------------------------------------------ forward
     def forward(
-        self, idx: torch.Tensor, input_pos: Optional[torch.Tensor] = None, last_only: Optional[torch.Tensor] = None
+        self,
+        idx: torch.Tensor,
+        input_pos: Optional[torch.Tensor] = None,
+        last_only: Optional[torch.Tensor] = None,
+        head_rows: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        """idx: (B, T) token ids. input_pos: (T,) positions, required when a KV cache is set.
+        """idx: (B, T) token ids. input_pos: (T,) positions, required when a KV cache is set. Returns (B, T, vocab)
+        logits, or fewer: the vocab projection is the largest matmul of a small model, so it can run on some
+        positions only.
 
-        `last_only`: an index tensor of positions (1-D) at which to compute logits; the head then runs on those
-        rows only (generation needs one position, and the vocab projection is the largest matmul)."""
+        `last_only`: a 1-D index tensor of positions: logits at those positions of every row, (B, len, vocab)
+        (generation needs one).
+        `head_rows`: a 1-D index tensor into the flattened (B * T) positions: logits of those only, (len, vocab)
+        (training needs the positions that have a label, which differ from row to row)."""
         T = idx.size(1)
         if self.rope_cache_length is None or self.cos.device != idx.device:
             self.reset_rope_cache(idx.device)
@@ -147,6 +155,8 @@ class GPT(nn.Module):
             x = block(x, cos, sin, input_pos, mask)
         if last_only is not None:
             x = x.index_select(1, last_only)
+        if head_rows is not None:
+            x = x.reshape(-1, x.size(-1)).index_select(0, head_rows)
         x = self.transformer.ln_f(x)
         return self.lm_head(x)
 

@@ -336,16 +336,16 @@ def loss_fn(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, tar
     """Mean next-token cross-entropy over the unmasked labels.
 
     With `targets_only` the vocabulary projection (the largest matmul of a small model) runs only on the positions
-    where some row of the batch has a label, e.g. not on the masked prompts. That makes the shape data-dependent:
-    the XLA recipes pass False."""
+    that have a label, row by row: not on the masked prompts nor on the padding. That makes the shape
+    data-dependent: the XLA recipes pass False."""
     if targets_only:
-        keep = (labels != IGNORE_INDEX).any(0)
-        if not bool(keep.all()):
-            positions = keep.nonzero().squeeze(1)
-            if positions.numel() == 0:  # nothing to learn in this batch: a zero loss that still has a graph
+        flat_labels = labels.reshape(-1)
+        rows = (flat_labels != IGNORE_INDEX).nonzero().squeeze(1)
+        if rows.numel() < flat_labels.numel():
+            if rows.numel() == 0:  # nothing to learn in this batch: a zero loss that still has a graph
                 return model(input_ids[:, :1]).sum() * 0.0
-            logits = model(input_ids, last_only=positions)
-            return chunked_cross_entropy(logits, labels.index_select(1, positions))
+            logits = model(input_ids, head_rows=rows)
+            return chunked_cross_entropy(logits, flat_labels.index_select(0, rows))
     return chunked_cross_entropy(model(input_ids), labels)
 
 

@@ -342,3 +342,33 @@ def test_lora_on_real_smollm2_lowers_validation_loss(smollm2_dir, tmp_path):
     assert sorted(val) == [0, 6]
     print("validation loss", val)
     assert val[6] < val[0] - 0.1, val
+
+
+def test_loss_runs_the_head_on_labelled_positions_only():
+    """`targets_only`: the vocab projection sees exactly the positions that have a label, row by row (not the masked
+    prompts, not the padding), and the loss and gradients equal those over full logits."""
+    from lit_gpt import GPT, Config
+    from lit_gpt.training import IGNORE_INDEX, loss_fn
+    from lit_gpt.utils import chunked_cross_entropy
+
+    torch.manual_seed(0)
+    model = GPT(Config.from_name("pythia-70m", n_layer=2, vocab_size=100, block_size=64))
+    model.apply(model._init_weights)
+    idx = torch.randint(0, 100, (3, 20))
+    labels = idx.clone()
+    labels[0, :5] = labels[1, :12] = labels[2, :3] = labels[2, 15:] = IGNORE_INDEX  # prompts, and padding in row 2
+    head_rows = []
+    hook = model.lm_head.register_forward_hook(lambda m, args, out: head_rows.append(args[0].shape[:-1].numel()))
+    loss = loss_fn(model, idx, labels)
+    hook.remove()
+    assert head_rows == [int((labels != IGNORE_INDEX).sum())] == [15 + 8 + 12]
+    reference = chunked_cross_entropy(model(idx), labels)
+    assert loss.item() == pytest.approx(reference.item(), abs=1e-6)
+    weight = model.transformer.h[0].attn.qkv.weight
+    (g,) = torch.autograd.grad(loss, weight)
+    (g_ref,) = torch.autograd.grad(reference, weight)
+    torch.testing.assert_close(g, g_ref, rtol=1e-5, atol=1e-7)
+    # nothing to learn: a zero loss with a graph, no error
+    none = torch.full_like(labels, IGNORE_INDEX)
+    zero = loss_fn(model, idx, none)
+    assert zero.item() == 0.0 and zero.requires_grad
