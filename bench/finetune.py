@@ -16,12 +16,13 @@ differ, so run litgpt here too, alternating with ours on the same data:
     pip install --no-deps --target /tmp/litgpt_pkg litgpt==0.5.13 psutil
     python bench/finetune.py --litgpt_path /tmp/litgpt_pkg --repeats 2
 
-Measured that way on the quiet 2-core development machine (2026-11-22; medians of 2 runs each, 15 iterations):
-LoRA 2.10 s/iteration and 2.42 GiB peak RSS vs litgpt's 2.57 s and 2.88 GiB (1.22x, 16% less memory); adapter
-1.87 s and 2.26 GiB vs 2.13 s and 2.64 GiB (1.14x, 14% less). That machine is ~1.3x slower than the one of the
-published numbers (litgpt 2.57 vs 1.91 s/iteration for LoRA). Matrix products are ~64% of our step and run at
-~140 GFLOP/s, this CPU's `torch.mm` peak for these shapes: the rest of a step (attention, norms, RoPE, dropout,
-the optimizer) is what is left to gain on.
+Measured that way on the quiet 2-core development machine (2026-11-22; medians of 2 runs each, 15 iterations),
+after the head was restricted to the labelled positions: LoRA 1.80 s/iteration and 2.38 GiB peak RSS vs litgpt's
+2.31 s and 2.90 GiB (1.28x, 18% less memory); adapter 1.71 s and 2.21 GiB vs 2.07 s and 2.68 GiB (1.21x, 18%
+less). Single runs scatter by +-10% on that machine (LoRA 1.95 and 1.65 s), and its speed drifts between sessions
+(litgpt's LoRA took 2.57 s/iteration in an earlier one), so compare within one invocation. Matrix products are ~64%
+of our step and run at ~140 GFLOP/s, this CPU's `torch.mm` peak for these shapes: the rest of a step (attention,
+norms, RoPE, dropout, the optimizer) is what is left to gain on.
 """
 
 import csv
