@@ -47,8 +47,7 @@ def setup(
         precision: "32-true", "bf16-true" or "bf16-mixed" (default: bf16-true on TPUs, else 32-true).
         eager_reference: Also time the same step in eager PyTorch on the CPU.
     """
-    from lit_gpt.xla import make_fabric
-    from lit_gpt.xla.finetune import default_precision
+    from lit_gpt.xla import default_precision, make_fabric
 
     fabric = make_fabric(devices, default_precision(precision))
     fabric.launch(main, model_name, n_layer, method, steps, micro_batch_size, seq_len, eager_reference)

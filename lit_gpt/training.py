@@ -113,22 +113,25 @@ def setup_fabric(
         strategy_obj = DDPStrategy(broadcast_buffers=False)
     else:
         strategy_obj = "auto"
-    out_dir = Path(out_dir)
-    if logger_name == "csv":
-        from lightning.fabric.loggers import CSVLogger
-
-        logger: Any = CSVLogger(root_dir=out_dir / "logs", name="csv", flush_logs_every_n_steps=1)
-    elif logger_name == "tensorboard":
-        from lightning.fabric.loggers import TensorBoardLogger
-
-        logger = TensorBoardLogger(root_dir=out_dir / "logs", name="tensorboard")
-    else:
-        raise LitError(f"--logger_name must be 'csv' or 'tensorboard', got {logger_name!r}")
+    logger = make_logger(out_dir, logger_name)
     if accelerator == "cuda":
         torch.set_float32_matmul_precision("high")
     return L.Fabric(
         accelerator=accelerator, devices=devices, strategy=strategy_obj, precision=precision, loggers=logger
     )
+
+
+def make_logger(out_dir: Path, name: str) -> Any:
+    """The CSV or TensorBoard logger under out_dir/logs (the GPU/CPU and the XLA recipes log alike)."""
+    if name == "csv":
+        from lightning.fabric.loggers import CSVLogger
+
+        return CSVLogger(root_dir=Path(out_dir) / "logs", name="csv", flush_logs_every_n_steps=1)
+    if name == "tensorboard":
+        from lightning.fabric.loggers import TensorBoardLogger
+
+        return TensorBoardLogger(root_dir=Path(out_dir) / "logs", name="tensorboard")
+    raise LitError(f"--logger_name must be 'csv' or 'tensorboard', got {name!r}")
 
 
 def uses_fsdp(fabric: L.Fabric) -> bool:

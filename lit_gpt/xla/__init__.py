@@ -5,6 +5,7 @@ path works on machines without torch_xla):
 
 Devices and Fabric (lit_gpt.xla.accelerator, lit_gpt.xla.strategy)
     configure_pjrt_device(verbose=True) -> str           PJRT_DEVICE: set it (TPU if present, else CPU) or check it
+    default_precision(precision, allowed, purpose) -> str  bf16-true on TPUs, else 32-true, unless given (checked)
     make_fabric(devices="auto", precision="32-true", activation_checkpointing=False, num_slices=1,
                 layer_cls=None, compile_cache_dir=None, loggers=None) -> Fabric   then fabric.launch(fn, ...)
     PJRTAccelerator(), SPMDFSDPStrategy(precision=..., activation_checkpointing=..., num_slices=...),
@@ -36,6 +37,7 @@ from typing import Any
 _EXPORTS = {
     "configure_pjrt_device": "accelerator",
     "pjrt_device_count": "accelerator",
+    "default_precision": "accelerator",
     "PJRTAccelerator": "accelerator",
     "SPMDFSDPStrategy": "strategy",
     "SPMDPrecision": "strategy",

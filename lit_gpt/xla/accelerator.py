@@ -14,7 +14,7 @@ with `PJRT_DEVICE` unset it picks TPU when a TPU chip and libtpu are present, el
 import functools
 import os
 import sys
-from typing import List, Union
+from typing import List, Optional, Sequence, Union
 
 import torch
 from lightning.fabric.accelerators.xla import XLAAccelerator
@@ -84,6 +84,19 @@ def configure_pjrt_device(verbose: bool = True) -> str:
     elif base == "CUDA" and not torch.cuda.is_available():
         raise LitError("PJRT_DEVICE=CUDA but no CUDA GPU is visible. Set PJRT_DEVICE=CPU or TPU instead")
     return requested
+
+
+def default_precision(
+    precision: Optional[str], allowed: Sequence[str] = ("32-true", "bf16-true", "bf16-mixed"), purpose: str = "on XLA"
+) -> str:
+    """`precision` if it is one of `allowed`; by default bf16 weights on TPUs (their matrix units run bf16) and fp32
+    elsewhere (XLA:CPU checks correctness, and fp32 makes runs comparable with the CPU recipes)."""
+    if precision is None:
+        return "bf16-true" if configure_pjrt_device().startswith("TPU") else "32-true"
+    if precision not in allowed:
+        choices = f"{', '.join(allowed[:-1])} or {allowed[-1]}" if len(allowed) > 1 else allowed[0]
+        raise LitError(f"--precision must be {choices} {purpose} (got {precision!r})")
+    return precision
 
 
 @functools.lru_cache(maxsize=1)

@@ -85,28 +85,26 @@ def build_optimizer(model: nn.Module, train: TrainArgs, name: str = "adamw") -> 
     return torch.optim.SGD([g for g in groups if g["params"]], lr=train.learning_rate, momentum=0.9)
 
 
-def default_precision(precision: Optional[str]) -> str:
-    """bf16 weights on TPUs, fp32 elsewhere (XLA:CPU is for checking correctness, and fp32 makes runs comparable)."""
-    from lit_gpt.xla.accelerator import configure_pjrt_device
+def setup_fabric(
+    devices: Union[int, str],
+    precision: Optional[str],
+    train: TrainArgs,
+    out_dir: Path,
+    logger_name: str = "csv",
+    activation_checkpointing: bool = False,
+    compile_cache_dir: Optional[Path] = None,
+) -> Any:
+    """Fabric for an XLA finetuning run (FSDP over SPMD on every device; bf16-true on TPUs, else 32-true, unless
+    given), logging like the GPU/CPU recipes; `train` is checked against the number of devices."""
+    from lit_gpt.xla.accelerator import default_precision, pjrt_device_count
+    from lit_gpt.xla.strategy import make_fabric
 
-    if precision is None:
-        return "bf16-true" if configure_pjrt_device().startswith("TPU") else "32-true"
-    if precision not in ("32-true", "bf16-true", "bf16-mixed"):
-        raise LitError(f"--precision must be 32-true, bf16-true or bf16-mixed on XLA (got {precision!r})")
-    return precision
-
-
-def make_logger(out_dir: Path, name: str) -> Any:
-    """The CSV or TensorBoard logger under out_dir/logs (what the GPU/CPU recipes use)."""
-    if name == "csv":
-        from lightning.fabric.loggers import CSVLogger
-
-        return CSVLogger(root_dir=Path(out_dir) / "logs", name="csv", flush_logs_every_n_steps=1)
-    if name == "tensorboard":
-        from lightning.fabric.loggers import TensorBoardLogger
-
-        return TensorBoardLogger(root_dir=Path(out_dir) / "logs", name="tensorboard")
-    raise LitError(f"--logger_name must be 'csv' or 'tensorboard', got {name!r}")
+    fabric = make_fabric(
+        devices, default_precision(precision), activation_checkpointing=activation_checkpointing,
+        compile_cache_dir=compile_cache_dir, loggers=training.make_logger(out_dir, logger_name),
+    )
+    train.validate(pjrt_device_count())
+    return fabric
 
 
 def peak_flops() -> Optional[float]:

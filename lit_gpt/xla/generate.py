@@ -221,14 +221,10 @@ def generate(
 # The recipes' session (xla/generate/{base,adapter,lora}.py differ only in how the model is loaded)
 # ---------------------------------------------------------------------------------------------------------------
 def default_precision(precision: Optional[str]) -> str:
-    """bf16 weights on TPUs (their matrix units run bf16), fp32 elsewhere (XLA:CPU checks correctness)."""
-    from lit_gpt.xla.accelerator import configure_pjrt_device
+    """The generation recipes' precision: bf16-true on TPUs, else 32-true (no mixed precision: no training)."""
+    from lit_gpt.xla.accelerator import default_precision as choose
 
-    if precision is None:
-        return "bf16-true" if configure_pjrt_device().startswith("TPU") else "32-true"
-    if precision not in ("32-true", "bf16-true"):
-        raise LitError(f"--precision must be 32-true or bf16-true for generation on XLA (got {precision!r})")
-    return precision
+    return choose(precision, ("32-true", "bf16-true"), "for generation on XLA")
 
 
 def load_variant_staged(

@@ -60,18 +60,14 @@ def setup(
         compile_cache_dir: Persistent XLA compilation cache: a second run skips compiling (TPU/GPU).
         xla_metrics: Print torch_xla's metrics report (compilations, transfers, timings) at the end.
     """
-    from lit_gpt.xla import make_fabric, pjrt_device_count
-    from lit_gpt.xla.finetune import default_precision, make_logger
+    from lit_gpt.xla import finetune
 
     config = training.load_config(
         checkpoint_dir, adapter.Config, adapter_prompt_length=adapter_prompt_length,
         adapter_start_layer=adapter_start_layer,
     )
-    fabric = make_fabric(
-        devices, default_precision(precision), activation_checkpointing=activation_checkpointing,
-        compile_cache_dir=compile_cache_dir, loggers=make_logger(out_dir, logger_name),
-    )
-    train.validate(pjrt_device_count())
+    fabric = finetune.setup_fabric(devices, precision, train, out_dir, logger_name, activation_checkpointing,
+                                   compile_cache_dir)
     run_config = training.run_config(method="adapter", checkpoint_dir=checkpoint_dir, data=data, train=train,
                                      eval=eval, optimizer=optimizer, platform="xla")
     fabric.launch(main, checkpoint_dir, out_dir, config, data, train, eval, resume, optimizer, run_config,
