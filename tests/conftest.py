@@ -61,8 +61,8 @@ def make_tiny_checkpoint(directory: Path, tokenizer_dir: Path, seed: int = 0, **
     directory.mkdir(parents=True, exist_ok=True)
     torch.save(model.state_dict(), directory / "lit_model.pth")
     config.save(directory)
-    for name in TOKENIZER_FILES + ("config.json",):
-        if (tokenizer_dir / name).is_file() and name != "config.json":
+    for name in TOKENIZER_FILES:
+        if (tokenizer_dir / name).is_file():
             shutil.copy(tokenizer_dir / name, directory / name)
     return directory
 
