@@ -115,6 +115,21 @@ def pjrt_device_count() -> int:
         ) from e
 
 
+def device_count_hint(n: int) -> str:
+    """How to start the XLA runtime with `n` devices instead (it has to happen before the runtime starts)."""
+    device = os.environ.get("PJRT_DEVICE", "").upper()
+    if device.startswith("TPU"):
+        if n == 1:
+            return (
+                "For one chip of this host, set TPU_VISIBLE_CHIPS=0 TPU_PROCESS_BOUNDS=1,1,1"
+                " TPU_CHIPS_PER_PROCESS_BOUNDS=1,1,1 before starting the recipe"
+            )
+        return f"For {n} chips, create a slice with {n} chips (or leave out --devices to use all of these)"
+    if device.startswith("CUDA"):
+        return f"For {n} GPUs, set CUDA_VISIBLE_DEVICES to {n} GPU indices before starting the recipe"
+    return f"For {n} device(s) on the CPU, set CPU_NUM_DEVICES={n} before starting the recipe"
+
+
 class PJRTAccelerator(XLAAccelerator):
     """An `XLAAccelerator` whose device count comes from the PJRT runtime, not from the GCE metadata server.
 
@@ -138,23 +153,21 @@ class PJRTAccelerator(XLAAccelerator):
 
     @staticmethod
     def parse_devices(devices: Union[int, str, List[int]]) -> int:
-        """`"auto"`/`-1` = all devices; otherwise 1 or all devices (SPMD meshes span every device)."""
+        """`"auto"`/`-1`, or the runtime's device count: an SPMD mesh spans every device the runtime has, so no other
+        number works (to use fewer, start the runtime with fewer devices; see `device_count_hint`)."""
         count = pjrt_device_count()
         if devices in ("auto", -1, "-1"):
             return count
         if isinstance(devices, (list, tuple)):
-            if len(devices) != 1:
-                raise LitError(f"devices={devices!r}: give a number of devices (1 or {count}), not a list")
-            devices = 1
+            raise LitError(f"devices={list(devices)!r}: give 'auto' or the number of devices ({count}), not a list")
         try:
             n = int(devices)
         except (TypeError, ValueError):
-            raise LitError(f"devices={devices!r} is not a number of devices: use 'auto', 1 or {count}") from None
-        if n not in (1, count):
+            raise LitError(f"devices={devices!r} is not a number of devices: use 'auto' (= {count})") from None
+        if n != count:
             raise LitError(
-                f"devices={n} but the XLA runtime has {count} device(s): an SPMD mesh spans all of them, so use"
-                f" 'auto' ({count}) or 1. To change the count on the CPU set CPU_NUM_DEVICES={n}; on a TPU choose the"
-                " chips with TPU_VISIBLE_CHIPS / TPU_PROCESS_BOUNDS"
+                f"devices={n} but the XLA runtime has {count} device(s), and an SPMD mesh spans all of them: use"
+                f" --devices auto (= {count}). {device_count_hint(n)}"
             )
         return n
 
