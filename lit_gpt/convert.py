@@ -26,7 +26,16 @@ from tqdm import tqdm
 
 from lit_gpt.config import Config
 from lit_gpt.model import GPT
-from lit_gpt.utils import LitError, check_checkpoint_dir, load_state_dict, save_atomic
+from lit_gpt.utils import (
+    LitError,
+    check_checkpoint_dir,
+    copy_file_atomic,
+    load_state_dict,
+    refuse_overwrite,
+    remove_stale_temp_files,
+    save_atomic,
+    write_text_atomic,
+)
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "gemma", "stablelm", "phi", "gpt_neox", "falcon")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -257,13 +266,7 @@ def _read_json(path: Path) -> Dict[str, Any]:
 
 
 def _write_text_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+    write_text_atomic(path, text)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -373,12 +376,13 @@ def _mismatch_hint(model_name: Optional[str]) -> str:
 
 
 def convert_hf_checkpoint(
-    checkpoint_dir: Path, model_name: Optional[str] = None, dtype: Optional[str] = None
+    checkpoint_dir: Path, model_name: Optional[str] = None, dtype: Optional[str] = None, overwrite: bool = False
 ) -> Path:
     """Convert the HF checkpoint in `checkpoint_dir` into `lit_model.pth` + `lit_config.json` in the same folder.
 
     The config comes from the registry entry `model_name` when given, else from `config.json` (named like the
-    folder). `dtype` casts floating-point weights (float32, bfloat16 or float16). Returns the `lit_model.pth` path.
+    folder). `dtype` casts floating-point weights (float32, bfloat16 or float16). An existing `lit_model.pth` /
+    `lit_config.json` is replaced only with `overwrite`. Returns the `lit_model.pth` path.
     """
     checkpoint_dir = Path(checkpoint_dir)
     if not checkpoint_dir.is_dir():
@@ -387,6 +391,12 @@ def convert_hf_checkpoint(
             " python scripts/download.py --repo_id ORG/NAME"
         )
     target_dtype = _parse_dtype(dtype)
+    refuse_overwrite(
+        checkpoint_dir,
+        ("lit_model.pth", "lit_config.json"),
+        overwrite,
+        "It is converted already: use it as it is, or pass --overwrite true to convert again",
+    )
     hf_path = checkpoint_dir / "config.json"
     hf = _read_json(hf_path) if hf_path.is_file() else None
     try:
@@ -623,14 +633,24 @@ def convert_lit_checkpoint(
     checkpoint_path: Optional[Path] = None,
     dtype: Optional[str] = None,
     max_shard_size: Union[int, str] = "5GB",
+    overwrite: bool = False,
 ) -> Path:
     """Export a lit checkpoint as an HF model folder that `transformers.AutoModelForCausalLM` loads.
 
     `checkpoint_dir` holds `lit_config.json` (and the tokenizer files, copied along); `checkpoint_path` picks other
     weights than its `lit_model.pth`, e.g. a finetuned or LoRA-merged file. Writes `model.safetensors` (sharded
-    with an index above `max_shard_size`) and `config.json` into `output_dir`, which it returns.
+    with an index above `max_shard_size`) and `config.json` into `output_dir`, which it returns. An `output_dir`
+    that already holds an HF model (`config.json`, `model*.safetensors`) is refused unless `overwrite`.
     """
     checkpoint_dir, output_dir = Path(checkpoint_dir), Path(output_dir)
+    if output_dir.is_dir():
+        existing = ["config.json", "model.safetensors.index.json", "pytorch_model.bin"]
+        existing += sorted(p.name for p in output_dir.glob("model*.safetensors"))
+        refuse_overwrite(
+            output_dir, existing, overwrite, "Pass --output_dir NEW_FOLDER, or --overwrite true to replace that model"
+        )
+    elif output_dir.exists():
+        raise LitError(f"--output_dir {str(output_dir)!r} is a file, not a folder: pass a folder")
     target_dtype = _parse_dtype(dtype)
     shard_limit = _parse_size(max_shard_size)
     path = Path(checkpoint_path) if checkpoint_path is not None else check_checkpoint_dir(checkpoint_dir)
@@ -702,6 +722,7 @@ def convert_lit_checkpoint(
                 weight_map[hf_name] = shard_name
                 total += t.nbytes
                 bar.update()
+            remove_stale_temp_files(output_dir / shard_name)
             tmp = output_dir / f".{shard_name}.tmp{os.getpid()}"
             try:
                 save_file(tensors, str(tmp), metadata={"format": "pt"})
@@ -728,6 +749,6 @@ def convert_lit_checkpoint(
     if checkpoint_dir.resolve() != output_dir.resolve():
         for name in HF_SIDE_FILES:
             if (checkpoint_dir / name).is_file():
-                shutil.copyfile(checkpoint_dir / name, output_dir / name)
+                copy_file_atomic(checkpoint_dir / name, output_dir / name)
     print(f"Saved {n} safetensors file(s) and config.json to {output_dir}", file=sys.stderr)
     return output_dir

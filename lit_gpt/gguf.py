@@ -18,6 +18,7 @@ Facts this relies on (llama.cpp's `convert_hf_to_gguf.py` and its GGUF spec):
 import importlib.util
 import json
 import os
+import sys
 import warnings
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple, Union
@@ -25,7 +26,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 import numpy as np
 import torch
 
-from lit_gpt.utils import LitError
+from lit_gpt.utils import LitError, remove_stale_temp_files
 
 # llama.cpp's per-layer tensor names -> Hugging Face Llama names (`{}` is the layer index).
 _LAYER_TENSORS = {
@@ -81,13 +82,26 @@ def bundled_smollm2_gguf() -> Optional[Path]:
     return path if path.is_file() else None
 
 
+# every file a conversion writes: a folder holding any of them is not overwritten unless asked
+OUTPUT_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer_config.json",
+    "tokenizer.json",
+    "model.safetensors",
+    "lit_model.pth",
+    "lit_config.json",
+)
+
+
 def convert_gguf(
-    gguf_path: Union[str, Path], checkpoint_dir: Union[str, Path], dtype: Optional[str] = None
+    gguf_path: Union[str, Path], checkpoint_dir: Union[str, Path], dtype: Optional[str] = None, overwrite: bool = False
 ) -> Path:
     """Convert `gguf_path` into `checkpoint_dir` (HF files + `lit_model.pth` + `lit_config.json`).
 
     `dtype` ("float32", "bfloat16", "float16") is the dtype of the written weights; by default float32,
-    which holds every dequantized GGUF value exactly.
+    which holds every dequantized GGUF value exactly. A folder that already holds checkpoint files is refused
+    (LitError) unless `overwrite`; one that holds this very conversion (same config, complete) is left as it is.
     """
     gguf_path = Path(gguf_path)
     checkpoint_dir = Path(checkpoint_dir)
@@ -115,6 +129,8 @@ def convert_gguf(
     generation_config = {
         key: hf_config[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id") if key in hf_config
     }
+    if not overwrite and _check_existing(checkpoint_dir, gguf_path, hf_config, tokenizer_config):
+        return checkpoint_dir
     state_dict = _state_dict(reader, hf_config, torch_dtype)
 
     checkpoint_dir.mkdir(parents=True, exist_ok=True)
@@ -127,8 +143,37 @@ def convert_gguf(
 
     from lit_gpt.convert import convert_hf_checkpoint
 
-    convert_hf_checkpoint(checkpoint_dir, dtype=dtype)
+    convert_hf_checkpoint(checkpoint_dir, dtype=dtype, overwrite=True)
     return checkpoint_dir
+
+
+def _check_existing(
+    checkpoint_dir: Path, gguf_path: Path, hf_config: Dict[str, Any], tokenizer_config: Dict[str, Any]
+) -> bool:
+    """True when `checkpoint_dir` already holds the complete conversion of this file (nothing to do); a LitError
+    when it holds other checkpoint files; False when it holds none."""
+    present = [n for n in OUTPUT_FILES if (checkpoint_dir / n).exists()]
+    if not present:
+        return False
+
+    def same(name: str, expected: Dict[str, Any]) -> bool:
+        try:
+            return json.loads((checkpoint_dir / name).read_text(encoding="utf-8")) == json.loads(json.dumps(expected))
+        except (OSError, ValueError):
+            return False
+
+    if len(present) == len(OUTPUT_FILES) and same("config.json", hf_config) and same("tokenizer_config.json", tokenizer_config):
+        print(
+            f"{checkpoint_dir} already holds a conversion of {gguf_path.name} (same config and tokenizer): nothing to"
+            " do (--overwrite true converts again)",
+            file=sys.stderr,
+        )
+        return True
+    shown = ", ".join(present[:3]) + (f" and {len(present) - 3} more" if len(present) > 3 else "")
+    raise LitError(
+        f"{str(checkpoint_dir)!r} already holds {shown} of another checkpoint: refusing to overwrite it. Pass"
+        " --checkpoint_dir NEW_FOLDER, or --overwrite true to replace it"
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -374,6 +419,7 @@ def _tokenizer_files(meta: Dict[str, Any], gguf_path: Path) -> Tuple[Any, Dict[s
 # writing (each file goes to a temporary name first, so an interrupted run never leaves a half-written file)
 # ---------------------------------------------------------------------------------------------------------------
 def _write_atomic(path: Path, write: Any) -> None:
+    remove_stale_temp_files(path)  # what a killed earlier conversion left
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
         write(tmp)

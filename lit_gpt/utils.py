@@ -3,6 +3,8 @@
 import functools
 import os
 import pickle
+import re
+import shutil
 import sys
 import zipfile
 from pathlib import Path
@@ -67,19 +69,66 @@ def check_checkpoint_dir(checkpoint_dir: Path, filename: str = "lit_model.pth") 
     )
 
 
+def _refused_global(message: str) -> Optional[str]:
+    """The Python object a weights-only `torch.load` refused to import (e.g. `posix.system`), if that is the error."""
+    m = re.search(r"(?:unsupported|Unsupported global:) GLOBAL ([\w.]+)", message)
+    if m:
+        return m.group(1)
+    if "Weights only load failed" in message:
+        return "an object that is not a tensor"
+    return None
+
+
 def load_state_dict(path: Union[str, Path], mmap: bool = True) -> Dict[str, torch.Tensor]:
-    """`torch.load` (memory-mapped, weights only) with a clear error for a missing, corrupt or truncated file."""
+    """`torch.load` (memory-mapped, weights only) with a clear error for a missing, corrupt or truncated file,
+    and for a pickle that would run code (refused, never loaded)."""
     path = Path(path)
     if not path.is_file():
         raise LitError(f"checkpoint file {str(path)!r} not found")
     try:
         return torch.load(path, map_location="cpu", mmap=mmap, weights_only=True)
     except (RuntimeError, zipfile.BadZipFile, pickle.UnpicklingError, EOFError, ValueError, OSError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        message = str(e).strip()
+        refused = _refused_global(message) if isinstance(e, pickle.UnpicklingError) else None
+        if refused is not None:
+            # a pickle that imports a callable can run code when loaded: never load it, and never suggest it
+            raise LitError(
+                f"refusing to load {str(path)!r}: it is a pickle that imports {refused}, which could run code,"
+                " so it is not a plain weights file. Use weights from a source you trust, or re-create the file"
+                " by converting the model again"
+            ) from None
+        first = message.splitlines()[0] if message else type(e).__name__
         raise LitError(
             f"cannot read checkpoint {str(path)!r} (corrupt or truncated: {first}). Re-create it, e.g. by converting"
             " the model again"
         ) from e
+
+
+_SIZE_MISMATCH = re.compile(
+    r"size mismatch for (\S+): copying a param with shape (?:torch\.Size\()?(\[[^\]]*\])\)? from checkpoint,"
+    r" the shape in current model is (?:torch\.Size\()?(\[[^\]]*\])\)?"
+)
+
+
+def load_error_detail(error: BaseException) -> str:
+    """The useful part of a `load_state_dict` RuntimeError, on one line: the first mismatching tensor with both
+    shapes (and how many more mismatch), or the first missing / unexpected key; not the bare
+    "Error(s) in loading state_dict for GPT:" header."""
+    message = str(error)
+    mismatches = _SIZE_MISMATCH.findall(message)
+    if mismatches:
+        name, ckpt, model = mismatches[0]
+        more = f" (and {len(mismatches) - 1} more tensors)" if len(mismatches) > 1 else ""
+        return f"tensor {name} has shape {ckpt.replace(' ', '')} in the checkpoint but {model.replace(' ', '')} in the model{more}"
+    for label in ("Missing key(s) in state_dict", "Unexpected key(s) in state_dict"):
+        line = next((x for x in message.splitlines() if label in x), None)
+        if line is not None:
+            keys = re.findall(r'"([^"]+)"', line.split(label, 1)[1])
+            shown = ", ".join(keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
+            return f"{label.split(' ')[0].lower()} tensors: {shown}"
+    lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
+    detail = [line for line in lines if not line.startswith("Error(s) in loading state_dict")]
+    return (detail or lines or [type(error).__name__])[0]
 
 
 def load_checkpoint(model: nn.Module, path: Union[str, Path], strict: bool = True, assign: bool = False) -> Any:
@@ -88,21 +137,137 @@ def load_checkpoint(model: nn.Module, path: Union[str, Path], strict: bool = Tru
     try:
         return model.load_state_dict(state_dict, strict=strict, assign=assign)
     except RuntimeError as e:
-        first = str(e).strip().splitlines()[0]
-        raise LitError(f"checkpoint {str(path)!r} does not match the model config ({first})") from e
+        raise LitError(
+            f"checkpoint {str(path)!r} does not match the model config: {load_error_detail(e)}. Was it written for"
+            " another model (check lit_config.json next to it)?"
+        ) from e
+
+
+def stale_temp_files(path: Union[str, Path]) -> list:
+    """Temporary files `.NAME.tmpPID` of `path` (see `save_atomic`) left by writers that no longer run (killed
+    mid-write): never complete, safe to delete. A temp file of a live process is left alone."""
+    path = Path(path)
+    stale = []
+    if not path.parent.is_dir():
+        return stale
+    for tmp in path.parent.glob(f".{glob_escape(path.name)}.tmp*"):
+        m = re.fullmatch(re.escape(f".{path.name}.tmp") + r"(\d+)", tmp.name)
+        if m is None:
+            continue
+        pid = int(m.group(1))
+        if pid == os.getpid() or not _process_alive(pid):
+            stale.append(tmp)
+    return stale
+
+
+def glob_escape(name: str) -> str:
+    return re.sub(r"([*?\[])", r"[\1]", name)
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def remove_stale_temp_files(path: Union[str, Path]) -> None:
+    for tmp in stale_temp_files(path):
+        try:
+            if tmp.is_dir():
+                shutil.rmtree(tmp, ignore_errors=True)
+            else:
+                tmp.unlink()
+        except FileNotFoundError:
+            pass
 
 
 def save_atomic(obj: Any, path: Union[str, Path]) -> None:
-    """torch.save to a temporary file, then rename: a kill mid-save never leaves a half-written file."""
+    """torch.save through a temporary file and a rename: a kill mid-save never leaves a half-written file under
+    the final name. On Linux the temporary file has no name at all until it is complete (O_TMPFILE), so a kill
+    leaves nothing behind; elsewhere it is `.NAME.tmpPID`, and the one of a killed earlier run is removed by the
+    next save of the same file."""
+    write_atomic(path, lambda f: torch.save(obj, f))
+
+
+def write_atomic(path: Union[str, Path], write: Callable[[Any], None]) -> None:
+    """Call `write(binary_file)` on a temporary file in `path`'s folder, fsync it, then rename it to `path`."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temp_files(path)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    fd = _open_unnamed(path.parent)
     try:
-        torch.save(obj, tmp)
+        if fd is not None:
+            with os.fdopen(fd, "wb") as f:
+                fd = None
+                write(f)
+                f.flush()
+                os.fsync(f.fileno())
+                # give the complete file a (temporary) name, then move it over `path` in one step
+                _link_fd(f.fileno(), tmp)
+        else:
+            with open(tmp, "wb") as f:
+                write(f)
+                f.flush()
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     finally:
+        if fd is not None:
+            os.close(fd)
         if tmp.exists():
             tmp.unlink()
+
+
+def _link_fd(fd: int, target: Path) -> None:
+    """Give the unnamed file `fd` the name `target`: linkat(2) following /proc/self/fd/FD (os.link does not
+    follow that link on Linux)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    at_fdcwd, at_symlink_follow = -100, 0x400
+    if libc.linkat(at_fdcwd, f"/proc/self/fd/{fd}".encode(), at_fdcwd, os.fsencode(target), at_symlink_follow) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), str(target))
+
+
+def _open_unnamed(directory: Path) -> Optional[int]:
+    """A file descriptor of a new file in `directory` that has no name (Linux O_TMPFILE), or None where the OS or
+    filesystem does not offer that."""
+    flag = getattr(os, "O_TMPFILE", None)
+    if flag is None or not Path("/proc/self/fd").is_dir():
+        return None
+    try:
+        return os.open(directory, flag | os.O_WRONLY, 0o644)
+    except OSError:
+        return None
+
+
+def write_text_atomic(path: Union[str, Path], text: str) -> None:
+    """Write a text file through a temporary file and a rename (never half-written under its name)."""
+    write_atomic(path, lambda f: f.write(text.encode("utf-8")))
+
+
+def copy_file_atomic(src: Union[str, Path], dst: Union[str, Path]) -> None:
+    """Copy a file through a temporary file and a rename."""
+    with open(src, "rb") as source:
+        write_atomic(dst, lambda f: shutil.copyfileobj(source, f, 1 << 20))
+
+
+def refuse_overwrite(directory: Union[str, Path], names: Any, overwrite: bool, fix: str) -> None:
+    """Raise a LitError when `directory` already holds any of the files `names` and `overwrite` is off: a
+    converter never replaces an existing checkpoint without being asked to. `fix` is the sentence that says what
+    to do instead (e.g. "Pass --output_dir NEW_FOLDER, or --overwrite true to replace them")."""
+    if overwrite:
+        return
+    directory = Path(directory)
+    present = [n for n in dict.fromkeys(names) if (directory / n).exists()]
+    if present:
+        shown = ", ".join(present[:3]) + (f" and {len(present) - 3} more" if len(present) > 3 else "")
+        raise LitError(f"{str(directory)!r} already holds {shown}: refusing to overwrite. {fix}")
 
 
 def num_parameters(module: nn.Module, requires_grad: Optional[bool] = None) -> int:

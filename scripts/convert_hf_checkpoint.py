@@ -14,6 +14,7 @@ def setup(
     checkpoint_dir: Path,
     model_name: Optional[str] = None,
     dtype: Optional[Literal["float32", "bfloat16", "float16"]] = None,
+    overwrite: bool = False,
 ) -> None:
     """Convert the HF weights in `checkpoint_dir`.
 
@@ -21,8 +22,9 @@ def setup(
         checkpoint_dir: folder with `config.json` and `*.safetensors` or `pytorch_model*.bin` files.
         model_name: a registry name (`Config.names()`) to use instead of `config.json`.
         dtype: cast the weights to this dtype; default: keep the checkpoint's.
+        overwrite: replace an existing `lit_model.pth` / `lit_config.json` (without it that is refused).
     """
-    convert_hf_checkpoint(checkpoint_dir, model_name=model_name, dtype=dtype)
+    convert_hf_checkpoint(checkpoint_dir, model_name=model_name, dtype=dtype, overwrite=overwrite)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ def setup(
     checkpoint_path: Optional[Path] = None,
     dtype: Optional[Literal["float32", "bfloat16", "float16"]] = None,
     max_shard_size: str = "5GB",
+    overwrite: bool = False,
 ) -> None:
     """Write `model.safetensors` (sharded above `max_shard_size`), `config.json` and the tokenizer files.
 
@@ -26,9 +27,15 @@ def setup(
         checkpoint_path: weights to export instead of `checkpoint_dir/lit_model.pth`.
         dtype: cast the weights to this dtype; default: keep the checkpoint's.
         max_shard_size: largest safetensors file, e.g. 5GB or 500MB.
+        overwrite: replace an HF model already in `output_dir` (without it that is refused).
     """
     convert_lit_checkpoint(
-        checkpoint_dir, output_dir, checkpoint_path=checkpoint_path, dtype=dtype, max_shard_size=max_shard_size
+        checkpoint_dir,
+        output_dir,
+        checkpoint_path=checkpoint_path,
+        dtype=dtype,
+        max_shard_size=max_shard_size,
+        overwrite=overwrite,
     )
 
 

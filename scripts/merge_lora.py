@@ -12,17 +12,37 @@ from pathlib import Path
 from typing import Optional
 
 from lit_gpt.lora import merge_lora_checkpoint
-from lit_gpt.utils import run_cli
+from lit_gpt.utils import LitError, refuse_overwrite, remove_stale_temp_files, run_cli
 
 
-def setup(checkpoint_dir: Path, lora_path: Path, out_dir: Optional[Path] = None) -> None:
+def setup(checkpoint_dir: Path, lora_path: Path, out_dir: Optional[Path] = None, overwrite: bool = False) -> None:
     """Write `lit_model.pth`, `lit_config.json` and the tokenizer files of the merged model.
+
+    The weights are written to a temporary file and renamed when complete: a run killed mid-write leaves no
+    `lit_model.pth`, and no temporary file either (on Linux it has no name until complete; elsewhere the next run
+    removes it).
 
     Args:
         checkpoint_dir: the base model the LoRA weights were trained on.
         lora_path: the LoRA file the finetuning recipe wrote.
         out_dir: where the merged folder is written; default: the folder of `lora_path`.
+        overwrite: replace a `lit_model.pth` already in `out_dir` (without it that is refused).
     """
+    target = Path(lora_path).parent if out_dir is None else Path(out_dir)
+    if target.exists() and not target.is_dir():
+        raise LitError(f"--out_dir {str(target)!r} is a file, not a folder: pass a folder")
+    remove_stale_temp_files(target / "lit_model.pth")  # a killed earlier merge's partial file
+    # a missing LoRA file, or an out_dir that is the base checkpoint or the LoRA file's, get their own errors
+    own_error = (target / "lit_model.pth").resolve() == Path(lora_path).resolve() or (
+        target.resolve() == Path(checkpoint_dir).resolve()
+    )
+    if Path(lora_path).is_file() and not own_error:
+        refuse_overwrite(
+            target,
+            ["lit_model.pth"],
+            overwrite,
+            "Pass --out_dir NEW_FOLDER for the merged model, or --overwrite true to replace that file",
+        )
     path = merge_lora_checkpoint(checkpoint_dir, lora_path, out_dir)
     print(f"Merged weights written to {path}", file=sys.stderr)
 

@@ -166,8 +166,13 @@ def test_export_finetuned_weights_sharded_with_side_files(llama_dir, tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(reloaded(idx).logits, model(idx), atol=1e-4, rtol=0)
 
-    # exporting again unsharded into the same folder leaves no stale shards behind
-    convert_lit_checkpoint(llama_dir, out, checkpoint_path=finetuned, dtype="bfloat16")
+    # exporting into a folder that holds a model is refused, leaving it as it was ...
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    with pytest.raises(LitError, match=r"already holds config\.json.*refusing to overwrite.*--output_dir.*--overwrite true"):
+        convert_lit_checkpoint(llama_dir, out, checkpoint_path=finetuned, dtype="bfloat16")
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    # ... and with overwrite, exporting again unsharded into the same folder leaves no stale shards behind
+    convert_lit_checkpoint(llama_dir, out, checkpoint_path=finetuned, dtype="bfloat16", overwrite=True)
     assert sorted(p.name for p in out.glob("model*")) == ["model.safetensors"]
     assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
 

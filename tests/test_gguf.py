@@ -1,6 +1,7 @@
 """GGUF -> HF -> lit conversion: the real SmolLM2 GGUF (via the conftest fixture) and small synthetic GGUF files."""
 
 import json
+import shutil
 from pathlib import Path
 from typing import Dict, List
 
@@ -234,6 +235,32 @@ def test_synthetic_logits_match_transformers(synthetic):
         expected = hf_model(idx).logits
         actual = model(idx)
     torch.testing.assert_close(actual, expected, atol=1e-4, rtol=0)
+
+
+def test_an_existing_checkpoint_folder_is_never_overwritten_silently(synthetic, tmp_path, capsys):
+    gguf_path = synthetic["dir"].parent / "tiny.gguf"
+    out = tmp_path / "tiny-llama"
+    shutil.copytree(synthetic["dir"], out)
+    files = lambda: {p.name: p.read_bytes() for p in out.iterdir()}  # noqa: E731
+    before = files()
+    # the same conversion again: nothing to do, nothing rewritten (the README's command 1 can be run twice)
+    convert_gguf(gguf_path, out)
+    assert files() == before and "nothing to do" in capsys.readouterr().err
+    # another model's folder (here: a different config) is refused, naming the folder and the way out
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "rms_norm_eps": 1e-6}))
+    before = files()
+    with pytest.raises(LitError, match=r"already holds config\.json.*refusing to overwrite.*--checkpoint_dir.*--overwrite true"):
+        convert_gguf(gguf_path, out)
+    assert files() == before
+    (out / "config.json").unlink()
+    (out / "lit_model.pth").write_bytes(b"someone else's weights")
+    with pytest.raises(LitError, match=str(out)):
+        convert_gguf(gguf_path, out)
+    assert (out / "lit_model.pth").read_bytes() == b"someone else's weights"
+    convert_gguf(gguf_path, out, overwrite=True)
+    assert files() == {p.name: p.read_bytes() for p in synthetic["dir"].iterdir()}
+    assert not [p for p in out.iterdir() if p.name.startswith(".")]
 
 
 def test_unsupported_gguf_files_give_clear_errors(tmp_path):

@@ -123,3 +123,68 @@ def test_full_weights_with_an_untied_head_on_a_tied_config_are_refused(tmp_path)
     loaded = load_full_finetuned(merged, merged / "lit_model.pth")  # with its own config it loads
     with torch.no_grad():
         torch.testing.assert_close(loaded(tokens()), model(tokens()), atol=1e-4, rtol=0)
+
+
+def test_an_existing_merged_checkpoint_is_not_overwritten_without_overwrite(tmp_path, capsys):
+    model, base_dir, lora_path = lora_checkpoint(tmp_path, "Llama-2-7b-hf", lora_r=2)
+    out = tmp_path / "merged"
+    run_script("--checkpoint_dir", str(base_dir), "--lora_path", str(lora_path), "--out_dir", str(out))
+    before = (out / "lit_model.pth").read_bytes()
+    with pytest.raises(SystemExit) as exc:
+        run_script("--checkpoint_dir", str(base_dir), "--lora_path", str(lora_path), "--out_dir", str(out))
+    assert exc.value.code == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("error: ") and str(out) in err and "--out_dir" in err and "--overwrite true" in err, err
+    assert (out / "lit_model.pth").read_bytes() == before
+    run_script("--checkpoint_dir", str(base_dir), "--lora_path", str(lora_path), "--out_dir", str(out),
+               "--overwrite", "true")
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == []
+
+
+# A merge that SIGKILLs itself after writing part of lit_model.pth. NAMED=1 forces the named-temporary-file
+# fallback (filesystems without O_TMPFILE).
+_KILLED_MERGE = """
+import os, runpy, signal, sys
+import torch
+import lit_gpt.utils as utils
+if os.environ.get("NAMED") == "1":
+    utils._open_unnamed = lambda directory: None
+real_save = torch.save
+def save_then_die(obj, f, *args, **kwargs):
+    real_save(obj, f, *args, **kwargs)
+    f.flush()
+    os.kill(os.getpid(), signal.SIGKILL)  # the file is fully written, not yet renamed
+torch.save = save_then_die
+sys.argv = [sys.argv[1], *sys.argv[2:]]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("named", [False, True], ids=["unnamed-temp", "named-temp"])
+def test_merge_killed_mid_write_leaves_no_file_behind(tmp_path, named):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from variants import ROOT
+
+    _, base_dir, lora_path = lora_checkpoint(tmp_path, "Llama-2-7b-hf", lora_r=2)
+    out = tmp_path / "merged"
+    args = ["--checkpoint_dir", str(base_dir), "--lora_path", str(lora_path), "--out_dir", str(out)]
+    env = {**os.environ, "NAMED": "1" if named else "0", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", _KILLED_MERGE, str(ROOT / "scripts/merge_lora.py"), *args],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    assert not (out / "lit_model.pth").exists()
+    leftovers = sorted(p.name for p in out.iterdir() if "lit_model.pth" in p.name)
+    if named:
+        # the fallback leaves `.lit_model.pth.tmpPID` (a kill cannot be cleaned up after) ...
+        assert len(leftovers) == 1 and leftovers[0].startswith(".lit_model.pth.tmp"), leftovers
+    else:
+        assert leftovers == []  # an O_TMPFILE file has no name until it is complete: nothing to leave
+    # ... which the next run removes before it writes (and it never counts as a merged model)
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts/merge_lora.py"), *args], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(p.name for p in out.iterdir() if "lit_model.pth" in p.name) == ["lit_model.pth"]
