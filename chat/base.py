@@ -74,6 +74,10 @@ def setup(
     model = fabric.setup_module(load_model(checkpoint_dir))
     print(f"Loaded {checkpoint_dir} in {time.perf_counter() - t0:.2f} s ({style.name} prompt style)", file=sys.stderr)
     fabric.seed_everything(seed)
+    if hasattr(sys.stdin, "reconfigure"):
+        # bytes that are not UTF-8 reach `main` as lone surrogates (reported there) instead of raising inside
+        # input(), which would end the session and lose the conversation
+        sys.stdin.reconfigure(errors="surrogateescape")
     decode_fn = torch.compile(decode_one_token, dynamic=False) if compile else decode_one_token
     main(fabric, model, tokenizer, style, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
          top_p=top_p, system_prompt=system_prompt, decode_fn=decode_fn)
@@ -105,6 +109,14 @@ def main(
         except (EOFError, KeyboardInterrupt):
             out.write("\n")
             break
+        except UnicodeDecodeError as e:  # a reader whose stream could not be reconfigured
+            out.write(f"(that line is not valid UTF-8 text ({e.reason}): it was ignored, type it again)\n")
+            continue
+        if not _is_utf8(message):
+            bad = message.encode("utf-8", errors="surrogateescape")
+            out.write(f"(that line is not valid UTF-8 text ({_first_bad_byte(bad)}): it was ignored, type it again;"
+                      " is the terminal's encoding UTF-8?)\n")
+            continue
         command = message.strip()
         if command in ("/exit", "/quit"):
             break
@@ -129,6 +141,22 @@ def main(
         out.flush()
         history += [("user", message), ("assistant", reply)]
     return history
+
+
+def _is_utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _first_bad_byte(raw: bytes) -> str:
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return f"byte 0x{raw[e.start]:02x} at position {e.start}"
+    return "a lone surrogate"
 
 
 def fit_prompt(

@@ -261,7 +261,7 @@ def _check_state(state: Dict[str, torch.Tensor], expected: Dict[str, torch.Size]
 def _read_json(path: Path) -> Dict[str, Any]:
     try:
         return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, ValueError, RecursionError) as e:
         raise LitError(f"cannot read {str(path)!r}: {e}") from e
 
 

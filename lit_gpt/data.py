@@ -37,7 +37,9 @@ VAL_FILE = "val.pt"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 
 Sample = Dict[str, torch.Tensor]  # {"input_ids": (T,) int64, "labels": (T,) int64}
-Record = Tuple[int, Any]  # (line number where the record starts, the parsed JSON object / CSV row dict)
+# (line number where the record starts, the parsed JSON object / CSV row dict[, 1-based element number in a JSON
+# array: several elements can start on one line, and a row number finds them where a line number cannot])
+Record = Tuple[Any, ...]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -53,15 +55,22 @@ class Row:
     output: str
     history: Tuple[Tuple[str, str], ...] = ()
     """Earlier turns of a conversation as (role, content) pairs, rendered by the prompt style before this one."""
+    element: Optional[int] = None
+    """1-based element number in a JSON array (None for JSON lines and CSV, where the line is the row)."""
 
 
 @dataclass
 class BadRow:
     line: int
     reason: str
+    element: Optional[int] = None  # 1-based element number in a JSON array
 
     def __str__(self) -> str:
-        return f"line {self.line}: {self.reason}"
+        return f"{self.where}: {self.reason}"
+
+    @property
+    def where(self) -> str:
+        return f"row {self.element} (line {self.line})" if self.element is not None else f"line {self.line}"
 
 
 class BadRowError(ValueError):
@@ -125,11 +134,15 @@ def records_to_rows(
     """Apply `to_rows` to every record; a record it rejects (BadRowError) becomes a BadRow with its line."""
     rows: List[Row] = []
     bad: List[BadRow] = []
-    for line, record in records:
+    for line, record, *rest in records:
+        element = rest[0] if rest else None
         try:
-            rows.extend(Row(line, *r[:3], tuple(tuple(t) for t in (r[3] if len(r) > 3 else ()))) for r in to_rows(record))
+            rows.extend(
+                Row(line, *r[:3], tuple(tuple(t) for t in (r[3] if len(r) > 3 else ())), element=element)
+                for r in to_rows(record)
+            )
         except BadRowError as e:
-            bad.append(BadRow(line, str(e)))
+            bad.append(BadRow(line, str(e), element))
     return rows, bad
 
 
@@ -195,7 +208,12 @@ def _read_json_array(text: str, path: Path) -> List[Record]:
             obj, end = decoder.raw_decode(text, i)
         except json.JSONDecodeError as e:
             raise fail(e.pos, e.msg) from None
-        records.append((line_at(i), obj))
+        except RecursionError:
+            raise LitError(
+                f"{path}:{line_at(i)}: row {len(records) + 1} of the JSON array is nested too deeply to read (more"
+                f" than ~{sys.getrecursionlimit()} levels); a training row is an object of strings: fix that row"
+            ) from None
+        records.append((line_at(i), obj, len(records) + 1))
         i = skip_ws(end)
         if i < len(text) and text[i] == ",":
             i = skip_ws(i + 1)
@@ -217,6 +235,8 @@ def _read_json_lines(text: str) -> Tuple[List[Record], List[BadRow]]:
             records.append((number, json.loads(line)))
         except json.JSONDecodeError as e:
             bad.append(BadRow(number, f"invalid JSON ({e.msg})"))
+        except RecursionError:
+            bad.append(BadRow(number, "JSON nested too deeply to read"))
     return records, bad
 
 
@@ -365,13 +385,17 @@ def split_train_val(items: Sequence[Any], val_fraction: float, seed: int) -> Tup
     return train, val
 
 
+def _bad_order(b: BadRow) -> Tuple[int, int]:
+    return (b.line, b.element or 0)
+
+
 def report_bad_rows(bad: Sequence[BadRow], source: str, on_bad_rows: str, shown: int = 10) -> None:
     """`error`: raise a one-line LitError naming the first bad rows. `skip`: say on stderr which rows are skipped."""
     if on_bad_rows not in ("skip", "error"):
         raise LitError(f"--on_bad_rows must be 'skip' or 'error', got {on_bad_rows!r}")
     if not bad:
         return
-    bad = sorted(bad, key=lambda b: b.line)
+    bad = sorted(bad, key=_bad_order)
     listed = "; ".join(str(b) for b in bad[:shown]) + (f"; and {len(bad) - shown} more" if len(bad) > shown else "")
     if on_bad_rows == "error":
         raise LitError(
@@ -418,6 +442,7 @@ def prepare(
         raise LitError(f"--max_seq_length must be >= 2 (got {max_seq_length})")
 
     bad = list(bad)
+    total = len(rows) + len(bad)  # rows read (a row that fails tokenizing below is still one row)
     report_bad_rows(bad if on_bad_rows == "error" else [], source, on_bad_rows)  # fail before the slow part
     samples: List[Sample] = []
     truncated = 0
@@ -425,13 +450,16 @@ def prepare(
         try:
             sample, was_truncated = tokenize_row(row, tokenizer, style, max_seq_length, mask_inputs)
         except BadRowError as e:
-            bad.append(BadRow(row.line, str(e)))
+            bad.append(BadRow(row.line, str(e), row.element))
             continue
         samples.append(sample)
         truncated += was_truncated
     report_bad_rows(bad, source, on_bad_rows)
     if not samples:
-        raise LitError(f"{source}: no usable rows (of {len(rows) + len(bad)}); nothing to write")
+        raise LitError(
+            f"{source}: none of the {total} rows is usable ({len(bad)} bad, see above); nothing to write. Fix the"
+            " rows, or raise --max_seq_length if they were too long"
+        )
 
     train, val = split_train_val(samples, val_split_fraction, seed)
     lengths = [s["input_ids"].numel() for s in samples]
@@ -453,7 +481,10 @@ def prepare(
             "longest": max(lengths),
             "mean_length": round(sum(lengths) / len(lengths), 1),
         },
-        "skipped_rows": [{"line": b.line, "reason": b.reason} for b in sorted(bad, key=lambda b: b.line)],
+        "skipped_rows": [
+            {"line": b.line, **({"row": b.element} if b.element is not None else {}), "reason": b.reason}
+            for b in sorted(bad, key=_bad_order)
+        ],
         **(extra_meta or {}),
     }
     write_prepared(destination, train, val, meta)
@@ -529,7 +560,7 @@ def load_prepared(data_dir: Path, checkpoint_dir: Optional[Path] = None) -> Prep
         raise LitError(f"no prepared data in {str(data_dir)!r} ({META_FILE} missing): {hint} {data_dir}")
     try:
         meta = json.loads(meta_path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise LitError(f"{str(meta_path)!r} is not valid JSON ({e}): {hint} {data_dir}") from None
     if meta.get("format_version") != FORMAT_VERSION:
         raise LitError(f"{str(data_dir)!r} was prepared by an incompatible version: {hint} {data_dir}")

@@ -159,7 +159,7 @@ def _check_existing(
     def same(name: str, expected: Dict[str, Any]) -> bool:
         try:
             return json.loads((checkpoint_dir / name).read_text(encoding="utf-8")) == json.loads(json.dumps(expected))
-        except (OSError, ValueError):
+        except (OSError, ValueError, RecursionError):
             return False
 
     if len(present) == len(OUTPUT_FILES) and same("config.json", hf_config) and same("tokenizer_config.json", tokenizer_config):

@@ -173,7 +173,7 @@ def load_chat_template(checkpoint_dir: Union[str, Path]) -> Optional[str]:
             continue
         try:
             template = json.loads(path.read_text(encoding="utf-8")).get("chat_template")
-        except (json.JSONDecodeError, AttributeError) as e:
+        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError, RecursionError) as e:
             raise LitError(f"{str(path)!r} is not a valid JSON object ({e})") from e
         if isinstance(template, list):
             named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
@@ -192,7 +192,7 @@ def is_chat_model(checkpoint_dir: Union[str, Path]) -> bool:
         if path.is_file():
             try:
                 value = json.loads(path.read_text(encoding="utf-8")).get(key)
-            except (json.JSONDecodeError, AttributeError):
+            except (json.JSONDecodeError, UnicodeDecodeError, AttributeError, RecursionError):
                 value = None
             if isinstance(value, str):
                 names.append(Path(value).name)

@@ -27,7 +27,7 @@ def _read_json(path: Path) -> Dict[str, Any]:
         return {}
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise LitError(f"{str(path)!r} is not valid JSON ({e}). Download the checkpoint again") from e
     return data if isinstance(data, dict) else {}
 

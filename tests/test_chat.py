@@ -116,3 +116,39 @@ def test_old_turns_are_dropped_when_the_context_is_full(tiny_dir):
     assert kept == history[2:] and ids.numel() <= full.numel() - 10
     ids, kept = chat.fit_prompt(style, tokenizer, "five " * 200, history, None, budget=50)
     assert ids is None and kept == []
+
+
+def test_a_line_that_is_not_utf8_is_reported_and_the_conversation_goes_on(tiny_dir):
+    """Through real stdin bytes: the bad line gets one clear line, the session and its history survive."""
+    import subprocess
+    import sys
+
+    stdin = b"first message\n\xff\xfe not utf-8 \xc3\n/exit\n"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "chat" / "base.py"), "--checkpoint_dir", str(tiny_dir), "--max_new_tokens", "2",
+         "--temperature", "0", "--prompt_style", "alpaca", "--accelerator", "cpu", "--precision", "32-true"],
+        input=stdin, capture_output=True, timeout=120, cwd=ROOT,
+    )
+    out, err = proc.stdout.decode("utf-8", "replace"), proc.stderr.decode("utf-8", "replace")
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err and "Traceback" not in out
+    notes = [line for line in out.splitlines() if "not valid UTF-8" in line]
+    assert len(notes) == 1 and "byte 0xff at position 0" in notes[0] and "type it again" in notes[0], out
+    assert out.count(">> Model: ") == 1  # the good message was answered, the bad one was not sent
+
+
+def test_a_bad_line_keeps_the_history(tiny_dir):
+    from lit_gpt.generate import generation_fabric, load_model
+    from lit_gpt.prompts import PromptStyle
+    from lit_gpt.tokenizer import Tokenizer
+
+    chat = load_chat()
+    fabric = generation_fabric("cpu", "32-true")
+    model = fabric.setup_module(load_model(tiny_dir))
+    tokenizer, style = Tokenizer(tiny_dir), PromptStyle.from_name("alpaca")
+    kwargs = dict(max_new_tokens=2, temperature=0.0, top_k=None, top_p=1.0)
+    bad = b"caf\xe9".decode("utf-8", errors="surrogateescape")  # what a Latin-1 terminal sends for "café"
+    out = io.StringIO()
+    history = chat.main(fabric, model, tokenizer, style, read=scripted(["one", bad, "two"]), out=out, **kwargs)
+    assert [c for r, c in history if r == "user"] == ["one", "two"]
+    assert "not valid UTF-8 text (byte 0xe9 at position 3)" in out.getvalue()

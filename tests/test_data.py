@@ -158,7 +158,7 @@ def test_prepare_counts_truncated_and_skipped_and_splits_deterministically(tiny_
                         max_seq_length=64, val_split_fraction=0.2, seed=7)
     c = meta["counts"]
     assert (c["samples"], c["train"], c["val"], c["truncated"], c["skipped"]) == (21, 17, 4, 1, 1)
-    assert meta["skipped_rows"] == [{"line": 1, "reason": "missing field 'output'"}]
+    assert meta["skipped_rows"] == [{"line": 1, "row": 22, "reason": "missing field 'output'"}]
     assert c["longest"] == 64
     saved = json.loads((tmp_path / "out" / "meta.json").read_text())
     assert saved == meta and saved["mask_inputs"] is True and saved["prompt_style"] == "alpaca"
@@ -179,14 +179,42 @@ def test_prepare_counts_truncated_and_skipped_and_splits_deterministically(tiny_
 def test_on_bad_rows_error_rejects_and_all_bad_is_an_error(tiny_dir, tmp_path):
     src = write_json(tmp_path / "d.json", [{"instruction": "a", "output": "b"}, {"instruction": "c", "output": ""}])
     parsed, bad = rows_of(src)
-    with pytest.raises(LitError, match=r"1 bad row\(s\): line 1: field 'output' is empty.*--on_bad_rows skip"):
+    # a one-line JSON array: the element number finds the row, the line number alone would not
+    with pytest.raises(LitError, match=r"1 bad row\(s\): row 2 \(line 1\): field 'output' is empty.*--on_bad_rows skip"):
         data.prepare(parsed, bad, checkpoint_dir=tiny_dir, destination=tmp_path / "o", source=str(src),
                      on_bad_rows="error")
     assert not (tmp_path / "o" / "meta.json").exists()
     src = write_json(tmp_path / "e.json", [{"instruction": "c", "output": ""}])
     parsed, bad = rows_of(src)
-    with pytest.raises(LitError, match="no usable rows"):
+    with pytest.raises(LitError, match="none of the 1 rows is usable"):
         data.prepare(parsed, bad, checkpoint_dir=tiny_dir, destination=tmp_path / "o", source=str(src))
+
+
+def test_rows_of_a_one_line_array_are_numbered_and_counted_once(tiny_dir, tmp_path, capsys):
+    rows = [{"instruction": f"question {i} " * 20, "output": "answer"} for i in range(37)]
+    src = write_json(tmp_path / "d.json", rows)
+    assert "\n" not in src.read_text().strip()
+    parsed, bad = rows_of(src)
+    assert [(r.line, r.element) for r in parsed[:3]] == [(1, 1), (1, 2), (1, 3)]
+    # every prompt is longer than max_seq_length: 37 rows fail in tokenization, and 37 is what is reported
+    with pytest.raises(LitError, match=r"none of the 37 rows is usable \(37 bad"):
+        data.prepare(parsed, bad, checkpoint_dir=tiny_dir, destination=tmp_path / "o", source=str(src),
+                     max_seq_length=8)
+    warning = capsys.readouterr().err
+    assert "skipping 37 bad row(s): row 1 (line 1): the prompt alone has" in warning and "row 2 (line 1)" in warning
+    assert not (tmp_path / "o").exists()
+
+
+def test_deeply_nested_json_is_one_clear_error(tmp_path):
+    deep = "[" * 100_000 + "]" * 100_000
+    array = tmp_path / "deep.json"
+    array.write_text('[{"instruction": "a", "output": "b"},\n' + deep + "]")
+    with pytest.raises(LitError, match=r"deep\.json:2: row 2 of the JSON array is nested too deeply"):
+        data.read_json_records(array)
+    lines = tmp_path / "deep.jsonl"
+    lines.write_text('{"instruction": "a", "output": "b"}\n' + deep + "\n")
+    records, bad = data.read_json_records(lines)
+    assert len(records) == 1 and [str(b) for b in bad] == ["line 2: JSON nested too deeply to read"]
 
 
 def test_load_prepared_rejects_missing_corrupt_and_foreign_data(tiny_dir, tmp_path):
