@@ -38,6 +38,8 @@ from typing import Dict, List, Optional
 from lit_gpt import data
 from lit_gpt.utils import DEFAULT_CHECKPOINT_DIR, LitError, run_cli
 
+import result_files  # bench/result_files.py (this script's folder is on sys.path)
+
 ROOT = Path(__file__).resolve().parents[1]
 LITGPT = {"lora": (194.0, 1.91, 2.35), "adapter": (209.0, 1.76, 2.18)}  # tokens/s, s/iteration, GiB
 WORDS = (
@@ -155,7 +157,8 @@ def main(
     repeats: int = 1,
     litgpt_path: Optional[Path] = None,
     work_dir: Optional[Path] = None,
-    json_out: Optional[Path] = None,
+    results_file: Optional[Path] = None,
+    note: Optional[str] = None,
 ) -> Dict[str, Dict[str, float]]:
     """Benchmark the recipes (and, with `litgpt_path`, litgpt's on the same data, alternating run by run, so that
     a machine shared with other work slows both alike; the medians over `repeats` are reported).
@@ -167,7 +170,8 @@ def main(
         repeats: Runs per recipe.
         litgpt_path: A directory from which litgpt 0.5.13 imports, to run it side by side.
         work_dir: Where the data and the runs go (default: a temporary directory).
-        json_out: Also write the results to this JSON file.
+        results_file: Also write the results, the machine and the versions to this JSON file (bench/result_files.py).
+        note: A remark stored in the results file (e.g. what else ran on the machine).
     """
     import statistics
 
@@ -213,8 +217,10 @@ def main(
                 line += (f" | litgpt here: {lg['s_per_iteration']:.2f} s/it, {lg['peak_rss_gib']:.2f} GiB"
                          f" -> {lg['s_per_iteration'] / r['s_per_iteration']:.2f}x")
             print(line, flush=True)
-    if json_out is not None:
-        Path(json_out).write_text(json.dumps(results, indent=2) + "\n")
+    settings = {"checkpoint": checkpoint_dir.name, "methods": list(methods), "steps": steps, "timed_from_step": 4,
+                "repeats": repeats, "micro_batch_size": 4, "global_batch_size": 4, "max_seq_length": 128,
+                "precision": "32-true", "litgpt": litgpt_path is not None}
+    result_files.write(results_file, "finetune", settings, results, note)
     return results
 
 

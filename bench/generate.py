@@ -33,6 +33,8 @@ from lit_gpt.generate import decode_one_token, generate, load_model, use_column_
 from lit_gpt.tokenizer import Tokenizer
 from lit_gpt.utils import DEFAULT_CHECKPOINT_DIR, LitError, run_cli
 
+import result_files  # bench/result_files.py (this script's folder is on sys.path)
+
 # an unfinished sentence, so the model continues it instead of ending its turn at once
 PROMPT = (
     "Once upon a time, in a small village high in the mountains of Peru, there lived a young llama named Pablo"
@@ -48,6 +50,8 @@ def setup(
     prompt: str = PROMPT,
     compile: bool = False,
     column_major: bool = True,
+    results_file: Optional[Path] = None,
+    note: Optional[str] = None,
 ) -> Dict[str, float]:
     """Time both implementations and print tokens/s and the ratio.
 
@@ -61,6 +65,8 @@ def setup(
             compilation happens in the warm-up run and is reported separately.
         column_major: Store our tall weight matrices column-major, as generate/base.py does on the CPU
             (`lit_gpt.generate.use_column_major_weights`); false measures the plain nn.Linear layout.
+        results_file: Also write the results, the machine and the versions to this JSON file (bench/result_files.py).
+        note: A remark stored in the results file (e.g. what else ran on the machine).
     """
     if not (Path(checkpoint_dir) / "config.json").is_file() or not (Path(checkpoint_dir) / "model.safetensors").is_file():
         raise LitError(
@@ -141,6 +147,12 @@ def setup(
         f"{name} {result[name + '_ratio']:.2f}x" for name in contenders if name != "transformers"
     )
     print(f"median: {summary}; median ratio to transformers: {ratios_text}")
+    settings = {"checkpoint": Path(checkpoint_dir).name, "prompt_tokens": ids.numel(), "max_new_tokens": max_new_tokens,
+                "runs": runs, "threads": torch.get_num_threads(), "compile": compile, "column_major": column_major,
+                "batch": 1, "decoding": "greedy", "precision": "32-true"}
+    equal = {name: tokens == reference for name, tokens in outputs.items() if name != "transformers"}
+    result_files.write(results_file, "generate", settings, {**result, "runs_tokens_per_s": speeds,
+                       "tokens_equal_to_transformers": equal}, note)
     return result
 
 

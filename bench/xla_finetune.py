@@ -22,6 +22,8 @@ import torch
 
 from lit_gpt.utils import run_cli
 
+import result_files  # bench/result_files.py (this script's folder is on sys.path)
+
 
 def setup(
     model_name: str = "SmolLM2-135M-Instruct",
@@ -33,6 +35,8 @@ def setup(
     devices: Union[int, str] = "auto",
     precision: Optional[str] = None,
     eager_reference: bool = True,
+    results_file: Optional[Path] = None,
+    note: Optional[str] = None,
 ) -> None:
     """Time the XLA finetuning step against eager CPU.
 
@@ -46,11 +50,18 @@ def setup(
         devices: "auto" or the number of XLA devices.
         precision: "32-true", "bf16-true" or "bf16-mixed" (default: bf16-true on TPUs, else 32-true).
         eager_reference: Also time the same step in eager PyTorch on the CPU.
+        results_file: Also write the results, the machine and the versions to this JSON file (bench/result_files.py).
+        note: A remark stored in the results file (e.g. what else ran on the machine).
     """
     from lit_gpt.xla import default_precision, make_fabric
 
     fabric = make_fabric(devices, default_precision(precision))
-    fabric.launch(main, model_name, n_layer, method, steps, micro_batch_size, seq_len, eager_reference)
+    precision = default_precision(precision)
+    result = fabric.launch(main, model_name, n_layer, method, steps, micro_batch_size, seq_len, eager_reference)
+    settings = {"model_name": model_name, "n_layer": n_layer, "method": method, "steps": steps,
+                "micro_batch_size": micro_batch_size, "seq_len": seq_len, "devices": fabric.strategy.num_devices,
+                "device": str(fabric.device), "precision": precision, "optimizer": "adamw", "weights": "random"}
+    result_files.write(results_file, "xla_finetune", settings, result, note)
 
 
 def build(method: str, config):
@@ -79,7 +90,7 @@ def cpu_peak_flops() -> float:
     return 2 * 1024**3 / best
 
 
-def main(fabric, model_name, n_layer, method, steps, micro_batch_size, seq_len, eager_reference) -> None:
+def main(fabric, model_name, n_layer, method, steps, micro_batch_size, seq_len, eager_reference) -> Optional[dict]:
     from lit_gpt import Config, training
     from lit_gpt.args import EvalArgs, TrainArgs
     from lit_gpt.data import PreparedData, TrainBatches
@@ -128,7 +139,7 @@ def main(fabric, model_name, n_layer, method, steps, micro_batch_size, seq_len, 
         compile_steps = len(summary["step_times"]) - len(steady)
         if not steady:
             print("every step compiled: run more --steps", file=sys.stderr)
-            return
+            return None
         step_time = statistics.median(t for t, _ in steady)
         tokens = steady[0][1]
         peak_per_device = finetune.peak_flops()
@@ -143,10 +154,18 @@ def main(fabric, model_name, n_layer, method, steps, micro_batch_size, seq_len, 
               f" device(s) ({fabric.device}); {summary['train_compiles']} train-step compilation(s) in the first"
               f" {compile_steps} step(s); MFU against {peak_name} ({peak / 1e12:.3f} TFLOP/s)")
         report("XLA", step_time)
+        result = {"train_compiles": summary["train_compiles"], "compile_steps": compile_steps,
+                  "steady_steps": len(steady), "tokens_per_step": tokens, "step_s": step_time,
+                  "tokens_per_s": tokens / step_time, "peak_flops": peak, "peak_name": peak_name,
+                  "mfu": flops_per_token * tokens / step_time / peak,
+                  "step_times": [list(x) for x in summary["step_times"]]}
         if eager_reference:
             eager_time = eager_step_time(make_model, mark_trainable, checkpoint_dir, train, rows, seq_len, config)
             report("eager", eager_time)
             print(f"XLA / eager step time: {step_time / eager_time:.2f}")
+            result.update(eager_step_s=eager_time, eager_tokens_per_s=tokens / eager_time,
+                          xla_over_eager_step_time=step_time / eager_time)
+        return result
 
 
 def eager_step_time(make_model, mark_trainable, checkpoint_dir, train, rows, seq_len, config) -> float:

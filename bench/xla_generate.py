@@ -6,18 +6,21 @@
 
 For two prompt lengths (two buckets) and 8 / 64 / 256 new tokens, greedy and without stop tokens (every run
 generates exactly that many): the XLA compilations of the call, the time to the first token (compilation
-included), the steady decode speed, the eager CPU speed on the same weights and prompt (`lit_gpt.generate`,
-what generate/base.py runs), their ratio, and whether the tokens are equal.
+included), the steady decode speed (after the first decode step), the steady eager CPU decode speed on the same
+weights and prompt (`lit_gpt.generate`, what generate/base.py runs; prefill and first token excluded, after a
+warm-up call), their ratio, and whether the tokens are equal.
 """
 
 import sys
 import time
 from pathlib import Path
-from typing import Optional, Tuple, Union
+from typing import List, Optional, Tuple, Union
 
 import torch
 
 from lit_gpt.utils import DEFAULT_CHECKPOINT_DIR, run_cli
+
+import result_files  # bench/result_files.py (this script's folder is on sys.path)
 
 PROMPTS = (
     "The capital of France is",
@@ -32,6 +35,8 @@ def setup(
     devices: Union[int, str] = "auto",
     precision: Optional[str] = None,
     eager_reference: bool = True,
+    results_file: Optional[Path] = None,
+    note: Optional[str] = None,
 ) -> None:
     """Time XLA generation against eager CPU generation.
 
@@ -41,6 +46,8 @@ def setup(
         devices: "auto" or the number of XLA devices (the mesh spans all of them).
         precision: "32-true" or "bf16-true" (default: bf16-true on TPUs, else 32-true).
         eager_reference: Also run eager generation on the CPU (the reference for the ratio and the tokens).
+        results_file: Also write the results, the machine and the versions to this JSON file (bench/result_files.py).
+        note: A remark stored in the results file (e.g. what else ran on the machine).
     """
     from lit_gpt.generate import check_model_dir
     from lit_gpt.xla import make_fabric
@@ -48,10 +55,15 @@ def setup(
 
     check_model_dir(checkpoint_dir)
     fabric = make_fabric(devices, default_precision(precision))
-    fabric.launch(main, checkpoint_dir, max_new_tokens, eager_reference)
+    rows = fabric.launch(main, checkpoint_dir, max_new_tokens, eager_reference)
+    settings = {"checkpoint": Path(checkpoint_dir).name, "max_new_tokens": list(max_new_tokens),
+                "devices": fabric.strategy.num_devices, "device": str(fabric.device),
+                "precision": default_precision(precision), "decoding": "greedy, no stop tokens",
+                "eager_threads": torch.get_num_threads() if eager_reference else None}
+    result_files.write(results_file, "xla_generate", settings, rows, note)
 
 
-def main(fabric, checkpoint_dir: Path, max_new_tokens: Tuple[int, ...], eager_reference: bool) -> None:
+def main(fabric, checkpoint_dir: Path, max_new_tokens: Tuple[int, ...], eager_reference: bool) -> List[dict]:
     from lit_gpt.generate import generate as eager_generate
     from lit_gpt.generate import load_config, load_model
     from lit_gpt.tokenizer import Tokenizer
@@ -70,15 +82,23 @@ def main(fabric, checkpoint_dir: Path, max_new_tokens: Tuple[int, ...], eager_re
               f" {'eager tok/s':>11} {'XLA/eager':>9} {'equal':>5}")
     print(header)
     print("-" * len(header))
+    rows = []
     for text in PROMPTS:
         ids = tokenizer.encode(text)
         for n in max_new_tokens:
             r = generate(model, ids, n)
             eager_speed, equal = None, None
             if cpu_model is not None:
+                # steady eager decode, comparable with the XLA column: (n - 1) tokens over the time a call of n
+                # tokens takes beyond a call of 1 token (prefill and first token), after a warm-up call
+                eager_generate(cpu_model, ids, 2, temperature=0.0)
                 t0 = time.perf_counter()
                 ref = eager_generate(cpu_model, ids, n, temperature=0.0)
-                eager_speed = n / (time.perf_counter() - t0)
+                t_n = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                eager_generate(cpu_model, ids, 1, temperature=0.0)
+                t_1 = time.perf_counter() - t0
+                eager_speed = (n - 1) / (t_n - t_1) if t_n > t_1 else None
                 equal = ref.tolist() == r.tokens.tolist()
             xla_speed = r.decode_tokens_per_sec
             ratio = xla_speed / eager_speed if xla_speed and eager_speed else None
@@ -86,9 +106,14 @@ def main(fabric, checkpoint_dir: Path, max_new_tokens: Tuple[int, ...], eager_re
             print(f"{r.prompt_length:>6} {r.bucket:>6} {n:>4} {r.compiles:>8} {r.time_to_first_token:>7.2f}"
                   f" {fmt(xla_speed, 9)} {fmt(eager_speed, 11)} {fmt(ratio, 9)}"
                   f" {str(equal) if equal is not None else 'n/a':>5}", flush=True)
+            rows.append({"prompt_tokens": r.prompt_length, "bucket": r.bucket, "new_tokens": n, "compiles": r.compiles,
+                         "time_to_first_token_s": r.time_to_first_token, "xla_tokens_per_s": xla_speed,
+                         "eager_tokens_per_s": eager_speed, "xla_over_eager": ratio, "tokens_equal": equal})
     print("compiles: XLA compilations of that call (prefill + decode: 2 for a new bucket or cache size, 0 otherwise);"
           " TTFT: time to the first token, compilation included; XLA tok/s: steady decode after the first decode"
-          " step; eager: the whole generation on the CPU", file=sys.stderr)
+          " step; eager tok/s: steady decode on the CPU (a call of N tokens minus a call of 1 token, after a warm-up)",
+          file=sys.stderr)
+    return rows
 
 
 if __name__ == "__main__":
