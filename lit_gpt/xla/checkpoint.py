@@ -2,21 +2,28 @@
 
     save_sharded(path, {"model": model, "optimizer": optimizer, "step": 100, "data_pos": 1234})
     remainder = load_sharded(path, {"model": model, "optimizer": optimizer, "step": 0, "data_pos": 0})
-    path = latest_checkpoint(out_dir)        # newest *complete* checkpoint, for `--resume auto`
+    path = latest_checkpoint(out_dir)        # newest *complete* checkpoint in this folder
+    path = agreed_latest_checkpoint(out_dir, "step-*")  # the same, agreed by every host: for `--resume auto`
     consolidate(path, "lit_model.pth")       # one plain file, needs neither torch_xla nor the devices
 
 Layout of a checkpoint directory:
   __{rank}_{i}.distcp   the shards that process (host) `rank` holds, written by that host only (SPMDSavePlanner)
   .metadata             DCP's index: every tensor's global shape and where each chunk lives
-  lit_checkpoint.json   completion marker, written last: format, hosts, files per host, tied names. A directory
-                        without it is an interrupted save and every loader here refuses it.
+  lit_checkpoint.json   completion marker, written last: format, hosts, files per host, tied names, and the size
+                        and CRC32 of every file. A directory without it is an interrupted save and every loader
+                        here refuses it.
+
+Integrity: every host checksums (CRC32, streamed) the files it wrote before the marker is written; `load_sharded`
+and the consolidators check the files they read against the marker first and refuse a damaged one, naming it (a
+flipped bit inside a tensor would otherwise load as a wrong number: torch.load does not check the shards' zip CRCs).
 
 Atomicity: everything is written into a hidden sibling `.NAME.tmp-TOKEN`, the marker last, then renamed to NAME,
 so a process killed mid-save leaves the previous checkpoint as it was and no directory that looks valid.
 Multi-host: with a shared directory (NFS, Filestore, gcsfuse) all hosts write into the same temporary directory
-and host 0 renames it; with per-host local disks each host renames its own directory and only host 0's holds the
-marker and `.metadata`: copy the other hosts' `__{rank}_*.distcp` files into it before loading or consolidating
-(`consolidate` names any host whose files are missing). Resuming a multi-host run needs the shared directory.
+and host 0 renames it; with per-host local disks each host renames its own directory, which holds its own shards
+plus a copy of the marker and `.metadata`: each host can then resume from its own disk (`load_sharded` reads the
+files of its own rank), and `agreed_latest_checkpoint` makes all hosts resume from the same step. To consolidate,
+copy the other hosts' `__{rank}_*.distcp` files into one directory first (`consolidate` names any that are missing).
 
 What is stored: modules as plain lit names (FSDP wrappers' `_orig_module.` removed; a tied parameter once, its
 aliases listed in the marker), optimizers' tensors sharded like their parameters, and everything else (step, data
@@ -36,8 +43,11 @@ import re
 import shutil
 import time
 import uuid
+import struct
+import sys
 import warnings
 import zipfile
+import zlib
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple, Union
 
@@ -53,7 +63,7 @@ from lit_gpt.utils import LitError
 MARKER = "lit_checkpoint.json"
 FORMAT = "lit-gpt-xla-sharded"
 FORMAT_VERSION = 1
-META_KEY = "__lit_meta__"
+META_KEY = "__lit_meta__"  # host 0's plain values and RNG states; host r > 0 stores its own under META_KEY + "r"
 _WRAPPER_PREFIXES = ("_orig_module.", "_forward_module.", "_checkpoint_wrapped_module.")
 _RANK_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
 _XLA_AVAILABLE = RequirementCache("torch_xla")
@@ -168,6 +178,19 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def _meta_key(rank: int) -> str:
+    return META_KEY if rank == 0 else f"{META_KEY}{rank}"
+
+
+def _all_gather(obj: Any) -> List[Any]:
+    """`obj` of every process (rank order); `[obj]` without a process group."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        out: List[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(out, obj)
+        return out
+    return [obj]
+
+
 def _broadcast(obj: Any) -> Any:
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         box = [obj]
@@ -218,8 +241,10 @@ def save_sharded(
     path: PathLike,
     state: Mapping[str, Any],
     filter: Optional[Mapping[str, Callable[[str, Any], bool]]] = None,
+    write_files: Optional[Callable[[Path], None]] = None,
 ) -> Path:
     """Save `state` (modules, optimizers, plain values) as a sharded checkpoint directory `path`, atomically.
+    `write_files(folder)` (host 0) adds files of the caller's (configs, tokenizer) before the commit.
 
     Call it on every host at the same point. Each host writes only the shards it holds. `filter` works like
     `fabric.save(..., filter=...)`: `{"model": lambda name, tensor: tensor.requires_grad}` saves the trainable
@@ -233,7 +258,8 @@ def save_sharded(
     # one opaque bytes entry: DCP would otherwise split the nested values into one item per leaf
     buf = io.BytesIO()
     torch.save(meta, buf)
-    tensors[META_KEY] = buf.getvalue()
+    # per host: every host's own RNG states, in its own shard file (a per-host local disk then holds them)
+    tensors[_meta_key(rank)] = buf.getvalue()
 
     token = _broadcast(uuid.uuid4().hex[:8] if rank == 0 else None)
     tmp = path.parent / f".{path.name}.tmp-{token}"
@@ -256,6 +282,19 @@ def save_sharded(
         dcp.save(tensors, storage_writer=writer, planner=planner, no_dist=world == 1)
     _barrier()
 
+    # every host checksums what it wrote (its own shards; host 0 also the index), while the bytes are in its
+    # page cache; a host that does not see host 0's index writes to its own local disk
+    own = {f.name: f for f in tmp.glob(f"__{rank}_*.distcp")}
+    if rank == 0 and (tmp / ".metadata").is_file():
+        own[".metadata"] = tmp / ".metadata"
+    local = {name: file_checksum(f) for name, f in sorted(own.items())}
+    gathered = _all_gather((local, (tmp / ".metadata").is_file()))
+    checksums: Dict[str, Dict[str, Any]] = {}
+    for sums, _ in gathered:
+        checksums.update(sums)
+    local_disks = not all(sees_index for _, sees_index in gathered)
+
+    marker: Optional[Dict[str, Any]] = None
     if rank == 0:
         md = dcp.FileSystemReader(str(tmp)).read_metadata()
         files: Dict[str, set] = {}
@@ -269,26 +308,91 @@ def save_sharded(
             "hosts": world,
             "devices": _device_count(),
             "files": {r: sorted(v) for r, v in sorted(files.items(), key=lambda kv: int(kv[0]))},
+            "checksums": checksums,
             "state": described,
         }
+    if local_disks:
+        # the other hosts keep a copy of the marker and the index next to their own shards
+        marker_and_index = _broadcast((marker, (tmp / ".metadata").read_bytes()) if rank == 0 else None)
+    if rank == 0:
         _write_json_synced(tmp / MARKER, marker)
         _fsync_dir(tmp)
-        old = None
-        if path.exists():
-            old = path.parent / f".{path.name}.old-{token}"
-            os.rename(path, old)
-        os.rename(tmp, path)
-        _fsync_dir(path.parent)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        _replace_dir(tmp, path, token)
     _barrier()
     if rank != 0 and tmp.exists():
         # per-host local disk: this host's shards go next to where host 0's checkpoint lives on the shared name
-        if path.exists():
-            shutil.rmtree(path)
-        os.rename(tmp, path)
+        if local_disks:
+            marker, index = marker_and_index
+            with open(tmp / ".metadata", "wb") as f:
+                f.write(index)
+                f.flush()
+                os.fsync(f.fileno())
+            _write_json_synced(tmp / MARKER, marker)
+            _fsync_dir(tmp)
+        _replace_dir(tmp, path, token)
     _barrier()
     return path
+
+
+def _replace_dir(tmp: Path, path: Path, token: str) -> None:
+    """Rename the complete temporary directory to `path`, moving an older `path` aside first and deleting it after."""
+    old = None
+    if path.exists():
+        old = path.parent / f".{path.name}.old-{token}"
+        os.rename(path, old)
+    os.rename(tmp, path)
+    _fsync_dir(path.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# integrity
+# ---------------------------------------------------------------------------------------------------------------
+_CHECKSUM_BLOCK = 8 << 20
+
+
+def file_checksum(path: PathLike) -> Dict[str, Any]:
+    """{"size", "crc32"} of a file, read in 8 MiB blocks (memory: one block)."""
+    crc = 0
+    size = 0
+    buf = bytearray(_CHECKSUM_BLOCK)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while True:
+            n = f.readinto(buf)
+            if not n:
+                break
+            crc = zlib.crc32(view[:n], crc)
+            size += n
+    return {"size": size, "crc32": f"{crc:08x}"}
+
+
+def verify_files(path: PathLike, names: Optional[List[str]] = None, marker: Optional[Dict[str, Any]] = None) -> None:
+    """Check files of a sharded checkpoint against the sizes and CRC32s its marker recorded at save time (all of
+    them, or `names`); raise a one-line LitError naming the first damaged one. Checkpoints written before
+    checksums were recorded pass unchecked."""
+    path = Path(path)
+    marker = read_marker(path) if marker is None else marker
+    recorded: Dict[str, Dict[str, Any]] = marker.get("checksums") or {}
+    for name in sorted(recorded) if names is None else names:
+        expected = recorded.get(name)
+        if expected is None:
+            continue
+        f = path / name
+        if not f.is_file():
+            raise LitError(f"sharded checkpoint file {str(f)!r} is missing: copy it from the host that wrote it")
+        actual = file_checksum(f)
+        if actual != expected:
+            what = (
+                f"{actual['size']} bytes instead of {expected['size']}"
+                if actual["size"] != expected["size"]
+                else f"CRC32 {actual['crc32']} instead of {expected['crc32']}"
+            )
+            raise LitError(
+                f"sharded checkpoint file {str(f)!r} is damaged ({what} recorded at save time): copy it again from"
+                " the host that wrote it, or use an earlier checkpoint"
+            )
 
 
 @contextlib.contextmanager
@@ -360,8 +464,9 @@ def read_marker(path: PathLike) -> Dict[str, Any]:
     return data
 
 
-def check_complete(path: PathLike) -> Tuple[Dict[str, Any], Any]:
-    """Marker present, DCP metadata readable, every host's shard files present and long enough.
+def check_complete(path: PathLike, ranks: Optional[List[str]] = None) -> Tuple[Dict[str, Any], Any]:
+    """Marker present, DCP metadata readable, every host's shard files (or those of the hosts `ranks`, e.g. ["1"]
+    for host 1 reading its own local disk) present and long enough.
 
     Returns (marker, DCP metadata). The error names the missing host (rank) files."""
     import torch.distributed.checkpoint as dcp
@@ -384,6 +489,8 @@ def check_complete(path: PathLike) -> Tuple[Dict[str, Any], Any]:
         f = path / name
         m = _RANK_FILE.match(name)
         rank = m.group(1) if m else "?"
+        if ranks is not None and rank not in ranks:
+            continue
         if not f.is_file():
             missing.setdefault(rank, []).append(name)
         elif f.stat().st_size < size:
@@ -425,6 +532,141 @@ def latest_checkpoint(out_dir: PathLike, pattern: str = "*") -> Optional[Path]:
     if not candidates:
         return None
     return max(candidates, key=lambda c: (c[0], c[1]))[2]
+
+
+def _step_of(path: Path) -> int:
+    m = re.search(r"(\d+)$", path.name)
+    return int(m.group(1)) if m else -1
+
+
+def needed_files(marker: Dict[str, Any], md: Any, rank: int, world: int) -> List[str]:
+    """The files host `rank` of `world` reads to load a checkpoint: its own shards, and the files holding whatever
+    every host needs (unsharded tensors, which DCP writes once, in one host's file; host 0's values). With another
+    host count than at save time, any shard may be needed: all files."""
+    files: Dict[str, List[str]] = marker.get("files", {})
+    if marker.get("hosts") != world:
+        return sorted({n for v in files.values() for n in v})
+    needed = set(files.get(str(rank), []))
+    own_meta = _meta_key(rank)
+    has_own_meta = any(index.fqn == own_meta for index in md.storage_data)
+    sizes = {fqn: tuple(t.size) for fqn, t in md.state_dict_metadata.items() if hasattr(t, "size")}
+    for index, info in md.storage_data.items():
+        if index.fqn.startswith(META_KEY):
+            if index.fqn == own_meta or (index.fqn == META_KEY and not has_own_meta):
+                needed.add(info.relative_path)
+            continue
+        size = sizes.get(index.fqn)
+        chunk = next((c for c in getattr(md.state_dict_metadata.get(index.fqn), "chunks", [])
+                      if tuple(c.offsets) == tuple(index.offset or ())), None)
+        if size is None or chunk is None or tuple(chunk.sizes) == size:
+            needed.add(info.relative_path)  # unsharded (or not a tensor): every host reads it
+    return sorted(needed)
+
+
+def _held_here(path: Path, rank: int, world: int) -> Optional[str]:
+    """Why this host cannot load checkpoint `path` from its own disk (None: it can): the marker must be readable,
+    the index present, and this host's own shard files present at their recorded sizes (all hosts' files when
+    the checkpoint was saved by another number of hosts, which reshards)."""
+    try:
+        marker = read_marker(path)
+    except LitError as e:
+        return str(e)
+    if not (path / ".metadata").is_file():
+        return "no .metadata"
+    import torch.distributed.checkpoint as dcp
+
+    try:
+        md = dcp.FileSystemReader(str(path)).read_metadata()
+    except Exception as e:  # a damaged index raises anything from EOFError to UnpicklingError
+        return f".metadata unreadable ({type(e).__name__})"
+    sizes = marker.get("checksums") or {}
+    missing = []
+    for name in needed_files(marker, md, rank, world):
+        f = path / name
+        if not f.is_file():
+            missing.append(name)
+        elif name in sizes and f.stat().st_size != sizes[name]["size"]:
+            return f"{name} has {f.stat().st_size} of {sizes[name]['size']} bytes"
+    if missing:
+        return f"missing {_few(missing)}"
+    return None
+
+
+def agreed_latest_checkpoint(out_dir: PathLike, pattern: str = "*") -> Optional[Path]:
+    """The newest checkpoint under `out_dir` that every host can load, the same on all hosts: what `--resume auto`
+    resumes from. Call it on every host at the same point (it communicates when a process group is initialized;
+    without one it is `latest_checkpoint`).
+
+    Each host lists the checkpoints it holds (marker readable, `.metadata` present, its own shard files present at
+    their recorded sizes: a per-host local disk suffices); host 0 picks the newest one that every host holds and
+    tells the others. When a newer checkpoint is missing on some host (a save killed between host 0's rename and
+    the others', or files lost on one disk), all hosts fall back to the newest common one, and host 0 says on
+    stderr which one was skipped and why: a checkpoint is complete only when every host has it, and resuming
+    from an earlier complete step is exact. When no checkpoint is held by every host although some host holds
+    one, all hosts raise the same LitError naming, for host 0's newest, the hosts and files that are missing:
+    starting fresh would silently throw that run away. Returns None when no host holds any checkpoint."""
+    rank, world = _rank_world()
+    out_dir = Path(out_dir)
+    if world == 1:
+        return latest_checkpoint(out_dir, pattern)
+    held: Dict[str, Tuple[int, float]] = {}
+    why_not: Dict[str, str] = {}
+    if out_dir.is_dir():
+        for d in out_dir.glob(pattern):
+            if d.name.startswith(".") or not d.is_dir():
+                continue
+            reason = _held_here(d, rank, world)
+            if reason is None:
+                held[d.name] = (_step_of(d), float(read_marker(d).get("saved_at", 0.0)))
+            else:
+                why_not[d.name] = reason
+    reports = _all_gather((held, why_not))
+    decision: Any = None
+    if rank == 0:
+        decision = _agree(out_dir, reports)
+    decision = _broadcast(decision)
+    kind, value, note = decision
+    if note and rank == 0:
+        print(f"warning: {note}", file=sys.stderr, flush=True)
+    if kind == "error":
+        raise LitError(value)
+    return None if value is None else out_dir / value
+
+
+def _agree(out_dir: Path, reports: List[Tuple[Dict[str, Tuple[int, float]], Dict[str, str]]]) -> Tuple[str, Any, str]:
+    """Host 0's decision from every host's (held, why not) report: ("ok", name or None, note) or ("error", msg, "")."""
+    def newest(names: Any) -> Optional[str]:
+        ranked = [(reports[0][0].get(n) or next(r[0][n] for r in reports if n in r[0]), n) for n in names]
+        return max(ranked)[1] if ranked else None
+
+    anywhere = set().union(*(set(held) for held, _ in reports))
+    if not anywhere:
+        return ("ok", None, "")
+    common = set.intersection(*(set(held) for held, _ in reports))
+    newest_anywhere = newest(anywhere)
+    chosen = newest(common)
+
+    def missing(name: str) -> str:
+        parts = []
+        for r, (held, why_not) in enumerate(reports):
+            if name not in held:
+                parts.append(f"host {r} ({why_not.get(name, 'no such directory')})")
+        return "; ".join(parts)
+
+    if chosen is None:
+        return (
+            "error",
+            f"no checkpoint in {str(out_dir)!r} is held by every host: the newest, {newest_anywhere}, is missing on"
+            f" {missing(newest_anywhere)}. Copy the missing files to those hosts, or start over in a new --out_dir",
+            "",
+        )
+    note = ""
+    if chosen != newest_anywhere:
+        note = (
+            f"resuming from {chosen}, the newest checkpoint every host holds: {newest_anywhere} is missing on"
+            f" {missing(newest_anywhere)}"
+        )
+    return ("ok", chosen, note)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -471,7 +713,7 @@ def load_sharded(
     import torch.distributed.checkpoint as dcp
 
     path = Path(path)
-    marker, md = check_complete(path)
+    marker, md = _check_and_verify_for_load(path)
     saved = md.state_dict_metadata
     target: Dict[str, Any] = {}
     optimizers: Dict[str, Optimizer] = {}
@@ -512,7 +754,9 @@ def load_sharded(
             }
             if strict and not any(fqn.startswith(prefix) for fqn in saved) and osd["state"]:
                 raise LitError(f"checkpoint {str(path)!r} has no optimizer state {key!r}")
-    target[META_KEY] = b""  # replaced by DCP with the saved bytes
+    # this host's own entry (checkpoints of another host count, or older ones: host 0's)
+    meta_key = _meta_key(_rank_world()[0]) if _meta_key(_rank_world()[0]) in saved else META_KEY
+    target[meta_key] = b""  # replaced by DCP with the saved bytes
 
     if _is_spmd():
         from torch_xla.experimental.distributed_checkpoint import SPMDLoadPlanner
@@ -522,7 +766,7 @@ def load_sharded(
         planner = None
     with _quiet_dcp():
         dcp.load(target, storage_reader=dcp.FileSystemReader(str(path)), planner=planner, no_dist=_rank_world()[1] == 1)
-    meta = torch.load(io.BytesIO(target[META_KEY]), map_location="cpu", weights_only=True)
+    meta = torch.load(io.BytesIO(target[meta_key]), map_location="cpu", weights_only=True)
 
     for key, opt in optimizers.items():
         saved_opt = meta["optimizers"].get(key)
@@ -552,6 +796,57 @@ def load_sharded(
         _set_rng_state(meta.get("rng", {}))
     _xla_sync()
     return {k: v for k, v in values.items() if k not in state}
+
+
+def _check_and_verify_all(path: Path) -> Tuple[Dict[str, Any], Any]:
+    """Every file present (missing ones named by host) and equal to what was saved (CRC32): the index first, so a
+    damaged one is reported as such rather than as whatever unpickling it raises."""
+    marker = read_marker(path)
+    if (path / ".metadata").is_file():
+        verify_files(path, [".metadata"], marker)
+    marker, md = check_complete(path)
+    verify_files(path, None, marker)
+    return marker, md
+
+
+def _check_and_verify_for_load(path: Path) -> Tuple[Dict[str, Any], Any]:
+    """`check_complete` and `verify_files` for the files this process will read, with every process agreeing on
+    the outcome: one host that finds a damaged file makes all of them fail with its line, instead of the others
+    waiting forever for it in the collective load.
+
+    A host reads its own rank's shards when the checkpoint was saved by as many hosts as there are now (so a
+    per-host local disk suffices); with another host count any shard may be needed, so all are checked."""
+    rank, world = _rank_world()
+    outcome: Any = None
+    try:
+        marker = read_marker(path)
+        if world == 1:
+            marker, md = _check_and_verify_all(path)
+        else:
+            # the files this host reads must be here (on a per-host local disk the others' may be elsewhere)
+            import torch.distributed.checkpoint as dcp
+
+            if not (path / ".metadata").is_file():
+                raise LitError(f"{str(path)!r} has a marker but no .metadata file: copy host 0's files into it")
+            verify_files(path, [".metadata"], marker)
+            try:
+                md = dcp.FileSystemReader(str(path)).read_metadata()
+            except Exception as e:  # a truncated pickle raises anything from EOFError to UnpicklingError
+                raise LitError(f"cannot read {str(path / '.metadata')!r} ({type(e).__name__}): it is damaged") from e
+            names = needed_files(marker, md, rank, world) + [".metadata"]
+            absent = [n for n in names if not (path / n).is_file()]
+            if absent:
+                raise LitError(
+                    f"sharded checkpoint {str(path)!r} lacks {_few(absent)}, which this host reads: copy them from"
+                    " the hosts that wrote them (or save to a shared directory)"
+                )
+            verify_files(path, names, marker)
+    except LitError as e:
+        outcome = f"host {rank}: {e}" if world > 1 else str(e)
+    failures = [o for o in _all_gather(outcome) if o is not None]
+    if failures:
+        raise LitError(failures[0])
+    return marker, md
 
 
 def _few(names: List[str], n: int = 4) -> str:
@@ -681,7 +976,7 @@ def iter_consolidated(checkpoint_dir: PathLike, key: str = "model") -> Iterator[
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     checkpoint_dir = Path(checkpoint_dir)
-    _, md = check_complete(checkpoint_dir)
+    marker, md = _check_and_verify_all(checkpoint_dir)
     prefix = key + "."
     chunks = _chunks_by_tensor(md, prefix)
     reader = _ChunkReader(checkpoint_dir)
@@ -793,6 +1088,55 @@ def _gather_write(
         offset += total
 
 
+_LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")  # signature ... crc32, sizes, name length, extra length
+_DESCRIPTOR_SIGNATURE = 0x08074B50
+
+
+def _fix_zip_crcs(f: Any) -> None:
+    """Write the CRC32 of every record of the zip archive `f` (opened r+b) where the central directory and the
+    data descriptor keep it. torch.save under `skip_data` records the CRCs of the placeholder bytes; the tensor
+    bytes are written afterwards, so their CRCs are computed here from the file, one record at a time."""
+    f.seek(0)
+    archive = zipfile.ZipFile(f)
+    infos = archive.infolist()
+    start_dir = archive.start_dir
+    fd = f.fileno()
+    crcs: List[int] = []
+    for info in infos:
+        header = os.pread(fd, _LOCAL_HEADER.size, info.header_offset)
+        fields = _LOCAL_HEADER.unpack(header)
+        data_offset = info.header_offset + _LOCAL_HEADER.size + fields[9] + fields[10]
+        crc = 0
+        done = 0
+        while done < info.compress_size:
+            block = os.pread(fd, min(_CHECKSUM_BLOCK, info.compress_size - done), data_offset + done)
+            if not block:
+                raise OSError(f"short read in {info.filename}")
+            crc = zlib.crc32(block, crc)
+            done += len(block)
+        crcs.append(crc)
+        if crc == info.CRC:
+            continue
+        packed = struct.pack("<I", crc)
+        if info.flag_bits & 0x08:
+            # data descriptor after the data: [signature] crc32 compressed-size uncompressed-size
+            end = data_offset + info.compress_size
+            first = struct.unpack("<I", os.pread(fd, 4, end))[0]
+            os.pwrite(fd, packed, end + 4 if first == _DESCRIPTOR_SIGNATURE else end)
+        else:
+            os.pwrite(fd, packed, info.header_offset + 14)
+    # central directory: one entry per record, in the same order; the CRC is at byte 16 of an entry
+    offset = start_dir
+    for info, crc in zip(infos, crcs):
+        entry = os.pread(fd, 46, offset)
+        if entry[:4] != b"PK\x01\x02":
+            raise OSError("unexpected zip layout: central directory entry not found")
+        name_len, extra_len, comment_len = struct.unpack("<HHH", entry[28:34])
+        if crc != info.CRC:
+            os.pwrite(fd, struct.pack("<I", crc), offset + 16)
+        offset += 46 + name_len + extra_len + comment_len
+
+
 def _lazy_tensor(size: Tuple[int, ...], dtype: torch.dtype) -> Tuple[torch.Tensor, Any]:
     """A tensor of the right shape and dtype backed by an anonymous mapping that is never touched, so it takes no
     memory: torch.save under `skip_data` only needs shapes, dtypes and storage sizes."""
@@ -835,14 +1179,14 @@ def consolidate(
     `torch.serialization.skip_data`, then each tensor's chunks are written into its place: whole-row chunks by an
     in-kernel file copy, column chunks by a gathered write, others assembled in memory first. Peak memory is
     about the largest tensor, not the model. Tied tensors are written once and appear under all their names,
-    like `torch.save(model.state_dict())`. The result is written atomically. (The zip CRCs of the tensor
-    records are left unset, as with `torch.serialization.set_crc32_options(False)`; torch.load does not check
-    them.)"""
+    like `torch.save(model.state_dict())`. The result is written atomically. The shard files are checked
+    against the CRC32s recorded at save time first, and the output's zip CRCs are computed from the bytes written
+    (one more read of the output, from the page cache), so `zipfile.ZipFile(output).testzip()` passes."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     from tqdm import tqdm
 
     checkpoint_dir = Path(checkpoint_dir)
-    marker, md = check_complete(checkpoint_dir)
+    marker, md = _check_and_verify_all(checkpoint_dir)
     prefix = key + "."
     entries = [
         (fqn[len(prefix) :], tmd)
@@ -908,6 +1252,8 @@ def consolidate(
                 fd = out.fileno()
                 for n, tmd in tqdm(entries, desc="consolidating", unit="tensor", disable=not progress):
                     _write_tensor(fd, offsets[n], reader, tmd, chunks.get(prefix + n, []), prefix + n)
+                out.flush()
+                _fix_zip_crcs(out)
                 os.fsync(fd)
         finally:
             reader.close()
