@@ -30,6 +30,7 @@ from lit_gpt.utils import (
     LitError,
     check_checkpoint_dir,
     copy_file_atomic,
+    error_reason,
     load_state_dict,
     refuse_overwrite,
     remove_stale_temp_files,
@@ -262,7 +263,7 @@ def _read_json(path: Path) -> Dict[str, Any]:
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError, RecursionError) as e:
-        raise LitError(f"cannot read {str(path)!r}: {e}") from e
+        raise LitError(f"cannot read {str(path)!r}: {error_reason(e)}") from e
 
 
 def _write_text_atomic(path: Path, text: str) -> None:
@@ -398,7 +399,7 @@ def convert_hf_checkpoint(
         "It is converted already: use it as it is, or pass --overwrite true to convert again",
     )
     hf_path = checkpoint_dir / "config.json"
-    hf = _read_json(hf_path) if hf_path.is_file() else None
+    hf = _read_json(hf_path) if hf_path.exists() else None
     try:
         if model_name:
             config = Config.from_name(model_name)

@@ -26,7 +26,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 import numpy as np
 import torch
 
-from lit_gpt.utils import LitError, remove_stale_temp_files
+from lit_gpt.utils import LitError, error_reason, remove_stale_temp_files
 
 # llama.cpp's per-layer tensor names -> Hugging Face Llama names (`{}` is the layer index).
 _LAYER_TENSORS = {
@@ -190,7 +190,9 @@ def _open_reader(path: Path) -> Any:
     try:
         return gguf.GGUFReader(path)
     except (ValueError, OSError, IndexError, KeyError) as e:
-        raise LitError(f"cannot read {str(path)!r} as a GGUF file ({e}). Check that the file is complete") from e
+        raise LitError(
+            f"cannot read {str(path)!r} as a GGUF file ({error_reason(e)}). Check that the file is complete"
+        ) from e
 
 
 def _field_value(field: Any) -> Any:

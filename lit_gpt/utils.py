@@ -41,6 +41,15 @@ def run_cli(fn: Callable, **kwargs: Any) -> Any:
     return cli(CLI)(fn, **kwargs)
 
 
+def error_reason(e: BaseException) -> str:
+    """What went wrong, without the file name: an OSError's own text repeats the path that the caller's message
+    already names ("[Errno 21] Is a directory: 'x'"), so only its reason is kept; other errors: the first line."""
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
 def download_command(checkpoint_dir: Path) -> str:
     parts = Path(checkpoint_dir).parts
     repo_id = "/".join(parts[-2:]) if len(parts) >= 2 else "ORG/NAME"
@@ -72,7 +81,7 @@ def check_checkpoint_dir(checkpoint_dir: Path, filename: str = "lit_model.pth") 
     hf_files = list(checkpoint_dir.glob("*.safetensors")) + list(checkpoint_dir.glob("pytorch_model*.bin"))
     if hf_files:
         raise LitError(
-            f"{str(path)!r} is missing but {str(checkpoint_dir)!r} holds HF weights. Convert them with:"
+            f"no lit_model.pth in {str(checkpoint_dir)!r}, only Hugging Face weights: convert them with"
             f" python scripts/convert_hf_checkpoint.py --checkpoint_dir {checkpoint_dir}"
         )
     raise LitError(

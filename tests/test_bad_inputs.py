@@ -229,6 +229,8 @@ CASES = [
                                               "num_attention_heads": 2, "vocab_size": 64,
                                               "intermediate_size": 32})).parent),
          r"no weights found in .*hf.*download\.py"),
+    Case("hf-config-is-a-directory", lambda d, fx: py("scripts/convert_hf_checkpoint.py", "--checkpoint_dir", Path(
+        (d / "hf" / "config.json").mkdir(parents=True) or d / "hf")), r"cannot read '.*config\.json': Is a directory$"),
     Case("hf-deeply-nested-config", lambda d, fx: py("scripts/convert_hf_checkpoint.py", "--checkpoint_dir", write(
         d / "hf" / "config.json", "[" * 100_000 + "]" * 100_000).parent), r"cannot read .*config\.json.*recursion"),
     Case("lit-export-over-existing-model", lambda d, fx: py(
@@ -323,6 +325,10 @@ CASES = [
                                                                      with_other_config(d, fx)),
          r"does not match the model config: tensor [\w.]+ has shape \[320,16\] in the checkpoint but \[320,32\] in the"
          r" model \(and \d+ more tensors\)"),
+    Case("generate-on-unconverted-hf-folder", lambda d, fx: generate("generate/base.py", fx, "--checkpoint_dir", write(
+        d / "hf" / "model.safetensors", b"weights").parent),
+         r"no lit_model\.pth in '.*hf', only Hugging Face weights: convert them with"
+         r" python scripts/convert_hf_checkpoint\.py --checkpoint_dir"),
     Case("generate-missing-checkpoint", lambda d, fx: generate("generate/base.py", fx, "--checkpoint_dir",
                                                                d / "org" / "model"),
          r"'.*model' does not exist.*download\.py --repo_id org/model"),
@@ -649,6 +655,8 @@ def test_bad_input(case: Case, runner: Runner):
     last = lines[-1]
     assert last.startswith("error: "), f"the last line is not one `error: ...` line{info}"
     assert re.search(case.expect, last[len("error: "):]), f"the line does not say {case.expect!r}{info}"
+    quoted = re.findall(r"'(/[^']+)'", last)
+    assert len(quoted) == len(set(quoted)), f"the line names a path twice{info}"
 
 
 def test_shared_inputs_were_not_changed(fx, runner):

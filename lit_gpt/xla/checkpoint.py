@@ -58,7 +58,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from lightning_utilities.core.imports import RequirementCache
 from torch.optim import Optimizer
 
-from lit_gpt.utils import LitError
+from lit_gpt.utils import LitError, error_reason
 
 MARKER = "lit_checkpoint.json"
 FORMAT = "lit-gpt-xla-sharded"
@@ -458,7 +458,9 @@ def read_marker(path: PathLike) -> Dict[str, Any]:
     try:
         data = json.loads(marker.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
-        raise LitError(f"cannot read {str(marker)!r} ({e}): the checkpoint is damaged, use an earlier one") from e
+        raise LitError(
+            f"cannot read {str(marker)!r} ({error_reason(e)}): the checkpoint is damaged, use an earlier one"
+        ) from e
     if data.get("format") != FORMAT:
         raise LitError(f"{str(marker)!r} is not a {FORMAT} marker")
     return data
