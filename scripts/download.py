@@ -84,7 +84,8 @@ def setup(
         print(f"Downloading {repo_id} ({', '.join(patterns)}) into {directory}", file=sys.stderr)
         snapshot_download(repo_id, local_dir=directory, allow_patterns=patterns, token=token)
     if convert_checkpoint and not tokenizer_only:
-        convert_hf_checkpoint(directory, dtype=dtype)
+        # the weights were just (re)downloaded from `repo_id`: their conversion replaces an earlier one
+        convert_hf_checkpoint(directory, dtype=dtype, overwrite=True)
     return directory
 
 

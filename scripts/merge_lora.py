@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Optional
 
 from lit_gpt.lora import merge_lora_checkpoint
-from lit_gpt.utils import LitError, refuse_overwrite, remove_stale_temp_files, run_cli
+from lit_gpt.utils import LitError, error_reason, refuse_overwrite, remove_stale_temp_files, run_cli
 
 
 def setup(checkpoint_dir: Path, lora_path: Path, out_dir: Optional[Path] = None, overwrite: bool = False) -> None:
@@ -31,6 +31,11 @@ def setup(checkpoint_dir: Path, lora_path: Path, out_dir: Optional[Path] = None,
     target = Path(lora_path).parent if out_dir is None else Path(out_dir)
     if target.exists() and not target.is_dir():
         raise LitError(f"--out_dir {str(target)!r} is a file, not a folder: pass a folder")
+    if Path(lora_path).is_file():
+        try:
+            target.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise LitError(f"cannot write --out_dir {str(target)!r}: {error_reason(e)}") from None
     remove_stale_temp_files(target / "lit_model.pth")  # a killed earlier merge's partial file
     # a missing LoRA file, or an out_dir that is the base checkpoint or the LoRA file's, get their own errors
     own_error = (target / "lit_model.pth").resolve() == Path(lora_path).resolve() or (

@@ -265,6 +265,10 @@ CASES = [
     Case("merge-base-as-lora", lambda d, fx: py("scripts/merge_lora.py", "--checkpoint_dir", fx.ckpt, "--lora_path",
                                                 fx.ckpt / "lit_model.pth", "--out_dir", d / "m"),
          r"not a finetuned-weights"),
+    Case("merge-into-read-only", lambda d, fx: py("scripts/merge_lora.py", "--checkpoint_dir", fx.ckpt, "--lora_path",
+                                                  fx.lora_final / "lit_model.pth.lora", "--out_dir",
+                                                  "/sys/lit-gpt-bad-inputs/merged"),
+         r"cannot write .*lit-gpt-bad-inputs"),
     Case("merge-into-a-file", lambda d, fx: py("scripts/merge_lora.py", "--checkpoint_dir", fx.ckpt, "--lora_path",
                                                fx.lora_final / "lit_model.pth.lora", "--out_dir", write(d / "f", "x")),
          r"'.*f' is a file, not a folder"),
@@ -295,6 +299,18 @@ CASES = [
     Case("json-bad-val-split", lambda d, fx: py("scripts/prepare_json.py", "--data_file", write(
         d / "ok.json", json.dumps(_rows(4, 2))), "--checkpoint_dir", fx.ckpt, "--destination_path", d / "o",
         "--val_split_fraction", "1.5"), r"--val_split_fraction must be in \[0, 1\), got 1\.5"),
+    Case("json-empty-array", lambda d, fx: py("scripts/prepare_json.py", "--data_file", write(d / "z.json", "[]"),
+                                              "--checkpoint_dir", fx.ckpt, "--destination_path", d / "o"),
+         r"z\.json: no rows at all; nothing to write"),
+    Case("json-destination-is-a-file", lambda d, fx: py("scripts/prepare_json.py", "--data_file", write(
+        d / "ok.json", json.dumps(_rows(4, 2))), "--checkpoint_dir", fx.ckpt, "--destination_path",
+        write(d / "dest", "a file")), r"--destination_path .*dest' is a file"),
+    Case("json-destination-read-only", lambda d, fx: py("scripts/prepare_json.py", "--data_file", write(
+        d / "ok.json", json.dumps(_rows(4, 2))), "--checkpoint_dir", fx.ckpt, "--destination_path",
+        "/sys/lit-gpt-bad-inputs/data"), r"cannot write .*lit-gpt-bad-inputs"),
+    Case("json-data-file-is-a-directory", lambda d, fx: py("scripts/prepare_json.py", "--data_file", Path(
+        (d / "dir.json").mkdir() or d / "dir.json"), "--checkpoint_dir", fx.ckpt, "--destination_path", d / "o"),
+         r"data file .*dir\.json' is a directory"),
     Case("csv-malformed-quote", lambda d, fx: py("scripts/prepare_csv.py", "--data_file", write(
         d / "c.csv", 'instruction,output\na,b\n"x"y,z\n'), "--checkpoint_dir", fx.ckpt, "--destination_path",
         d / "o"), r"c\.csv:3: malformed CSV .*fix the quoting"),
@@ -306,6 +322,16 @@ CASES = [
          r"sharded checkpoint file .*__0_0\.distcp' is damaged \(CRC32 .* recorded at save time\)"),
     Case("consolidate-interrupted-save", lambda d, fx: consolidate_interrupted(d, fx),
          r"incomplete checkpoint \(no lit_checkpoint\.json: its save was interrupted\)"),
+    Case("consolidate-output-read-only", lambda d, fx: py("xla/scripts/consolidate_checkpoint.py", "--checkpoint_dir",
+                                                          fx.sharded, "--output", "/sys/lit-gpt-bad-inputs/c.pth"),
+         r"cannot write .*lit-gpt-bad-inputs"),
+    Case("consolidate-output-is-a-directory", lambda d, fx: py("xla/scripts/consolidate_checkpoint.py",
+                                                               "--checkpoint_dir", fx.sharded, "--output",
+                                                               Path((d / "o.pth").mkdir() or d / "o.pth")),
+         r"--output .*o\.pth' is a directory"),
+    Case("download-bad-repo-id", lambda d, fx: py("scripts/download.py", "--repo_id", "org/name/extra",
+                                                  "--checkpoint_dir", d / "ck"),
+         r"invalid --repo_id 'org/name/extra': use the form ORG/NAME"),
     Case("consolidate-missing-dir", lambda d, fx: py("xla/scripts/consolidate_checkpoint.py", "--checkpoint_dir",
                                                      d / "none"), r"none' does not exist"),
     # --- chat ------------------------------------------------------------------------------------------------------

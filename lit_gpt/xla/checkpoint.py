@@ -58,7 +58,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from lightning_utilities.core.imports import RequirementCache
 from torch.optim import Optimizer
 
-from lit_gpt.utils import LitError, error_reason
+from lit_gpt.utils import LitError, error_reason, remove_stale_temp_files
 
 MARKER = "lit_checkpoint.json"
 FORMAT = "lit-gpt-xla-sharded"
@@ -1209,6 +1209,8 @@ def consolidate(
     if output is None and method:
         output = checkpoint_dir / f"lit_model.pth.{method}"
     output = Path(output) if output is not None else checkpoint_dir / "lit_model.pth"
+    if output.is_dir():
+        raise LitError(f"--output {str(output)!r} is a directory: pass a file path, e.g. {output / 'lit_model.pth'}")
 
     # skeleton: lazily mapped placeholders; aliases share their canonical's storage (one record, like torch.save)
     lazy: Dict[str, torch.Tensor] = {}
@@ -1223,7 +1225,11 @@ def consolidate(
 
     # a private directory keeps the archive's internal name equal to torch.save(..., output)'s
     tmp_dir = output.parent / f".{output.name}.tmp{os.getpid()}"
-    tmp_dir.mkdir(parents=True, exist_ok=True)
+    remove_stale_temp_files(output)  # what a consolidation killed earlier left (as large as the output)
+    try:
+        tmp_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise LitError(f"cannot write {str(output)!r}: {error_reason(e)}") from None
     tmp = tmp_dir / output.name
     try:
         obj: Dict[str, Any] = skeleton
