@@ -11,17 +11,21 @@ from their shards and written one at a time.
 
 Multi-host runs without a shared disk leave each host's shards (`__RANK_*.distcp`) on that host: copy them all
 into the directory holding `lit_checkpoint.json` and `.metadata` first (the error lists any that are missing).
+
+Every shard file is checked against the CRC32 recorded when it was saved before anything is written (a damaged or
+badly copied file is named), and the output is a zip archive whose CRCs are right. An existing `--output` file is
+replaced only with `--overwrite true`.
 """
 
 import sys
 from pathlib import Path
 from typing import Optional
 
-from lit_gpt.utils import run_cli
+from lit_gpt.utils import LitError, run_cli
 from lit_gpt.xla.checkpoint import consolidate
 
 
-def setup(checkpoint_dir: Path, output: Optional[Path] = None, key: str = "model") -> None:
+def setup(checkpoint_dir: Path, output: Optional[Path] = None, key: str = "model", overwrite: bool = False) -> None:
     """Consolidate a sharded checkpoint.
 
     Args:
@@ -29,7 +33,14 @@ def setup(checkpoint_dir: Path, output: Optional[Path] = None, key: str = "model
         output: the file to write. Default: CHECKPOINT_DIR/lit_model.pth, or CHECKPOINT_DIR/lit_model.pth.METHOD
             for adapter/LoRA checkpoints.
         key: which saved module to write (the key it had in the saved state, "model" in the recipes).
+        overwrite: replace an existing output file (without it that is refused).
     """
+    # (the default output, inside the checkpoint directory, is this checkpoint's own consolidation: replaced)
+    if output is not None and Path(output).is_file() and not overwrite:
+        raise LitError(
+            f"{str(output)!r} exists: refusing to overwrite it. Pass --output NEW_FILE, or --overwrite true to"
+            " replace it"
+        )
     path = consolidate(checkpoint_dir, output, key=key)
     print(f"Wrote {path}", file=sys.stderr)
 
