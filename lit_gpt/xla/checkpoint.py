@@ -315,6 +315,8 @@ def save_sharded(
         # the other hosts keep a copy of the marker and the index next to their own shards
         marker_and_index = _broadcast((marker, (tmp / ".metadata").read_bytes()) if rank == 0 else None)
     if rank == 0:
+        if write_files is not None:
+            write_files(tmp)  # inside before the commit: a complete checkpoint always has them
         _write_json_synced(tmp / MARKER, marker)
         _fsync_dir(tmp)
         _replace_dir(tmp, path, token)
