@@ -46,6 +46,9 @@ def _source(*records: Optional[dict]) -> str:
             f"{', ' + m['gpu'] if m.get('gpu') else ''}; torch {v['torch']}"
             f"{', torch_xla ' + v['torch_xla'] if v.get('torch_xla') else ''}, transformers {v['transformers']};"
             f" {', '.join(dates)}; commit {', '.join(commits)}).")
+    loads = [x for r in found for x in (r["load_average"]["start"][0], r["load_average"]["end"][0])]
+    line += (f" 1-minute load average {min(loads):.1f}-{max(loads):.1f} at the starts and ends of the runs, on"
+             f" {m['cpu_cores_usable']} cores.")
     notes = sorted({r["note"] for r in found if r.get("note")})
     if notes:
         line += " " + " ".join(f"Note: {n}." if not n.endswith(".") else f"Note: {n}" for n in notes)
@@ -86,26 +89,29 @@ def cpu_generate() -> str:
 
 def cpu_finetune() -> str:
     (r,) = _load_all("finetune_cpu")
-    head = ["| method (CPU, fp32) | s / step | tokens/s (padded) | peak RSS | litgpt 0.5.13 s / step | litgpt peak RSS"
-            " | speed vs litgpt |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    head = ["| method (CPU, fp32) | s / step | tokens/s (padded) | peak RSS | CPU time, whole run | litgpt 0.5.13 s / step"
+            " | litgpt peak RSS | litgpt CPU time | speed vs litgpt |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     if r is None:
-        return "\n".join(head + ["| not measured (run `python bench/finetune.py --results_file bench/results/finetune_cpu.json`) | | | | | | |"]) + "\n"
+        return "\n".join(head + ["| not measured (run `python bench/finetune.py --results_file bench/results/finetune_cpu.json`) | | | | | | | | |"]) + "\n"
     res, s = r["results"], r["settings"]
     for method in s["methods"]:
         o, lg = res.get(f"{method}/ours"), res.get(f"{method}/litgpt")
         if o is None:
             continue
-        cells = [method, _f(o["s_per_iteration"]), _f(o["padded_tokens_per_s"], ".0f"), f"{_f(o['peak_rss_gib'])} GiB"]
+        cells = [method, _f(o["s_per_iteration"]), _f(o["padded_tokens_per_s"], ".0f"), f"{_f(o['peak_rss_gib'])} GiB",
+                 f"{_f(o['cpu_s'], '.0f')} s"]
         if lg:
-            cells += [_f(lg["s_per_iteration"]), f"{_f(lg['peak_rss_gib'])} GiB",
+            cells += [_f(lg["s_per_iteration"]), f"{_f(lg['peak_rss_gib'])} GiB", f"{_f(lg['cpu_s'], '.0f')} s",
                       f"{_f(lg['s_per_iteration'] / o['s_per_iteration'])}x"]
         else:
-            cells += ["not measured"] * 3
+            cells += ["not measured"] * 4
         head.append("| " + " | ".join(cells) + " |")
     text = "\n".join(head) + "\n"
     text += (f"\n{s['checkpoint']}, micro batch {s['micro_batch_size']} = one optimizer step, max length"
              f" {s['max_seq_length']}, synthetic Alpaca-style rows; {s['steps']} steps per run, timed from step"
-             f" {s['timed_from_step']}; medians of {s['repeats']} run(s); each recipe in its own process.\n")
+             f" {s['timed_from_step']}; medians of {s['repeats']} run(s); each recipe in its own process. \"CPU time\" is the"
+             f" process's user + system CPU seconds for the whole run (start-up included): on a loaded machine it"
+             f" varies less than the wall-clock step times.\n")
     return text + _source(r)
 
 

