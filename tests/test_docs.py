@@ -103,25 +103,32 @@ def extract_blocks(page: Path) -> List[Block]:
 
 
 def python_commands(code: str) -> List[List[str]]:
-    """The `python SCRIPT.py ARGS` commands of a bash block (arguments up to the next shell operator), shell-split.
+    """The `python SCRIPT.py ARGS` commands of a bash block (arguments up to the next shell operator or line end),
+    shell-split, also inside quoted strings such as `gcloud ... ssh --command "cd x && python y.py ..."`.
 
     Environment assignments before `python` are dropped; `$VAR` stays literal (a string to the parser)."""
+    lexer = shlex.shlex(code.replace("\\\n", " "), posix=True, punctuation_chars="();<>|&\n")
+    lexer.whitespace = " \t\r"
+    lexer.whitespace_split = True
+    lexer.commenters = ""  # shlex would swallow the comment's newline too: comments are dropped below
+    tokens, comment = [], False
+    for token in lexer:
+        comment = (comment or token.startswith("#")) and token != "\n"
+        if not comment:
+            tokens.append(token)
     commands = []
-    for line in code.replace("\\\n", " ").splitlines():
-        lexer = shlex.shlex(line, posix=True, punctuation_chars=True)
-        lexer.whitespace_split = True
-        lexer.commenters = "#"
-        tokens = list(lexer)
-        i = 0
-        while i < len(tokens):
-            if tokens[i] in ("python", "python3") and i + 1 < len(tokens) and tokens[i + 1].endswith(".py"):
-                j = i + 2
-                while j < len(tokens) and not set(tokens[j]) <= set("();<>|&{}") and tokens[j] not in ("}", "{"):
-                    j += 1
-                commands.append(tokens[i + 1 : j])
-                i = j
-            else:
-                i += 1
+    i = 0
+    while i < len(tokens):
+        if tokens[i] in ("python", "python3") and i + 1 < len(tokens) and tokens[i + 1].endswith(".py"):
+            j = i + 2
+            while j < len(tokens) and not set(tokens[j]) <= set("();<>|&{}\n"):
+                j += 1
+            commands.append(tokens[i + 1 : j])
+            i = j
+        else:
+            if "python" in tokens[i] and len(tokens[i].split()) > 1:
+                commands += python_commands(tokens[i])  # a quoted command line, e.g. ssh --command "..."
+            i += 1
     return commands
 
 
@@ -388,12 +395,15 @@ if "pytest" in sys.modules:
             PJRT_DEVICE=CPU python xla/generate/base.py --prompt "a b" \\
                 --max_new_tokens 4   # comment
             echo hi | python chat/base.py --checkpoint_dir c
+            gcloud compute tpus tpu-vm ssh pod --worker=all --command "
+              cd x && python finetune/full.py --devices 2"
             """)
         assert python_commands(code) == [
             ["scripts/download.py", "--repo_id", "a/b"],
             ["scripts/convert_gguf_checkpoint.py"],
             ["xla/generate/base.py", "--prompt", "a b", "--max_new_tokens", "4"],
             ["chat/base.py", "--checkpoint_dir", "c"],
+            ["finetune/full.py", "--devices", "2"],
         ]
 
     def test_a_renamed_flag_fails(runner: DocsRunner, tmp_path: Path):
