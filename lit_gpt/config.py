@@ -691,3 +691,19 @@ def find_multiple(n: int, k: int) -> int:
 
 def next_power_of_two(n: int) -> int:
     return 1 << max(0, math.ceil(math.log2(max(n, 1))))
+
+
+def load_config(checkpoint_dir: Path, config_cls: Optional[type] = None, **overrides: Any) -> "Config":
+    """The checkpoint's config, as `config_cls` (a variant's Config, e.g. `lit_gpt.lora.Config`) with the method's
+    `overrides`, or a LitError that says what is wrong (no config in the folder, invalid settings). The one
+    config loader of the recipes, scripts and data preparation."""
+    from lit_gpt.utils import LitError  # here: lit_gpt.utils imports nothing of the model package
+
+    config_cls = config_cls or Config
+    checkpoint_dir = Path(checkpoint_dir)
+    try:
+        return config_cls.from_checkpoint(checkpoint_dir, **overrides)
+    except FileNotFoundError as e:
+        raise LitError(str(e)) from e
+    except (ValueError, TypeError) as e:
+        raise LitError(f"invalid model config or settings in {str(checkpoint_dir)!r}: {e}") from e

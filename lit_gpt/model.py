@@ -39,6 +39,9 @@ class GPT(nn.Module):
         self.tie_weights()
         self._max_seq_length = config.block_size
         self.rope_cache_length: Optional[int] = None
+        # built here, explicitly, on the device the model is created on (free on the meta device): `forward`
+        # never builds tables itself, which on a tracing backend would fold the computation into the first graph
+        self.reset_rope_cache()
 
     # ------------------------------------------------------------------ weights
     def tie_weights(self) -> None:
@@ -52,7 +55,15 @@ class GPT(nn.Module):
             state_dict["lm_head.weight"] = state_dict["transformer.wte.weight"]
         result = super().load_state_dict(state_dict, strict=strict, assign=assign)
         self.tie_weights()  # `assign=True` replaces the Parameter objects: tie them again
+        if self.cos.is_meta and not self.transformer.wte.weight.is_meta:
+            self.reset_rope_cache()  # built on the meta device, now loaded: the tables follow the weights
         return result
+
+    def reset_parameters(self) -> None:
+        """Materialisation hook (FSDP and Lightning build big models on the meta device, then call it on every
+        module that has tensors of its own): GPT's own tensors are the RoPE tables."""
+        # after `to_empty` the tables' storage is already where the model goes (its submodules may still be meta)
+        self.reset_rope_cache(None if self.cos.is_meta else self.cos.device)
 
     def _init_weights(self, module: nn.Module) -> None:
         """GPT-NeoX style init, used for models trained from scratch and for the tests' random models."""
@@ -80,10 +91,10 @@ class GPT(nn.Module):
             self.reset_rope_cache()
 
     def reset_rope_cache(self, device: Optional[torch.device] = None) -> None:
+        """(Re)build the RoPE tables for `max_seq_length` positions on `device` (default: the weights' device).
+        Call it after moving a model off the meta device by assigning weights (`load_state_dict(assign=True)`)."""
         if device is None:
             device = self.transformer.wte.weight.device
-            if device.type == "meta":
-                device = torch.device("cpu")
         cos, sin = build_rope_cache(self._max_seq_length, self.config, device=device)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
@@ -99,14 +110,23 @@ class GPT(nn.Module):
         """Preallocate a KV cache of `max_seq_length` positions in every block (static shapes)."""
         if max_seq_length is not None:
             self.max_seq_length = max_seq_length
-        elif self.rope_cache_length is None:
-            self.reset_rope_cache()
+        self.allocate_kv_cache(batch_size, self._max_seq_length, device, dtype)
+
+    def allocate_kv_cache(
+        self, batch_size: int, length: int, device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None
+    ) -> None:
+        """KV caches of `length` positions in every block; the RoPE tables must already cover them."""
+        if self.rope_cache_length is None or self.rope_cache_length < length:
+            raise ValueError(
+                f"a KV cache of {length} positions needs RoPE tables that long (they have {self.rope_cache_length}):"
+                " set model.max_seq_length first"
+            )
         w = self.transformer.wte.weight
         device = device or w.device
         dtype = dtype or w.dtype
         for block in self.transformer.h:
             block.attn.kv_cache = KVCache(
-                batch_size, self.config.n_query_groups, self._max_seq_length, self.config.head_size, device, dtype
+                batch_size, self.config.n_query_groups, length, self.config.head_size, device, dtype
             )
 
     def clear_kv_cache(self) -> None:
@@ -130,8 +150,11 @@ class GPT(nn.Module):
         `head_rows`: a 1-D index tensor into the flattened (B * T) positions: logits of those only, (len, vocab)
         (training needs the positions that have a label, which differ from row to row)."""
         T = idx.size(1)
-        if self.rope_cache_length is None or self.cos.device != idx.device:
-            self.reset_rope_cache(idx.device)
+        if self.cos.device != idx.device:
+            raise RuntimeError(
+                f"the RoPE tables are on {self.cos.device} but the input is on {idx.device}: move the whole model"
+                " (model.to(device)) or rebuild them with model.reset_rope_cache(device)"
+            )
         if input_pos is not None:
             cos = self.cos.index_select(0, input_pos)
             sin = self.sin.index_select(0, input_pos)

@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 
 from lit_gpt.config import Config
-from lit_gpt.generate import load_config
+from lit_gpt.config import load_config
 from lit_gpt.model import GPT
 from lit_gpt.utils import LitError, check_checkpoint_dir, load_state_dict, save_atomic
 

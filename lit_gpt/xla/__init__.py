@@ -13,8 +13,12 @@ Devices and Fabric (lit_gpt.xla.accelerator, lit_gpt.xla.strategy)
     shard_batch(fabric, batch) -> batch                 CPU tensors -> devices, split along the batch dim
     get_strategy(fabric) -> SPMDFSDPStrategy            .mesh, .num_devices, .precision.param_dtype
 
+The loops' XLA answers (lit_gpt.xla.runtime; the loops are lit_gpt.training.fit and lit_gpt.generate.generate_stream)
+    XLARuntime(fabric)                                   batches over the mesh, graph cuts, sharded checkpoints, RNG
+
 Loading (lit_gpt.xla.loader)
-    load_staged(config_or_model_fn, checkpoint_path_or_paths, fabric, strict=True, progress=True) -> nn.Module
+    load_staged(config_or_model_fn, checkpoint_path_or_paths, fabric, strict=True, progress=True,
+                allow_missing=None) -> nn.Module
 
 Sharded checkpoints (lit_gpt.xla.checkpoint; fabric.save(dir, state) / fabric.load(dir, state) call these)
     save_sharded(dir, state, filter=None) -> Path      atomic; every host writes its own shards
@@ -44,6 +48,7 @@ _EXPORTS = {
     "make_fabric": "strategy",
     "shard_batch": "strategy",
     "get_strategy": "strategy",
+    "XLARuntime": "runtime",
     "load_staged": "loader",
     "save_sharded": "checkpoint",
     "load_sharded": "checkpoint",

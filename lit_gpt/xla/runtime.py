@@ -1,0 +1,287 @@
+"""`XLARuntime`: the XLA answers to `lit_gpt.runtime.Runtime`'s questions, for the one training loop
+(`lit_gpt.training.fit`) and the one generation loop (`lit_gpt.generate.generate_stream`).
+
+Why each answer (a tracing backend compiles every distinct graph once, and a graph is distinct as soon as a shape,
+an input's sharding or a Python number baked into it changes):
+* placement: batches are split along their rows over the SPMD mesh (`shard_batch`); long-lived tensors (loss
+  accumulator, RoPE tables, KV cache, positions, the stop flag) are built on the host and transferred with an
+  explicit replicated sharding, so the first graph that uses them does not choose one that the next graph then
+  sees as new. Built on the device they would be computations folded into the next graph.
+* the loss runs over every (padded) position: no data-dependent shapes (`targets_only = False`).
+* graph cuts: `torch_xla.sync()` after every micro-batch but the last (the optimizer step ends the last one,
+  in the strategy) and after every generation step: a few graphs per padded length instead of one per
+  combination of a step's lengths, and one decode graph for every token.
+* gradients: one SPMD program computes the gradient of the global batch; there is nothing to average.
+* prompts are padded on the host to power-of-two buckets; the KV cache is a power of two >= bucket +
+  max_new_tokens, so the prefill compiles once per bucket and the decode step once per cache size.
+* host reads are transfers of already computed values (`.cpu()` of each step's token), never new graphs.
+* checkpoints are directories of per-host DCP shards (`lit_gpt.xla.checkpoint`), consolidated at the end.
+"""
+
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any, Callable, ContextManager, Dict, List, Optional
+
+import torch
+import torch.nn as nn
+
+from lit_gpt.config import next_power_of_two
+from lit_gpt.runtime import Runtime, python_rng_state, set_python_rng_state
+from lit_gpt.utils import LitError
+
+# bf16 peak of one chip, FLOP/s (Google Cloud TPU documentation, "system architecture" pages)
+TPU_PEAK_FLOPS = {"v2": 45e12, "v3": 123e12, "v4": 275e12, "v5litepod": 197e12, "v5e": 197e12, "v5p": 459e12,
+                  "v6e": 918e12}
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Transfer a host tensor, replicated over all devices under SPMD.
+
+    The explicit sharding matters: a device tensor without one is given one by the first graph that uses it
+    (the partitioner's choice), and the next graph, seeing an input with another sharding, compiles again. The KV
+    cache keeps its annotation through the in-place writes, so every step sees the same input shardings."""
+    import torch_xla.runtime as xr
+
+    x = t.to(device)
+    if xr.is_spmd():
+        import torch_xla.distributed.spmd as xs
+
+        mesh = xs.get_global_mesh()
+        if mesh is not None:
+            xs.mark_sharding(x, mesh, (None,) * x.dim())
+    return x
+
+
+def set_rope_length(model: nn.Module, length: int) -> None:
+    """RoPE tables for `length` positions, built on the host and transferred (replicated under SPMD)."""
+    device = model.transformer.wte.weight.device
+    model.max_seq_length = length  # bookkeeping; rebuilds the tables where the weights are: replaced below
+    model.reset_rope_cache(device=torch.device("cpu"))
+    model.cos, model.sin = to_device(model.cos, device), to_device(model.sin, device)
+
+
+class XLARuntime(Runtime):
+    name = "xla"
+    compiles_graphs = True
+    targets_only = False
+
+    def _strategy(self) -> Any:
+        from lit_gpt.xla.strategy import get_strategy
+
+        return get_strategy(self.fabric)
+
+    # ----------------------------------------------------------------- devices
+    @property
+    def data_parallel_size(self) -> int:
+        return self._strategy().num_devices if self.fabric is not None else 1
+
+    @property
+    def local_devices(self) -> int:
+        return self.data_parallel_size // max(1, self.num_processes)
+
+    @property
+    def grad_scale(self) -> float:
+        return 1.0
+
+    def place(self, tensors: Any) -> Any:
+        if self.fabric is None:
+            return [t.to(self.device) for t in tensors]
+        from lit_gpt.xla.strategy import shard_batch
+
+        return shard_batch(self.fabric, tensors)
+
+    def to_device(self, t: torch.Tensor) -> torch.Tensor:
+        return to_device(t, self.device)
+
+    def scalar(self, value: float) -> Any:
+        # a device tensor: a Python number would be a graph constant when it happens to be 0 or 1
+        return to_device(torch.tensor(value, dtype=torch.float32), self.device)
+
+    def backward_sync(self, model: nn.Module, last: bool) -> ContextManager:
+        return nullcontext()  # SPMD: the partitioner places the gradient reductions
+
+    def end_micro_batch(self, last: bool) -> None:
+        if not last:  # the optimizer step ends the last micro-batch's graph (SPMDPrecision.optimizer_step)
+            import torch_xla
+
+            torch_xla.sync()
+
+    def end_step(self) -> None:
+        import torch_xla
+
+        torch_xla.sync()
+
+    def gather_objects(self, obj: Any) -> List[Any]:
+        if self.num_processes == 1:
+            return [obj]
+        import torch.distributed as dist  # the hosts' gloo group (lit_gpt.xla.strategy)
+
+        out: List[Any] = [None] * self.num_processes
+        dist.all_gather_object(out, obj)
+        return out
+
+    def sum_over_processes(self, values: Any) -> List[float]:
+        if self.num_processes == 1:
+            return [float(v) for v in values]
+        t = torch.tensor([float(v) for v in values], dtype=torch.float64)  # host values travel over gloo
+        return [float(v) for v in self.fabric.all_reduce(t, reduce_op="sum")]
+
+    # ----------------------------------------------------------------- RNG
+    def rng_state(self) -> Dict[str, Any]:
+        import torch_xla.core.xla_model as xm
+
+        state = python_rng_state()
+        state["xla"] = int(xm.get_rng_state(self.device))
+        return state
+
+    def set_rng_state(self, state: Dict[str, Any]) -> None:
+        import torch_xla.core.xla_model as xm
+
+        set_python_rng_state(state)
+        if "xla" not in state:
+            raise LitError("the checkpoint holds no XLA generator state (it was written on another backend)")
+        xm.set_rng_state(int(state["xla"]), self.device)
+
+    def seed(self, seed: int) -> None:
+        import torch_xla.core.xla_model as xm
+
+        super().seed(seed)
+        xm.set_rng_state(seed, self.device)
+
+    # ----------------------------------------------------------------- checkpoints
+    checkpoint_kind = "sharded"
+
+    def step_file(self, directory: Path, weights_file: str) -> Path:
+        from lit_gpt.xla.checkpoint import MARKER
+
+        return Path(directory) / MARKER
+
+    def save_step(
+        self,
+        directory: Path,
+        state: Dict[str, Any],
+        filter: Optional[Dict[str, Callable[[str, Any], bool]]],
+        weights_file: str,
+        write_files: Callable[[Path], None],
+    ) -> Path:
+        """A sharded checkpoint directory (every host writes its shards; atomic: `save_sharded`), with the run's
+        files written inside before it is committed."""
+        from lit_gpt.xla.checkpoint import save_sharded
+
+        return save_sharded(directory, state, filter=filter, write_files=write_files)
+
+    def load_step(self, directory: Path, state: Dict[str, Any], weights_file: str) -> Dict[str, Any]:
+        from lit_gpt.xla.checkpoint import check_complete
+
+        check_complete(directory)
+        return self.fabric.load(directory, state, strict=False)  # strict=False: PEFT saves the trained weights only
+
+    def latest_step(self, out_dir: Path, weights_file: str) -> Optional[Path]:
+        # every host lists what it holds (per-host disks may differ); host 0 picks the newest step all hold
+        from lit_gpt.xla.checkpoint import agreed_latest_checkpoint
+
+        return agreed_latest_checkpoint(out_dir, pattern="step-*")
+
+    def export_final(
+        self,
+        step: Path,
+        final: Path,
+        model: nn.Module,
+        state: Dict[str, Any],
+        filter: Optional[Dict[str, Callable[[str, Any], bool]]],
+        weights_file: str,
+        write_files: Callable[[Path], None],
+    ) -> Path:
+        """Consolidate the trained weights of `step` (this run's last step checkpoint) into `final/weights_file`,
+        streamed tensor by tensor, in the format the GPU/CPU recipes write. Host 0 does it, into a temporary
+        folder renamed when complete; the other hosts' shards must be readable from it (shared storage)."""
+        import os
+        import shutil
+
+        from lit_gpt.xla.checkpoint import consolidate
+
+        final = Path(final)
+        if self.rank == 0:
+            tmp = final.with_name(f".{final.name}.partial")
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+            consolidate(step, tmp / weights_file, key="model")
+            write_files(tmp)
+            if final.exists():
+                old = final.with_name(f".{final.name}.old")
+                shutil.rmtree(old, ignore_errors=True)
+                os.replace(final, old)
+                shutil.rmtree(old, ignore_errors=True)
+            os.replace(tmp, final)
+        self.barrier()
+        return final / weights_file
+
+    # ----------------------------------------------------------------- model
+    def set_rope(self, gpt: nn.Module, length: int) -> None:
+        set_rope_length(gpt, length)
+
+    def setup_kv_cache(self, gpt: nn.Module, batch_size: int, length: int, dtype: Optional[torch.dtype] = None) -> None:
+        """A KV cache built on the host and transferred (no device computation, hence no compilation), and RoPE
+        tables of at least that length. A cache of that size is kept: positions beyond the current one are
+        masked, so a previous prompt's entries are harmless. The RoPE tables only grow, so that a training loop
+        that generates samples keeps its own tables (and with them its compiled graphs)."""
+        from lit_gpt.model import KVCache
+
+        device = gpt.transformer.wte.weight.device
+        dtype = dtype or gpt.transformer.wte.weight.dtype
+        if gpt.rope_cache_length is None or gpt.rope_cache_length < length or gpt.cos.device != device:
+            set_rope_length(gpt, length)
+        cache = gpt.transformer.h[0].attn.kv_cache
+        if cache is not None and tuple(cache.k.shape) == (batch_size, cache.k.size(1), length, cache.k.size(3)) and (
+            cache.k.dtype == dtype and cache.k.device == device
+        ):
+            return
+        c = gpt.config
+        for block in gpt.transformer.h:
+            kv = KVCache(batch_size, c.n_query_groups, length, c.head_size, device=torch.device("cpu"), dtype=dtype)
+            kv.k, kv.v = to_device(kv.k, device), to_device(kv.v, device)
+            block.attn.kv_cache = kv
+
+    # ----------------------------------------------------------------- generation
+    @property
+    def stop_check_every(self) -> int:
+        return 8
+
+    def prompt_bucket(self, length: int, limit: int) -> int:
+        from lit_gpt.generate import bucket_length
+
+        return bucket_length(length, limit)
+
+    def cache_length(self, bucket: int, prompt_length: int, max_new_tokens: int, limit: int) -> int:
+        """A power of two >= bucket + max_new_tokens (at most the context): for a given max_new_tokens the cache,
+        and with it the decode graph, depends on the bucket only."""
+        return min(next_power_of_two(bucket + max_new_tokens), limit)
+
+    def to_host(self, tokens: List[torch.Tensor]) -> torch.Tensor:
+        # one transfer per computed token; stacking on the device would be a graph per chunk length
+        return torch.stack([t.cpu() for t in tokens], dim=1)
+
+    def inference_context(self) -> ContextManager:
+        return torch.no_grad()
+
+    # ----------------------------------------------------------------- diagnostics
+    def compile_count(self) -> int:
+        from lit_gpt.xla.diagnostics import compile_count
+
+        return compile_count()
+
+    def peak_flops(self) -> Optional[float]:
+        """bf16 FLOP/s of one device when it is a known TPU, else None (then MFU is not reported)."""
+        import torch_xla.runtime as xr
+
+        if xr.device_type() != "TPU":
+            return None
+        try:
+            from torch_xla._internal import tpu
+
+            return TPU_PEAK_FLOPS.get(tpu.get_tpu_type().lower())
+        except Exception:  # the TPU type comes from env vars or the metadata server; MFU is optional
+            return None
+
+    def memory_report(self) -> Optional[str]:
+        return None
