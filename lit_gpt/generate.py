@@ -7,7 +7,9 @@ The loop is written for devices that run asynchronously or trace graphs (CUDA, X
   same shapes;
 - `sample` never reads a tensor value on the host (no `.item()`, no branching on values);
 - stop tokens are tracked with a device-side `done` flag and looked at on the host once per chunk.
-No XLA import lives here: the XLA recipe passes `step_hook=torch_xla.sync` to cut the graph after each step.
+It is the only generation loop: what differs on XLA (host-side padding to a prompt bucket, explicit replicated
+placement, a graph cut per step, transfers instead of graphs for the host reads) is asked of a
+`lit_gpt.runtime.Runtime`; `lit_gpt.xla.runtime.XLARuntime` answers it. No XLA import lives here.
 """
 
 from pathlib import Path
@@ -15,8 +17,9 @@ from typing import Any, Callable, Iterator, List, NamedTuple, Optional, Sequence
 
 import torch
 
-from lit_gpt.config import Config, next_power_of_two
+from lit_gpt.config import Config, load_config, next_power_of_two
 from lit_gpt.model import GPT
+from lit_gpt.runtime import Runtime
 from lit_gpt.utils import LitError, check_checkpoint_dir, download_command, load_checkpoint
 
 StopIds = Optional[Union[int, Sequence[int]]]
@@ -108,10 +111,10 @@ def setup_kv_cache(
     max_new_tokens: int,
     batch_size: int = 1,
     max_seq_length: Optional[int] = None,
-    device: Optional[torch.device] = None,
+    runtime: Optional[Runtime] = None,
     dtype: Optional[torch.dtype] = None,
 ) -> int:
-    """Check the lengths and allocate a KV cache of `prompt_length + max_new_tokens` positions (or
+    """Check the lengths and give `model` a KV cache of `prompt_length + max_new_tokens` positions (or
     `max_seq_length`, e.g. a fixed size so that a tracing backend compiles the decode step once for all prompts).
 
     Sizing to the request rather than to block_size keeps memory and the per-step attention proportional to what
@@ -126,7 +129,8 @@ def setup_kv_cache(
             f"max_seq_length {max_seq_length} must be between prompt + max_new_tokens ({needed}) and the context"
             f" length {block_size}"
         )
-    model.set_kv_cache(batch_size, max_seq_length, device=device, dtype=dtype)
+    runtime = runtime or Runtime.on(model.transformer.wte.weight.device)
+    runtime.setup_kv_cache(model, batch_size, max_seq_length, dtype)
     return max_seq_length
 
 
@@ -136,34 +140,22 @@ def setup_kv_cache(
 def prefill(
     model: GPT,
     prompt: torch.Tensor,
+    input_pos: torch.Tensor,
+    last: torch.Tensor,
     *,
-    pad_to: Optional[int] = None,
-    pad_id: int = 0,
     temperature: float = 0.0,
     top_k: Optional[int] = None,
     top_p: float = 1.0,
     generator: Optional[torch.Generator] = None,
 ) -> torch.Tensor:
-    """Run the (B, T) prompt through the model in one forward, filling the KV cache; return the first new token (B,).
+    """Run the (B, L) prompt, right-padded to a bucket length L, through the model in one forward, filling the KV
+    cache at `input_pos` (0..L-1); return the first new token (B,), sampled from the logits at the last real
+    position `last` (a (1,) tensor holding T - 1).
 
-    With `pad_to` the prompt is right-padded to that length. The padding is harmless: under the causal mask the
-    last real position (T - 1) attends to keys 0..T-1 only, and the keys/values written at positions >= T are
-    overwritten by the decode steps before any query can see them (the step at position p writes p, then
-    attends to 0..p)."""
-    B, T = prompt.shape
-    length = T if pad_to is None else pad_to
-    if length < T:
-        raise LitError(f"pad_to ({pad_to}) is shorter than the prompt ({T} tokens)")
-    if length > kv_cache_length(model, B):
-        raise LitError(
-            f"the prompt ({length} positions with padding) does not fit the KV cache ({kv_cache_length(model, B)}):"
-            " call setup_kv_cache with a larger size"
-        )
-    if length > T:
-        prompt = torch.nn.functional.pad(prompt, (0, length - T), value=pad_id)
-    input_pos = torch.arange(length, device=prompt.device)
-    # a tensor index (not the int T - 1) so the traced graph does not depend on the prompt length
-    last = torch.tensor([T - 1], device=prompt.device)
+    `last` is a tensor, not the int T - 1, so a traced graph does not depend on the prompt length. The padding is
+    harmless: under the causal mask position T - 1 attends to keys 0..T-1 only, and the keys/values written at
+    positions >= T are overwritten by the decode steps before any query can see them (the step at position p
+    writes p, then attends to 0..p)."""
     logits = model(prompt, input_pos, last_only=last)
     return sample(logits[:, -1], temperature, top_k, top_p, generator)
 
@@ -184,18 +176,21 @@ def decode_one_token(
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The loop
+# The loop (the only generation loop: CPU, CUDA and XLA)
 # ---------------------------------------------------------------------------------------------------------------
-def _stop_tensor(stop_ids: StopIds, device: torch.device) -> Optional[torch.Tensor]:
-    if stop_ids is None:
-        return None
-    ids = [stop_ids] if isinstance(stop_ids, int) else list(stop_ids)
-    return torch.tensor(ids, dtype=torch.long, device=device) if ids else None
+def unwrap(model: torch.nn.Module) -> GPT:
+    """The `GPT` inside Fabric's and FSDP's wrappers (they expose the wrapped module as `.module`)."""
+    inner = model
+    while not isinstance(inner, GPT) and isinstance(getattr(inner, "module", None), torch.nn.Module):
+        inner = inner.module
+    if not isinstance(inner, GPT):
+        raise TypeError(f"expected a lit_gpt GPT (possibly wrapped), got {type(model).__name__}")
+    return inner
 
 
 @torch.no_grad()
 def generate_stream(
-    model: GPT,
+    model: torch.nn.Module,
     prompt: torch.Tensor,
     max_new_tokens: int,
     *,
@@ -204,43 +199,66 @@ def generate_stream(
     top_p: float = 1.0,
     stop_ids: StopIds = None,
     generator: Optional[torch.Generator] = None,
+    runtime: Optional[Runtime] = None,
     pad_to: Optional[int] = None,
     pad_id: int = 0,
-    chunk_size: int = 1,
+    chunk_size: Optional[int] = None,
     max_seq_length: Optional[int] = None,
-    step_hook: Optional[Callable[[], None]] = None,
     decode_fn: Callable[..., torch.Tensor] = decode_one_token,
 ) -> Iterator[torch.Tensor]:
-    """Yield the new tokens in chunks of up to `chunk_size` steps, as device tensors: (n,) for a 1-D prompt,
-    (B, n) for a (B, T) batch.
+    """Yield the new tokens in chunks: (n,) for a 1-D prompt, (B, n) for a (B, T) batch. The first two chunks
+    hold one step each (the prefill's token, then the first decode step's, so a reader sees the first token at
+    once and can time the steady steps apart from the first ones, which may compile); then chunks of
+    `chunk_size` steps (default: the runtime's `stop_check_every`).
 
-    Generation ends after `max_new_tokens` steps or once every row has produced one of `stop_ids`. The stop
-    flag lives on the device; the host reads it once per chunk (the only synchronisation in the loop), so a larger
-    chunk costs up to chunk_size - 1 wasted steps after a stop but fewer syncs. The step in which the last row
-    stops is not yielded (a single sequence never contains its stop token); in a batch, a row that stopped earlier
-    holds its stop token and then the first stop id: cut each row at its first stop id.
+    `model` may be wrapped (Fabric, FSDP): its forward runs, the caches go to the inner `GPT`. The `runtime`
+    (default: eager on the weights' device) says where tensors go and what differs per backend: on XLA the
+    prompt is right-padded *on the host* to a power-of-two bucket before the transfer and every step ends the
+    lazy graph, so the prefill compiles once per bucket and the decode step once; chunks reach the host as
+    transfers, never as new graphs. `pad_to` and `max_seq_length` override the bucket and the KV-cache length.
 
-    The KV cache is (re)allocated to prompt + max_new_tokens (or `max_seq_length`) unless the model already has
-    one that fits. `step_hook` runs after every step (XLA: `torch_xla.sync`). `decode_fn` replaces
-    `decode_one_token`, e.g. with a `torch.compile`d version of it."""
-    if chunk_size <= 0:
-        raise LitError(f"chunk_size must be > 0, got {chunk_size}")
+    Generation ends after `max_new_tokens` steps or once every row has produced one of `stop_ids`. The stop flag
+    lives on the device and is computed inside each step; the host reads it once per chunk (the only
+    synchronisation in the loop), so a chunk of n steps costs up to n - 1 wasted steps after a stop but fewer
+    syncs. The step in which the last row stops is not yielded (a single sequence never contains its stop
+    token); in a batch, a row that stopped earlier holds its stop token and then the first stop id: cut each row
+    at its first stop id."""
     check_sampling_args(temperature, top_k, top_p)
+    gpt = unwrap(model)
+    runtime = runtime or Runtime.on(gpt.transformer.wte.weight.device)
+    every = runtime.stop_check_every if chunk_size is None else chunk_size
+    if every <= 0:
+        raise LitError(f"chunk_size must be > 0, got {chunk_size}")
     single = prompt.dim() == 1
     if single:
         prompt = prompt.unsqueeze(0)
     B, T = prompt.shape
-    check_lengths(T, max_new_tokens, model.config.block_size)
-    needed = max(T + max_new_tokens, pad_to or 0, max_seq_length or 0)
-    if kv_cache_length(model, B) < needed:
-        setup_kv_cache(model, T, max_new_tokens, B, max_seq_length=needed)
+    block_size = gpt.config.block_size
+    check_lengths(T, max_new_tokens, block_size)
+    length = runtime.prompt_bucket(T, block_size) if pad_to is None else pad_to
+    if length < T:
+        raise LitError(f"pad_to ({pad_to}) is shorter than the prompt ({T} tokens)")
+    cache = max_seq_length or runtime.cache_length(length, T, max_new_tokens, block_size)
+    if cache < max(length, T + max_new_tokens) or cache > block_size:
+        raise LitError(
+            f"max_seq_length {cache} must be between the padded prompt + max_new_tokens"
+            f" ({max(length, T + max_new_tokens)}) and the context length {block_size}"
+        )
+    if kv_cache_length(gpt, B) < cache or (max_seq_length is not None and kv_cache_length(gpt, B) != cache):
+        runtime.setup_kv_cache(gpt, B, cache)
     sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
-    device = prompt.device
-    stops = _stop_tensor(stop_ids, device)
+    stop_list = [stop_ids] if isinstance(stop_ids, int) else list(stop_ids or ())
+    stops_host = torch.tensor(stop_list, dtype=torch.long) if stop_list else None
+    stops = runtime.to_device(stops_host) if stops_host is not None else None
 
-    token = prefill(model, prompt, pad_to=pad_to, pad_id=pad_id, **sampling)
-    done = torch.zeros(B, dtype=torch.bool, device=device)
-    input_pos = torch.tensor([T], device=device)
+    if length > T:  # padded where the prompt is (the host for XLA, whose callers keep prompts there)
+        prompt = torch.nn.functional.pad(prompt, (0, length - T), value=pad_id)
+    token = prefill(
+        model, runtime.to_device(prompt), runtime.to_device(torch.arange(length)),
+        runtime.to_device(torch.tensor([T - 1])), **sampling,
+    )
+    done = runtime.to_device(torch.zeros(B, dtype=torch.bool))
+    input_pos = runtime.to_device(torch.tensor([T]))
     chunk: List[torch.Tensor] = []
     for step in range(max_new_tokens):
         if step > 0:
@@ -249,15 +267,15 @@ def generate_stream(
         if stops is not None:
             token = torch.where(done, stops[0], token)
             done = done | (token.unsqueeze(-1) == stops).any(-1)
-        if step_hook is not None:
-            step_hook()
+        runtime.end_step()
         chunk.append(token)
-        if len(chunk) == chunk_size or step == max_new_tokens - 1:
-            out = torch.stack(chunk, dim=1)
+        if step < 2 or len(chunk) == every or step == max_new_tokens - 1:
+            out = runtime.to_host(chunk)
             chunk = []
-            if stops is not None and bool(done.all()):
+            if stops is not None and bool(done.cpu().all()):
                 # the first step after which every row has stopped; rows stopped in an earlier chunk hold stop ids
-                is_stop = (out.unsqueeze(-1) == stops).any(-1)
+                st = stops if out.device == stops.device else stops_host.to(out.device)
+                is_stop = (out.unsqueeze(-1) == st).any(-1)
                 all_stopped = is_stop.cummax(dim=1).values.all(dim=0)
                 end = int(torch.argmax(all_stopped.int()))
                 out = out[:, :end]
@@ -267,13 +285,12 @@ def generate_stream(
             yield out[0] if single else out
 
 
-def generate(model: GPT, prompt: torch.Tensor, max_new_tokens: int, **kwargs) -> torch.Tensor:
+def generate(model: torch.nn.Module, prompt: torch.Tensor, max_new_tokens: int, **kwargs) -> torch.Tensor:
     """All new tokens of `generate_stream` (same arguments) in one tensor: (n,) for a 1-D prompt, else (B, n)."""
     chunks = list(generate_stream(model, prompt, max_new_tokens, **kwargs))
     if not chunks:
-        return prompt.new_empty((0,) if prompt.dim() == 1 else (prompt.size(0), 0))
-    return torch.cat(chunks, dim=-1)
-
+        return prompt.new_empty((0,) if prompt.dim() == 1 else (prompt.size(0), 0)).cpu()
+    return torch.cat([c.to(chunks[0].device) for c in chunks], dim=-1)
 
 # ---------------------------------------------------------------------------------------------------------------
 # CPU weight layout
@@ -307,17 +324,6 @@ def use_column_major_weights(model: torch.nn.Module) -> int:
 # ---------------------------------------------------------------------------------------------------------------
 # Loading for inference
 # ---------------------------------------------------------------------------------------------------------------
-def load_config(checkpoint_dir: Path) -> Config:
-    """The checkpoint's config, or a LitError naming the closest known models when the folder is unknown."""
-    checkpoint_dir = Path(checkpoint_dir)
-    try:
-        return Config.from_checkpoint(checkpoint_dir)
-    except FileNotFoundError as e:
-        raise LitError(str(e)) from e
-    except ValueError as e:
-        raise LitError(f"invalid model config in {str(checkpoint_dir)!r}: {e}") from e
-
-
 def check_model_dir(checkpoint_dir: Path) -> Path:
     """`check_checkpoint_dir`, plus the nearest known model names when the folder does not exist and its name
     is not a known model (a typo in --checkpoint_dir)."""
@@ -331,6 +337,15 @@ def check_model_dir(checkpoint_dir: Path) -> Path:
                 f"checkpoint directory {str(checkpoint_dir)!r} does not exist and {checkpoint_dir.name!r} is not a"
                 f" known model name. Did you mean: {', '.join(close)}? Then download it with:"
                 f" {download_command(checkpoint_dir.with_name(close[0]))}"
+            )
+    for method in ("lora", "adapter", "adapter_v2"):
+        # a finetuning run's final/ folder of a PEFT method: the weights file belongs to another recipe
+        finetuned = checkpoint_dir / f"lit_model.pth.{method}"
+        if finetuned.is_file() and not (checkpoint_dir / "lit_model.pth").is_file():
+            flag = "--lora_path" if method == "lora" else "--adapter_path"
+            raise LitError(
+                f"{str(checkpoint_dir)!r} holds {method} weights, not a whole model: use generate/{method}.py"
+                f" {flag} {finetuned} --checkpoint_dir <the base model they were trained on>"
             )
     return check_checkpoint_dir(checkpoint_dir)
 
@@ -354,8 +369,9 @@ def generation_fabric(accelerator: str = "auto", precision: Optional[str] = None
     """A one-device Fabric for generation: bf16-true on GPUs that support it, else 32-true, unless given."""
     import lightning as L  # here: only the generation recipes need Lightning
 
-    if accelerator == "auto":
-        accelerator = "cuda" if torch.cuda.is_available() else "cpu"
+    from lit_gpt.runtime import resolve_accelerator
+
+    accelerator = resolve_accelerator(accelerator)
     if precision is None:
         precision = "bf16-true" if accelerator == "cuda" and torch.cuda.is_bf16_supported() else "32-true"
     if precision not in ("32-true", "bf16-true", "16-true"):
@@ -400,6 +416,13 @@ def check_request(
 
     if num_samples < 1:
         raise LitError(f"--num_samples must be >= 1 (got {num_samples})")
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as e:  # bytes that are not UTF-8 reach Python as lone surrogates
+        raise LitError(
+            f"--prompt is not valid UTF-8 text (byte {e.start} of it): pass the prompt in UTF-8, e.g. convert the"
+            " file with iconv -t UTF-8"
+        ) from None
     check_sampling_args(temperature, top_k, top_p)
     check_model_dir(checkpoint_dir)
     config = load_config(checkpoint_dir)
@@ -412,9 +435,53 @@ def check_request(
     return Request(tokenizer, style, encoded, stop_ids)
 
 
+class GenerationResult(NamedTuple):
+    tokens: torch.Tensor
+    """The new tokens (CPU, int64), cut before the first stop token."""
+    prompt_length: int
+    time_to_first_token: float
+    """Seconds from the start of the prefill to the first token on the host (compilation included on XLA)."""
+    decode_tokens_per_sec: Optional[float]
+    """Steady decode speed: the steps after the first decode step (which may compile); None with < 3 tokens."""
+    seconds: float
+    compiles: int
+    """Graph compilations during the call (XLA; 0 on eager backends)."""
+
+
+def timed_generate(
+    model: torch.nn.Module, prompt: torch.Tensor, max_new_tokens: int, runtime: Optional[Runtime] = None, **kwargs: Any
+) -> GenerationResult:
+    """`generate_stream` read to the end on the host, with the time to the first token, the steady decode speed
+    and the compilations. Every chunk is read as it arrives (the only host reads)."""
+    import time
+
+    runtime = runtime or Runtime.on(unwrap(model).transformer.wte.weight.device)
+    compiles = runtime.compile_count()
+    t0 = time.perf_counter()
+    ids: List[int] = []
+    first = steady_start = None
+    steady_from = 0
+    for i, chunk in enumerate(generate_stream(model, prompt, max_new_tokens, runtime=runtime, **kwargs)):
+        ids.extend(chunk.reshape(-1).tolist())
+        now = time.perf_counter()
+        if i == 0:
+            first = now - t0
+        elif i == 1:  # the first decode step (which may compile) is done: time the steady steps from here
+            steady_start, steady_from = now, len(ids)
+    end = time.perf_counter()
+    steady = None
+    if steady_start is not None and len(ids) > steady_from and end > steady_start:
+        steady = (len(ids) - steady_from) / (end - steady_start)
+    return GenerationResult(
+        tokens=torch.tensor(ids, dtype=torch.long), prompt_length=prompt.size(-1),
+        time_to_first_token=first if first is not None else end - t0, decode_tokens_per_sec=steady,
+        seconds=end - t0, compiles=runtime.compile_count() - compiles,
+    )
+
+
 def generate_samples(
     fabric: Any,
-    load_model: Callable[[], GPT],
+    load_model: Callable[[], torch.nn.Module],
     checkpoint_dir: Path,
     prompt: str,
     *,
@@ -426,16 +493,22 @@ def generate_samples(
     prompt_style: Optional[str] = None,
     seed: int = 1234,
     compile: bool = False,
+    runtime: Optional[Runtime] = None,
 ) -> List[str]:
-    """Check the request, then `load_model()`, then print `num_samples` generations to stdout (time, tokens/s and
-    memory to stderr). Every check on the user's input runs before the weights are read. Returns the texts."""
+    """The body of every generation recipe (CPU, CUDA and XLA): check the request, then `load_model()`, then print
+    `num_samples` generations to stdout; to stderr, per sample: tokens, time, time to first token, steady decode
+    tokens/s (and on XLA the compilations), then the memory used. Every check on the user's input runs before the
+    weights are read. Returns the texts."""
     import resource
     import sys
     import time
 
+    runtime = runtime or Runtime(fabric)
+    xla = runtime.name == "xla"
+    # the prompt stays on the host: the loop pads it there (XLA) and transfers it
     request = check_request(
         checkpoint_dir, prompt, num_samples=num_samples, max_new_tokens=max_new_tokens, temperature=temperature,
-        top_k=top_k, top_p=top_p, prompt_style=prompt_style, device=fabric.device,
+        top_k=top_k, top_p=top_p, prompt_style=prompt_style,
     )
 
     t0 = time.perf_counter()
@@ -443,29 +516,39 @@ def generate_samples(
     if fabric.device.type == "cpu" and fabric.strategy.precision.precision == "32-true":
         use_column_major_weights(model)  # faster matrix-vector products on the CPU (see its docstring)
     model = fabric.setup_module(model)
-    print(f"Loaded {checkpoint_dir} in {time.perf_counter() - t0:.2f} s", file=sys.stderr)
+    fabric.print(f"Loaded {checkpoint_dir} in {time.perf_counter() - t0:.2f} s", file=sys.stderr)
 
     decode_fn = torch.compile(decode_one_token, dynamic=False) if compile else decode_one_token
-    # the CPU reads the stop flag for free; on a GPU reading it every step would stall the queue of kernels
-    chunk_size = 1 if fabric.device.type == "cpu" else 16
     fabric.seed_everything(seed)
+    runtime.seed(seed)
+    start = runtime.compile_count()
     texts = []
     for i in range(num_samples):
-        t0 = time.perf_counter()
-        # inference mode: nothing here needs autograd afterwards, and each small op dispatches a little faster
-        with torch.inference_mode():
-            new = generate(
-                model, request.encoded, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                stop_ids=request.stop_ids, chunk_size=chunk_size, decode_fn=decode_fn,
+        # inference mode (eager): nothing here needs autograd afterwards, and each small op dispatches faster
+        with runtime.inference_context():
+            r = timed_generate(
+                model, request.encoded, max_new_tokens, runtime, temperature=temperature, top_k=top_k, top_p=top_p,
+                stop_ids=request.stop_ids, decode_fn=decode_fn,
             )
-            new_ids = new.tolist()  # a host read: the timing includes all of the device's work
-        t = time.perf_counter() - t0
+        new_ids = r.tokens.tolist()
         texts.append(request.text(new_ids))
-        print(texts[-1], flush=True)
-        print(f"Sample {i + 1}: {len(new_ids)} tokens in {t:.02f} s, {len(new_ids) / t:.02f} tokens/s", file=sys.stderr)
-    if fabric.device.type == "cuda":
-        print(f"Memory used: {torch.cuda.max_memory_allocated() / 1e9:.02f} GB (max allocated)", file=sys.stderr)
-    else:
+        fabric.print(texts[-1], flush=True)
+        speed = f"{r.decode_tokens_per_sec:.2f} tokens/s" if r.decode_tokens_per_sec else "n/a (< 3 tokens)"
+        fabric.print(
+            f"Sample {i + 1}: {len(new_ids)} tokens in {r.seconds:.02f} s;"
+            f" time to first token {r.time_to_first_token:.2f} s{' (compilation included)' if xla else ''};"
+            f" steady decode {speed}" + (f"; XLA compilations {r.compiles}" if xla else ""),
+            file=sys.stderr,
+        )
+    if xla:
+        fabric.print(
+            f"XLA compilations: {runtime.compile_count() - start} (prefill + decode: 2 per prompt-length bucket,"
+            " whatever max_new_tokens is)", file=sys.stderr,
+        )
+    report = runtime.memory_report()
+    if report is not None:
+        fabric.print(report, file=sys.stderr)
+    elif fabric.device.type == "cpu":
         peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-        print(f"Memory used: {peak_rss / 1e9:.02f} GB (peak RSS, includes the mapped weights)", file=sys.stderr)
+        fabric.print(f"Memory used: {peak_rss / 1e9:.02f} GB (peak RSS, includes the mapped weights)", file=sys.stderr)
     return texts

@@ -131,10 +131,10 @@ def test_steps_never_read_device_values():
     would raise, so this shows the steps run without a host synchronisation (what XLA and CUDA need)."""
     with torch.device("meta"):
         model = GPT(tiny_config())
-        setup_kv_cache(model, 5, 4)
-        prompt = torch.zeros(1, 5, dtype=torch.long)
+        setup_kv_cache(model, 5, 4, max_seq_length=9)
+        prompt = torch.zeros(1, 8, dtype=torch.long)  # 5 tokens right-padded to a bucket of 8
         options = dict(temperature=0.7, top_k=5, top_p=0.9)
-        token = prefill(model, prompt, pad_to=8, **options)
+        token = prefill(model, prompt, torch.arange(8), torch.tensor([4]), **options)
         assert token.shape == (1,) and token.device.type == "meta"
         token = decode_one_token(model, token, torch.tensor([5]), **options)
         assert token.shape == (1,)
@@ -246,11 +246,20 @@ def test_stop_token_in_a_batch():
 def test_stream_chunks():
     model = tiny_model()
     prompt = torch.randint(0, 320, (7,), generator=torch.Generator().manual_seed(1))
+    from lit_gpt.runtime import Runtime
+
     calls = []
-    chunks = list(generate_stream(model, prompt, 10, chunk_size=4, step_hook=lambda: calls.append(1)))
-    assert [c.numel() for c in chunks] == [4, 4, 2]
+
+    class Counting(Runtime):
+        def end_step(self) -> None:
+            calls.append(1)
+
+    chunks = list(generate_stream(model, prompt, 10, chunk_size=4, runtime=Counting(device=torch.device("cpu"))))
+    # the first token and the first decode step alone (time to first token; the steady steps timed apart), then
+    # chunks of chunk_size steps
+    assert [c.numel() for c in chunks] == [1, 1, 4, 4]
     assert torch.equal(torch.cat(chunks), naive_greedy(model, prompt, 10))
-    assert len(calls) == 10  # one hook call per step: where the XLA recipe cuts the graph
+    assert len(calls) == 10  # one end_step per step: where the XLA runtime cuts the graph
 
 
 def test_sampled_generation_reproducible():

@@ -25,8 +25,9 @@ import json, sys
 from pathlib import Path
 import torch
 from lit_gpt.config import Config
+from lit_gpt.generate import timed_generate, unwrap
 from lit_gpt.xla import load_staged, make_fabric
-from lit_gpt.xla.generate import generate
+from lit_gpt.xla.runtime import XLARuntime
 
 checkpoint_dir, requests, out = Path(sys.argv[1]), json.loads(sys.argv[2]), Path(sys.argv[3])
 fabric = make_fabric("auto", "32-true")
@@ -34,10 +35,13 @@ fabric = make_fabric("auto", "32-true")
 def main(fabric):
     model = load_staged(Config.from_checkpoint(checkpoint_dir), checkpoint_dir / "lit_model.pth", fabric)
     model = fabric.setup_module(model)
+    runtime = XLARuntime(fabric)
     results = []
     for r in requests:
-        g = generate(model, torch.tensor(r["prompt"]), r["max_new_tokens"], stop_ids=r["stop_ids"])
-        results.append({"tokens": g.tokens.tolist(), "compiles": g.compiles, "bucket": g.bucket})
+        prompt = torch.tensor(r["prompt"])
+        g = timed_generate(model, prompt, r["max_new_tokens"], runtime, stop_ids=r["stop_ids"])
+        bucket = runtime.prompt_bucket(prompt.numel(), unwrap(model).config.block_size)
+        results.append({"tokens": g.tokens.tolist(), "compiles": g.compiles, "bucket": bucket})
     out.write_text(json.dumps({"devices": fabric.strategy.num_devices, "results": results}))
 
 fabric.launch(main)

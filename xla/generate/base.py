@@ -14,7 +14,8 @@ the first token (compilation included), the steady decode speed and the number o
 from pathlib import Path
 from typing import Optional, Union
 
-from lit_gpt.generate import check_model_dir, load_config
+from lit_gpt.config import load_config
+from lit_gpt.generate import check_model_dir
 from lit_gpt.utils import DEFAULT_CHECKPOINT_DIR, run_cli
 
 
@@ -31,6 +32,7 @@ def setup(
     seed: int = 1234,
     devices: Union[int, str] = "auto",
     compile_cache_dir: Optional[Path] = None,
+    accelerator: str = "auto",
 ) -> None:
     """Generate `num_samples` continuations of a prompt on XLA devices.
 
@@ -48,11 +50,14 @@ def setup(
         seed: Seeds the sampling.
         devices: "auto" (all devices of the XLA runtime) or their number: the SPMD mesh spans all of them.
         compile_cache_dir: Persistent XLA compilation cache: a second run skips compiling (TPU/GPU).
+        accelerator: The PJRT device: "auto" (the TPU when there is one, else the CPU), "tpu", "cpu" or "cuda".
     """
     from lit_gpt.xla import make_fabric
+    from lit_gpt.xla.finetune import select_pjrt_device
     from lit_gpt.xla.generate import default_precision
 
     check_model_dir(checkpoint_dir)  # before the XLA runtime starts: a typo fails fast
+    select_pjrt_device(accelerator)
     fabric = make_fabric(devices, default_precision(precision), compile_cache_dir=compile_cache_dir)
     sampling = dict(
         num_samples=num_samples, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
@@ -65,7 +70,7 @@ def main(fabric, prompt: str, checkpoint_dir: Path, sampling: dict) -> None:
     from lit_gpt.xla import load_staged
     from lit_gpt.xla.generate import generate_samples
 
-    def load_model(fabric):
+    def load_model():
         return load_staged(load_config(checkpoint_dir), checkpoint_dir / "lit_model.pth", fabric)
 
     generate_samples(fabric, load_model, checkpoint_dir, prompt, **sampling)

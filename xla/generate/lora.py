@@ -30,6 +30,7 @@ def setup(
     seed: int = 1234,
     devices: Union[int, str] = "auto",
     compile_cache_dir: Optional[Path] = None,
+    accelerator: str = "auto",
 ) -> None:
     """Generate `num_samples` continuations of a prompt with the LoRA-finetuned model on XLA devices.
 
@@ -49,8 +50,10 @@ def setup(
         seed: Seeds the sampling.
         devices: "auto" (all devices of the XLA runtime) or their number: the SPMD mesh spans all of them.
         compile_cache_dir: Persistent XLA compilation cache: a second run skips compiling (TPU/GPU).
+        accelerator: The PJRT device: "auto" (the TPU when there is one, else the CPU), "tpu", "cpu" or "cuda".
     """
     from lit_gpt.xla import make_fabric
+    from lit_gpt.xla.finetune import select_pjrt_device
     from lit_gpt.xla.generate import default_precision
 
     check_model_dir(checkpoint_dir)  # before the XLA runtime starts: a typo fails fast
@@ -58,6 +61,7 @@ def setup(
         raise LitError(
             f"--lora_path {str(lora_path)!r} not found: pass the lit_model.pth.lora file that the lora finetuning wrote"
         )
+    select_pjrt_device(accelerator)
     fabric = make_fabric(devices, default_precision(precision), compile_cache_dir=compile_cache_dir)
     sampling = dict(
         num_samples=num_samples, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
@@ -70,7 +74,7 @@ def main(fabric, prompt: str, checkpoint_dir: Path, lora_path: Path, sampling: d
     from lit_gpt import lora
     from lit_gpt.xla.generate import generate_samples, load_variant_staged
 
-    def load_model(fabric):
+    def load_model():
         return load_variant_staged(fabric, lora.GPT, lora.Config, checkpoint_dir, lora_path)
 
     generate_samples(fabric, load_model, checkpoint_dir, prompt, **sampling)
