@@ -18,6 +18,7 @@ from lit_gpt import adapter_v2, training
 from lit_gpt.args import DataArgs, EvalArgs, TrainArgs
 from lit_gpt.model import Block
 from lit_gpt.peft import finetuned_filter, finetuned_metadata
+from lit_gpt.runtime import Runtime
 from lit_gpt.utils import DEFAULT_CHECKPOINT_DIR, run_cli
 
 
@@ -34,6 +35,8 @@ def setup(
     train: TrainArgs = TrainArgs(global_batch_size=16, micro_batch_size=1, learning_rate=3e-3, weight_decay=0.02),
     eval: EvalArgs = EvalArgs(),
     logger_name: Literal["csv", "tensorboard"] = "csv",
+    accelerator: Literal["auto", "cpu", "cuda"] = "auto",
+    num_nodes: int = 1,
 ) -> dict:
     """Finetune a model with LLaMA-Adapter v2 on prepared instruction data.
 
@@ -52,20 +55,26 @@ def setup(
         train: Optimisation and checkpointing.
         eval: Validation.
         logger_name: "csv" or "tensorboard" (under out_dir/logs).
+        accelerator: "cpu", "cuda" or "auto" (a GPU when one is visible, else the CPU).
+        num_nodes: Machines to train on, `devices` processes each (launched by torchrun or SLURM on every node).
     """
-    train.validate(devices)
+    train.validate(devices * num_nodes)
     config = training.load_config(
         checkpoint_dir, adapter_v2.Config,
         adapter_prompt_length=adapter_prompt_length, adapter_start_layer=adapter_start_layer,
     )
-    fabric = training.setup_fabric(devices, precision, out_dir, logger_name, strategy, block_cls=Block)
+    fabric = training.setup_fabric(
+        devices, precision, out_dir, logger_name, strategy, block_cls=Block, accelerator=accelerator,
+        num_nodes=num_nodes, resume=resume,
+    )
     run_config = training.run_config(method="adapter_v2", checkpoint_dir=checkpoint_dir, data=data, train=train, eval=eval)
     return fabric.launch(main, checkpoint_dir, out_dir, config, data, train, eval, resume, run_config)
 
 
 def main(fabric: L.Fabric, checkpoint_dir, out_dir, config, data, train, eval, resume, run_config) -> dict:
     fabric.seed_everything(train.seed)
-    run_data = training.load_data(fabric, data, train, eval, checkpoint_dir, config.block_size)
+    runtime = Runtime(fabric)  # CPU / CUDA (the XLA recipes pass XLARuntime to the same loop)
+    run_data = training.load_data(runtime, data, train, eval, checkpoint_dir, config.block_size)
 
     # the method: adapter prompts, gates, linear scales/biases and norms on the frozen base model train and are saved
     model, raw_model = training.setup_model(
@@ -81,6 +90,7 @@ def main(fabric: L.Fabric, checkpoint_dir, out_dir, config, data, train, eval, r
     return training.fit(
         fabric, model, raw_model, optimizer, run_data, method,
         checkpoint_dir=checkpoint_dir, out_dir=out_dir, train=train, eval=eval, resume=resume, run_config=run_config,
+        runtime=runtime,
     )
 
 

@@ -15,6 +15,7 @@ import lightning as L
 from lit_gpt import training
 from lit_gpt.args import DataArgs, EvalArgs, TrainArgs
 from lit_gpt.model import GPT, Block
+from lit_gpt.runtime import Runtime
 from lit_gpt.utils import DEFAULT_CHECKPOINT_DIR, run_cli
 
 
@@ -29,6 +30,8 @@ def setup(
     train: TrainArgs = TrainArgs(global_batch_size=16, micro_batch_size=1, learning_rate=3e-5, min_lr=3e-6),
     eval: EvalArgs = EvalArgs(),
     logger_name: Literal["csv", "tensorboard"] = "csv",
+    accelerator: Literal["auto", "cpu", "cuda"] = "auto",
+    num_nodes: int = 1,
 ) -> dict:
     """Finetune all weights of a model on prepared instruction data.
 
@@ -45,17 +48,23 @@ def setup(
         train: Optimisation and checkpointing.
         eval: Validation.
         logger_name: "csv" or "tensorboard" (under out_dir/logs).
+        accelerator: "cpu", "cuda" or "auto" (a GPU when one is visible, else the CPU).
+        num_nodes: Machines to train on, `devices` processes each (launched by torchrun or SLURM on every node).
     """
-    train.validate(devices)
+    train.validate(devices * num_nodes)
     config = training.load_config(checkpoint_dir)
-    fabric = training.setup_fabric(devices, precision, out_dir, logger_name, strategy, block_cls=Block)
+    fabric = training.setup_fabric(
+        devices, precision, out_dir, logger_name, strategy, block_cls=Block, accelerator=accelerator,
+        num_nodes=num_nodes, resume=resume,
+    )
     run_config = training.run_config(method="full", checkpoint_dir=checkpoint_dir, data=data, train=train, eval=eval)
     return fabric.launch(main, checkpoint_dir, out_dir, config, data, train, eval, resume, run_config)
 
 
 def main(fabric: L.Fabric, checkpoint_dir, out_dir, config, data, train, eval, resume, run_config) -> dict:
     fabric.seed_everything(train.seed)
-    run_data = training.load_data(fabric, data, train, eval, checkpoint_dir, config.block_size)
+    runtime = Runtime(fabric)  # CPU / CUDA (the XLA recipes pass XLARuntime to the same loop)
+    run_data = training.load_data(runtime, data, train, eval, checkpoint_dir, config.block_size)
 
     # the method: the plain model, every parameter trains and is saved
     model, raw_model = training.setup_model(fabric, lambda: GPT(config), checkpoint_dir)
@@ -65,6 +74,7 @@ def main(fabric: L.Fabric, checkpoint_dir, out_dir, config, data, train, eval, r
     return training.fit(
         fabric, model, raw_model, optimizer, run_data, method,
         checkpoint_dir=checkpoint_dir, out_dir=out_dir, train=train, eval=eval, resume=resume, run_config=run_config,
+        runtime=runtime,
     )
 
 

@@ -1,27 +1,35 @@
-"""The finetuning loop shared by `finetune/{full,lora,adapter,adapter_v2}.py` (and, for its device-agnostic parts,
-by the XLA recipes).
+"""The finetuning loop of every recipe: `finetune/{full,lora,adapter,adapter_v2}.py` on CPU/CUDA and
+`xla/finetune/{full,lora,adapter}.py` on XLA devices.
 
 A recipe builds its model and says which parameters train and what gets saved (a `Method`); everything else is
 here: the Fabric set-up, loading the base weights, the optimizer and its warmup + cosine schedule, the data
-streams, `fit` (gradient accumulation, clipping, logging, validation with a generated sample, checkpoints), and
-resuming.
+streams, `fit` (gradient accumulation, clipping, logging, validation with a generated sample, checkpoints,
+resuming, the final export). What differs between backends is asked of a `lit_gpt.runtime.Runtime` (CPU/CUDA) or
+`lit_gpt.xla.runtime.XLARuntime`: how a batch is placed, where a graph is cut, how gradients combine, how a
+checkpoint is stored, which generators exist. There is no second loop.
 
-Checkpoints. `out_dir/step-000010/` holds `method.weights_file` = {"model": the trained weights only,
-"optimizer": ..., "train_state": {"step", "data": (epoch, index), "rng": per-rank RNG states, ...}, plus the
-method's metadata}, next to a copy of the base model's config and tokenizer files. It is written into
-`out_dir/.step-000010.partial/` and renamed when complete, so a killed run never leaves a half checkpoint that
-`--resume auto` would pick. `out_dir/final/` holds the trained weights without optimizer state: the deliverable
-that the generate recipes load.
+The logged training loss is the mean cross-entropy per target token over the whole optimizer step (all
+micro-batches and all devices), on every backend; gradients are those of that mean. A step's micro-batches are
+read first, their target tokens counted on the host, and each micro-batch's summed loss is divided by the step's
+total, so the result does not depend on how the step is split into micro-batches and devices.
+
+Steps: every optimizer step consumes `global_batch_size` samples, on any number of devices; an epoch is
+floor(samples / global_batch_size) steps (the tail, a different one each epoch, waits for the next epoch), so
+`--train.epochs` gives the same steps, samples and losses on 1 CPU process, 1 XLA device or 8.
+
+Checkpoints. `out_dir/step-000010/` holds the trained weights, the optimizer, and the train state (step, data
+position, every RNG of every process), next to the base model's config and tokenizer files and the run's
+arguments (`finetune.json`); written under a temporary name and renamed when complete, so a killed run never
+leaves a half checkpoint that `--resume auto` would pick. `out_dir/final/` holds the trained weights of the run's
+last step without optimizer state: the deliverable that the generate recipes load, in one format on every backend.
 """
 
 import json
 import math
-import os
-import re
 import shutil
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Literal, Optional, Tuple, Type, Union
 
@@ -30,13 +38,12 @@ import torch
 import torch.nn as nn
 
 from lit_gpt.args import DataArgs, EvalArgs, TrainArgs
-from lit_gpt.config import Config
+from lit_gpt.config import load_config  # noqa: F401  (the recipes' `training.load_config`: the one loader)
 from lit_gpt.data import IGNORE_INDEX, PreparedData, TrainBatches, count_cropped, load_prepared, val_batches
-from lit_gpt.utils import LitError, check_checkpoint_dir, chunked_cross_entropy, load_state_dict, num_parameters
+from lit_gpt.runtime import FINAL_DIR, STEP_DIR, Runtime, param_dtype, resolve_accelerator
+from lit_gpt.utils import LitError, check_checkpoint_dir, load_state_dict, num_parameters
 
 Precision = Literal["32-true", "bf16-true", "bf16-mixed", "16-true", "16-mixed"]
-STEP_DIR = re.compile(r"^step-(\d+)$")
-FINAL_DIR = "final"
 COPIED_FILES = (
     "lit_config.json",
     "config.json",
@@ -46,6 +53,11 @@ COPIED_FILES = (
     "special_tokens_map.json",
     "generation_config.json",
 )
+RUN_FILE = "finetune.json"
+# arguments that may change between a run and its resumption: they do not change what is computed
+# (and the run's length: a resumed run may be extended or cut, which changes its schedule from then on)
+RESUMABLE_CHANGES = {"train.save_interval", "train.log_interval", "train.max_steps", "train.epochs", "eval",
+                     "logger_name"}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -70,7 +82,7 @@ class Method:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Fabric
+# Fabric and the output folder
 # ---------------------------------------------------------------------------------------------------------------
 def setup_fabric(
     devices: int,
@@ -80,19 +92,29 @@ def setup_fabric(
     strategy: Literal["auto", "ddp", "fsdp"] = "auto",
     block_cls: Optional[Type[nn.Module]] = None,
     accelerator: str = "auto",
+    num_nodes: int = 1,
+    resume: Union[bool, str, Path] = False,
 ) -> L.Fabric:
-    """Fabric for the run: one device, or several with FSDP (sharding per `block_cls`) on GPUs and DDP on the CPU,
-    where Fabric has no FSDP."""
+    """Fabric for the run: one device, or several (on `num_nodes` machines) with FSDP (sharding per `block_cls`)
+    on GPUs and DDP on CPU processes, where Fabric has no FSDP. `out_dir` is checked first (see `check_out_dir`)."""
     if devices < 1:
         raise LitError(f"--devices must be >= 1 (got {devices})")
-    if accelerator == "auto":
-        accelerator = "cuda" if torch.cuda.is_available() else "cpu"
+    if num_nodes < 1:
+        raise LitError(f"--num_nodes must be >= 1 (got {num_nodes})")
+    accelerator = resolve_accelerator(accelerator)
     if accelerator == "cuda" and devices > torch.cuda.device_count():
-        raise LitError(f"--devices {devices} but only {torch.cuda.device_count()} GPU(s) are visible")
+        raise LitError(
+            f"--devices {devices} but only {torch.cuda.device_count()} GPU(s) are visible: lower --devices, or"
+            " train on CPU processes with --accelerator cpu"
+        )
+    check_out_dir(out_dir, resume)
     if precision is None:
         precision = "bf16-true" if accelerator == "cuda" and torch.cuda.is_bf16_supported() else "32-true"
+    if accelerator == "cpu" and precision in ("16-true", "16-mixed"):
+        raise LitError(f"--precision {precision} needs a GPU: on the CPU use 32-true, bf16-true or bf16-mixed")
+    parallel = devices * num_nodes > 1
     if strategy == "auto":
-        strategy = "fsdp" if devices > 1 and accelerator == "cuda" else ("ddp" if devices > 1 else "auto")
+        strategy = "fsdp" if parallel and accelerator == "cuda" else ("ddp" if parallel else "auto")
     if strategy == "fsdp":
         if accelerator != "cuda":
             raise LitError("FSDP needs GPUs (Lightning Fabric supports it on CUDA only): use --strategy ddp on the CPU")
@@ -117,8 +139,32 @@ def setup_fabric(
     if accelerator == "cuda":
         torch.set_float32_matmul_precision("high")
     return L.Fabric(
-        accelerator=accelerator, devices=devices, strategy=strategy_obj, precision=precision, loggers=logger
+        accelerator=accelerator, devices=devices, num_nodes=num_nodes, strategy=strategy_obj, precision=precision,
+        loggers=logger,
     )
+
+
+def check_out_dir(out_dir: Path, resume: Union[bool, str, Path]) -> None:
+    """Before anything is loaded: `out_dir` must be a writable folder (created if missing), and a folder that holds
+    a run is only continued with --resume, never overwritten."""
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise LitError(f"--out_dir {str(out_dir)!r} is a file, not a folder: choose a folder for the run")
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        probe = out_dir / f".write-test-{time.time_ns()}"
+        probe.write_bytes(b"0")
+        probe.unlink()
+    except OSError as e:
+        raise LitError(f"--out_dir {str(out_dir)!r} is not writable ({e.strerror or e}): choose another folder") from e
+    if resume in (False, None, "false"):
+        used = sorted(d.name for d in out_dir.iterdir() if STEP_DIR.match(d.name) or d.name == FINAL_DIR)
+        if used:
+            shown = ", ".join(used[:3]) + (f" and {len(used) - 3} more" if len(used) > 3 else "")
+            raise LitError(
+                f"--out_dir {str(out_dir)!r} already holds a run ({shown}): continue it with --resume auto, or start"
+                " a new run in a new --out_dir"
+            )
 
 
 def make_logger(out_dir: Path, name: str) -> Any:
@@ -143,17 +189,6 @@ def uses_fsdp(fabric: L.Fabric) -> bool:
 # ---------------------------------------------------------------------------------------------------------------
 # Model
 # ---------------------------------------------------------------------------------------------------------------
-def load_config(checkpoint_dir: Path, config_cls: Type[Config] = Config, **overrides: Any) -> Config:
-    """The checkpoint's config as `config_cls` (a variant's Config for PEFT) with the method's settings."""
-    check_checkpoint_dir(checkpoint_dir)
-    try:
-        return config_cls.from_checkpoint(checkpoint_dir, **overrides)
-    except FileNotFoundError as e:
-        raise LitError(str(e)) from e
-    except (ValueError, TypeError) as e:
-        raise LitError(f"invalid settings for {str(checkpoint_dir)!r}: {e}") from e
-
-
 def load_base_weights(
     model: nn.Module, checkpoint_dir: Path, own_filter: Optional[Callable[[str, Any], bool]], assign: bool
 ) -> None:
@@ -173,7 +208,10 @@ def load_base_weights(
     own = own_filter or (lambda k, v: False)
     missing = [k for k in result.missing_keys if not own(k, None)]
     if missing:
-        raise LitError(f"checkpoint {str(path)!r} lacks {len(missing)} weights of the model (e.g. {missing[0]!r})")
+        raise LitError(
+            f"checkpoint {str(path)!r} lacks {len(missing)} weight(s) of the model ({', '.join(missing[:4])}): it"
+            " does not match the model config, or it is not a complete base checkpoint"
+        )
     _initialize_unloaded(model, set(result.missing_keys))
 
 
@@ -188,6 +226,23 @@ def _initialize_unloaded(model: nn.Module, missing: set) -> None:
             module.reset_parameters()
 
 
+def cast_floating(model: nn.Module, dtype: torch.dtype) -> None:
+    """Every floating parameter and buffer in `dtype`, whatever the checkpoint stored (the Hub serves bf16, the GGUF
+    converter writes fp32, some files are fp16): the precision decides the dtype, not the file. Tensors already
+    in `dtype` are kept as they are (memory-mapped from the file on the CPU); tied parameters stay tied."""
+    converted: Dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is None or not p.is_floating_point() or p.dtype == dtype:
+                continue
+            if id(p) not in converted:
+                converted[id(p)] = nn.Parameter(p.detach().to(dtype), requires_grad=p.requires_grad)
+            module._parameters[name] = converted[id(p)]
+        for name, b in list(module._buffers.items()):
+            if b is not None and b.is_floating_point() and b.dtype != dtype and name not in ("cos", "sin"):
+                module._buffers[name] = b.to(dtype)  # the RoPE tables stay float32 (they are cast where used)
+
+
 def setup_model(
     fabric: L.Fabric,
     build: Callable[[], nn.Module],
@@ -198,10 +253,14 @@ def setup_model(
     """Build the model, load the base weights, freeze what the method does not train (`mark_trainable`), and set
     it up with Fabric. `own_filter` names the method's own parameters, the only ones the base checkpoint lacks.
     Returns (the Fabric-wrapped model, the plain module)."""
+    dtype = param_dtype(str(fabric.strategy.precision.precision))
     if uses_fsdp(fabric):
-        # FSDP materialises (and shards) the meta-initialised model itself; the weights are loaded after sharding
+        from lit_gpt.model import Block
+
+        # FSDP materialises (and shards) the meta-initialised blocks itself; the weights are loaded after sharding
         with fabric.init_module(empty_init=True):
             model = build()
+        materialize_outside(model, Block, fabric.device)  # keeps a tied head tied (see its docstring)
         if mark_trainable is not None:
             mark_trainable(model)
         wrapped = fabric.setup_module(model)
@@ -212,6 +271,7 @@ def setup_model(
     with fabric.init_module(empty_init=True):
         model = build()
     load_base_weights(model, checkpoint_dir, own_filter, assign=fabric.device.type == "cpu")
+    cast_floating(model, dtype)
     if mark_trainable is not None:
         mark_trainable(model)
     n_train, n_frozen = num_parameters(model, requires_grad=True), num_parameters(model, requires_grad=False)
@@ -221,17 +281,44 @@ def setup_model(
     return fabric.setup_module(model), model
 
 
+def materialize_outside(model: nn.Module, block_cls: Type[nn.Module], device: torch.device) -> None:
+    """Materialise (on `device`, with `reset_parameters()`) the meta-device tensors of every module outside the
+    `block_cls` blocks, keeping tied parameters tied.
+
+    Why: FSDP materialises a meta-initialised model module by module (`to_empty(recurse=False)`), which gives the
+    head and the embedding separate tensors: a tied-embedding model (SmolLM2, Gemma, small Qwen) would then train
+    and save an untied head. Materialised and re-tied before wrapping, the tie is one shared parameter that FSDP
+    keeps. Only the embeddings, final norm and head are allocated in full on each rank; the blocks stay on the
+    meta device until FSDP shards them."""
+    inside = {id(m) for b in model.modules() if isinstance(b, block_cls) for m in b.modules()}
+    for module in model.modules():
+        if id(module) in inside:
+            continue
+        own = list(module.parameters(recurse=False)) + list(module.buffers(recurse=False))
+        if any(t.is_meta for t in own):
+            module.to_empty(device=device, recurse=False)
+            if hasattr(module, "reset_parameters"):
+                module.reset_parameters()
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Optimizer and schedule
 # ---------------------------------------------------------------------------------------------------------------
-def build_optimizer(model: nn.Module, train: TrainArgs) -> torch.optim.Optimizer:
-    """AdamW over the trainable parameters. Norms, biases and other 1-D parameters get no weight decay."""
+def build_optimizer(model: nn.Module, train: TrainArgs, name: str = "adamw") -> torch.optim.Optimizer:
+    """AdamW (default) or SGD with momentum 0.9 over the trainable parameters. Norms, biases and other 1-D
+    parameters get no weight decay."""
     decay, no_decay = [], []
     for p in model.parameters():
         if p.requires_grad:
             (decay if p.dim() >= 2 else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": train.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     groups = [g for g in groups if g["params"]]
+    if name == "sgd":
+        return torch.optim.SGD(groups, lr=train.learning_rate, momentum=0.9)
+    if name != "adamw":
+        raise LitError(f"--optimizer must be 'adamw' or 'sgd', got {name!r}")
     device = (decay or no_decay)[0].device
     # fused kernels on GPU/CPU; XLA and others take the default implementation
     fused = device.type in ("cuda", "cpu")
@@ -263,28 +350,36 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
 class RunData:
     train: TrainBatches
     val: List[Dict[str, Any]]
+    """This process's validation batches (a process may get none: the losses are summed over processes)."""
     max_seq_length: int
     prepared: PreparedData
     sample_prompt: Optional[torch.Tensor]
     """The prompt of the first validation sample (its masked prefix): generated from at each validation."""
+    steps_per_epoch: int = 1
+    rows: int = 1
+    """Rows of every forward of this process (micro_batch_size x the devices it feeds)."""
+
+
+def has_target(sample: Dict[str, Any], max_seq_length: int) -> bool:
+    """Whether a sample keeps at least one target token once cropped to max_seq_length inputs."""
+    return bool((sample["labels"][1 : max_seq_length + 1] != IGNORE_INDEX).any())
 
 
 def load_data(
-    fabric: Any,
+    runtime: Runtime,
     data: DataArgs,
     train: TrainArgs,
     eval: EvalArgs,
     checkpoint_dir: Path,
     block_size: int,
-    rank: Optional[int] = None,
-    world_size: Optional[int] = None,
 ) -> RunData:
-    """Read the prepared data, pick the run's max_seq_length, and build this rank's train/val batches.
+    """Read the prepared data, pick the run's max_seq_length, and build this process's train/val batches.
 
     max_seq_length is `--train.max_seq_length` if given (longer samples are cropped, and counted), else the
-    longest sample; at most the model's context length."""
-    rank = fabric.global_rank if rank is None else rank
-    world_size = fabric.world_size if world_size is None else world_size
+    longest sample; at most the model's context length. Samples that keep no target token once cropped are left
+    out (they would teach nothing and, alone in a batch, divide by zero); when none is left the run stops."""
+    rank, processes = runtime.rank, runtime.num_processes
+    rows = train.micro_batch_size * runtime.local_devices
     prepared = load_prepared(data.data_dir, checkpoint_dir)
     if not prepared.train:
         raise LitError(f"{str(data.data_dir)!r} has no training samples")
@@ -297,29 +392,34 @@ def load_data(
         max_seq_length = min(train.max_seq_length, longest)
     else:
         max_seq_length = min(longest, block_size)
+    say = (lambda msg: print(msg, file=sys.stderr)) if rank == 0 else (lambda msg: None)
     cropped = count_cropped(prepared.train, max_seq_length) + count_cropped(prepared.val, max_seq_length)
     if cropped:
-        print(f"note: {cropped} sample(s) are longer than max_seq_length {max_seq_length} and get cropped",
-              file=sys.stderr) if rank == 0 else None
+        say(f"note: {cropped} sample(s) are longer than max_seq_length {max_seq_length} and get cropped")
+    kept = [s for s in prepared.train if has_target(s, max_seq_length)]
+    if not kept:
+        raise LitError(
+            f"no training sample keeps a target token within max_seq_length {max_seq_length} (the prompts fill it):"
+            f" raise --train.max_seq_length (the longest sample has {longest} tokens) or shorten the prompts"
+        )
+    if len(kept) < len(prepared.train):
+        say(f"note: {len(prepared.train) - len(kept)} training sample(s) have no target token within"
+            f" max_seq_length {max_seq_length} and are left out")
+    val_kept = [s for s in prepared.val if has_target(s, max_seq_length)]
+    steps_per_epoch = len(kept) // train.global_batch_size
+    if steps_per_epoch == 0:
+        raise LitError(
+            f"the training set has {len(kept)} usable samples, fewer than --train.global_batch_size"
+            f" ({train.global_batch_size}): lower the global batch size or add data"
+        )
     pad = dict(pad_multiple=data.pad_multiple, pad_pow2=data.pad_pow2)
     batches = TrainBatches(
-        prepared.train,
-        train.micro_batch_size,
-        max_seq_length,
-        seed=train.seed,
-        shuffle=data.shuffle,
-        rank=rank,
-        world_size=world_size,
-        **pad,
+        kept, rows, max_seq_length, seed=train.seed, shuffle=data.shuffle, rank=rank, world_size=processes, **pad
     )
+    # whole optimizer steps only: every layout (1 process, 8 devices, ...) sees the same samples in each step
+    batches.batches_per_epoch = steps_per_epoch * train.gradient_accumulation_iters(runtime.data_parallel_size)
     val = val_batches(
-        prepared.val,
-        train.micro_batch_size,
-        max_seq_length,
-        max_iters=eval.max_iters,
-        rank=rank,
-        world_size=world_size,
-        **pad,
+        val_kept, rows, max_seq_length, max_iters=eval.max_iters, rank=rank, world_size=processes, **pad
     )
     sample_prompt = None
     if prepared.val:
@@ -329,18 +429,40 @@ def load_data(
         n_prompt = int(masked.max()) + 1 if masked.numel() and first["labels"][0] == IGNORE_INDEX else 0
         if n_prompt:
             sample_prompt = first["input_ids"][:n_prompt]
-    return RunData(batches, val, max_seq_length, prepared, sample_prompt)
+    prepared = replace(prepared, train=kept, val=val_kept)
+    return RunData(batches, val, max_seq_length, prepared, sample_prompt, steps_per_epoch, rows)
+
+
+def pad_rows(batch: Dict[str, Any], rows: int) -> Dict[str, Any]:
+    """Pad a batch to `rows` rows that count nothing (labels ignored), so that it splits over the devices."""
+    missing = rows - batch["input_ids"].size(0)
+    if missing <= 0:
+        return batch
+    pad = lambda t, value: torch.cat([t, t.new_full((missing, t.size(1)), value)])  # noqa: E731
+    return {**batch, "input_ids": pad(batch["input_ids"], 0), "labels": pad(batch["labels"], IGNORE_INDEX)}
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Loss
 # ---------------------------------------------------------------------------------------------------------------
-def loss_fn(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, targets_only: bool = True) -> torch.Tensor:
-    """Mean next-token cross-entropy over the unmasked labels.
+def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor, chunk_rows: int = 1024) -> torch.Tensor:
+    """Summed next-token cross-entropy over the non-ignored labels, in float32, in chunks of rows so that the
+    float32 copy of a (rows, vocab) block never exists whole."""
+    logits = logits.reshape(-1, logits.size(-1))
+    labels = labels.reshape(-1)
+    parts = [
+        nn.functional.cross_entropy(lc.float(), tc, ignore_index=IGNORE_INDEX, reduction="sum")
+        for lc, tc in zip(logits.split(chunk_rows), labels.split(chunk_rows))
+    ]
+    return parts[0] if len(parts) == 1 else torch.stack(parts).sum()
+
+
+def loss_sum(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, targets_only: bool = True) -> torch.Tensor:
+    """Summed next-token cross-entropy over the labelled positions of a batch.
 
     With `targets_only` the vocabulary projection (the largest matmul of a small model) runs only on the positions
-    that have a label, row by row: not on the masked prompts nor on the padding. That makes the shape
-    data-dependent: the XLA recipes pass False."""
+    that have a label: not on the masked prompts nor on the padding. That makes the shape data-dependent, which
+    tracing backends avoid (their runtime says `targets_only = False`)."""
     if targets_only:
         flat_labels = labels.reshape(-1)
         rows = (flat_labels != IGNORE_INDEX).nonzero().squeeze(1)
@@ -348,65 +470,52 @@ def loss_fn(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, tar
             if rows.numel() == 0:  # nothing to learn in this batch: a zero loss that still has a graph
                 return model(input_ids[:, :1]).sum() * 0.0
             logits = model(input_ids, head_rows=rows)
-            return chunked_cross_entropy(logits, flat_labels.index_select(0, rows))
-    return chunked_cross_entropy(model(input_ids), labels)
+            return cross_entropy_sum(logits, flat_labels.index_select(0, rows))
+    return cross_entropy_sum(model(input_ids), labels)
 
 
 @torch.no_grad()
-def validate(fabric: L.Fabric, model: nn.Module, batches: List[Dict[str, Any]]) -> float:
-    """Mean cross-entropy per target token over the validation batches of all ranks."""
+def validate(runtime: Runtime, model: nn.Module, batches: List[Dict[str, Any]], rows: int) -> float:
+    """Mean cross-entropy per target token over the validation batches of all processes. Every process calls it,
+    also one without batches: the sum over processes is a collective."""
     model.eval()
-    total = torch.zeros(2, device=fabric.device, dtype=torch.float64)
+    total = runtime.zeros((2,))
     for batch in batches:
-        input_ids, labels = fabric.to_device((batch["input_ids"], batch["labels"]))
-        logits = model(input_ids)
-        loss = torch.nn.functional.cross_entropy(
-            logits.reshape(-1, logits.size(-1)).float(), labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
-        )
-        total += torch.stack([loss.double(), (labels != IGNORE_INDEX).sum().double()])
-    total = fabric.all_reduce(total, reduce_op="sum")
+        batch = pad_rows(batch, rows)
+        input_ids, labels = runtime.place((batch["input_ids"], batch["labels"]))
+        loss = cross_entropy_sum(model(input_ids), labels)
+        total += torch.stack([loss.float(), (labels != IGNORE_INDEX).sum().float()])
+        runtime.end_step()
     model.train()
-    return float(total[0] / total[1].clamp(min=1))
+    loss_sum_, count = runtime.sum_over_processes(total.cpu().tolist())
+    return loss_sum_ / max(count, 1.0)
 
 
-@torch.no_grad()
 def generate_sample(
-    model: nn.Module, raw_model: nn.Module, prompt: torch.Tensor, tokenizer: Any, max_new_tokens: int,
-    max_seq_length: int, device: torch.device,
+    runtime: Runtime, model: nn.Module, gpt: nn.Module, prompt: torch.Tensor, tokenizer: Any, max_new_tokens: int
 ) -> str:
-    """Greedy continuation of `prompt` (greedy: it draws no random numbers, so resumed runs stay identical)."""
-    from lit_gpt.generate import generate
+    """Greedy continuation of `prompt` with the one generation loop (greedy: it draws no random numbers, so a
+    resumed run stays identical to an uninterrupted one)."""
+    from lit_gpt.generate import timed_generate
 
-    block_size = raw_model.config.block_size
-    max_new_tokens = min(max_new_tokens, block_size - prompt.numel())
+    max_new_tokens = min(max_new_tokens, gpt.config.block_size - prompt.numel())
     if max_new_tokens <= 0:
         return ""
     model.eval()
     try:
-        out = generate(model, prompt.to(device), max_new_tokens, temperature=0.0, stop_ids=tokenizer.stop_ids)
+        with torch.no_grad():
+            result = timed_generate(model, prompt, max_new_tokens, runtime, temperature=0.0,
+                                    stop_ids=tokenizer.stop_ids)
     finally:
-        raw_model.clear_kv_cache()
-        raw_model.max_seq_length = max_seq_length  # the KV cache resized the RoPE cache for generation
         model.train()
-    return tokenizer.decode(out, skip_special_tokens=True)
+    return tokenizer.decode(result.tokens, skip_special_tokens=True)
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Checkpoints
+# Checkpoints and resuming
 # ---------------------------------------------------------------------------------------------------------------
 def step_dir(out_dir: Path, step: int) -> Path:
     return Path(out_dir) / f"step-{step:06d}"
-
-
-def find_resume_checkpoint(out_dir: Path, weights_file: str) -> Optional[Path]:
-    """The newest complete checkpoint directory under `out_dir` (partial ones have another name)."""
-    best: Optional[Tuple[int, Path]] = None
-    if Path(out_dir).is_dir():
-        for d in Path(out_dir).iterdir():
-            m = STEP_DIR.match(d.name)
-            if m and (d / weights_file).is_file() and (best is None or int(m.group(1)) > best[0]):
-                best = (int(m.group(1)), d)
-    return None if best is None else best[1]
 
 
 def copy_model_files(checkpoint_dir: Path, destination: Path) -> None:
@@ -414,73 +523,101 @@ def copy_model_files(checkpoint_dir: Path, destination: Path) -> None:
     for name in COPIED_FILES:
         src = Path(checkpoint_dir) / name
         if src.is_file():
-            shutil.copy2(src, destination / name)
+            shutil.copy2(src, Path(destination) / name)
 
 
-def _rng_states(fabric: L.Fabric) -> torch.Tensor:
-    """(world_size, n) CPU RNG states of all ranks (dropout differs per rank; each resumes its own)."""
-    state = torch.get_rng_state()
-    if fabric.world_size == 1:
-        return state.unsqueeze(0)
-    gathered = fabric.all_gather(fabric.to_device(state))
-    return gathered.cpu()
+def run_files(checkpoint_dir: Path, run_config: Optional[Dict[str, Any]]) -> Callable[[Path], None]:
+    """What every checkpoint folder gets beside the weights, before it is committed."""
 
-
-def save_checkpoint(
-    fabric: L.Fabric,
-    directory: Path,
-    model: nn.Module,
-    method: Method,
-    checkpoint_dir: Path,
-    optimizer: Optional[torch.optim.Optimizer] = None,
-    train_state: Optional[Dict[str, Any]] = None,
-    run_config: Optional[Dict[str, Any]] = None,
-) -> Path:
-    """Write the trained weights (and, for resuming, optimizer + train state) to `directory`, atomically: into
-    `.{name}.partial` first, renamed when every rank is done."""
-    directory = Path(directory)
-    tmp = directory.with_name(f".{directory.name}.partial")
-    if fabric.global_rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    fabric.barrier()
-    state: Dict[str, Any] = {"model": model, **method.metadata}
-    if optimizer is not None:
-        state["optimizer"] = optimizer
-    if train_state is not None:
-        state["train_state"] = train_state
-    filters = {"model": method.save_filter} if method.save_filter is not None else None
-    fabric.save(tmp / method.weights_file, state, filter=filters)
-    if fabric.global_rank == 0:
-        copy_model_files(checkpoint_dir, tmp)
+    def write(folder: Path) -> None:
+        copy_model_files(checkpoint_dir, folder)
         if run_config is not None:
-            (tmp / "finetune.json").write_text(json.dumps(run_config, indent=2, default=str) + "\n")
-        if directory.exists():
-            shutil.rmtree(directory)
-        os.replace(tmp, directory)
-    fabric.barrier()
-    return directory
+            (Path(folder) / RUN_FILE).write_text(json.dumps(run_config, indent=2, default=str) + "\n")
+
+    return write
 
 
-def load_checkpoint_state(
-    fabric: L.Fabric, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, method: Method
+def _flatten(d: Dict[str, Any], prefix: str = "") -> Dict[str, Any]:
+    out: Dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v:
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def check_same_run(saved: Dict[str, Any], current: Dict[str, Any], path: Path) -> None:
+    """A resumed run must compute what the interrupted one would have: refuse when the arguments that decide it
+    differ (only logging, validation and checkpoint intervals may change)."""
+    a = json.loads(json.dumps(saved, default=str))
+    b = json.loads(json.dumps(current, default=str))
+    fa, fb = _flatten(a), _flatten(b)
+    differ = sorted(
+        k for k in set(fa) | set(fb)
+        if fa.get(k) != fb.get(k) and not any(k == p or k.startswith(p + ".") for p in RESUMABLE_CHANGES)
+    )
+    if differ:
+        shown = "; ".join(f"{k}: {fa.get(k)!r} -> {fb.get(k)!r}" for k in differ[:3])
+        more = f" (and {len(differ) - 3} more)" if len(differ) > 3 else ""
+        raise LitError(
+            f"{str(path)!r} belongs to a run with other arguments ({shown}{more}): resume with the same arguments,"
+            " or start a new run in a new --out_dir"
+        )
+
+
+def _resume_path(runtime: Runtime, resume: Union[bool, str, Path], out_dir: Path, weights_file: str) -> Optional[Path]:
+    """`--resume`: False = start fresh; "auto" = the newest complete checkpoint in out_dir if any; True = the
+    newest one, which must exist; a path = that step checkpoint."""
+    if resume is False or resume is None or resume == "false":
+        return None
+    if resume in (True, "auto", "true"):
+        found = runtime.latest_step(out_dir, weights_file)
+        if found is None and resume != "auto":
+            raise LitError(f"--resume: no complete checkpoint in {str(out_dir)!r}; use --resume auto to start fresh")
+        return found
+    path = Path(resume)
+    if not path.exists():
+        raise LitError(f"--resume {str(path)!r} does not exist")
+    if path.is_file():  # the weights file of a step folder
+        path = path.parent
+    if not runtime.step_file(path, weights_file).is_file():
+        raise LitError(
+            f"--resume {str(path)!r} is not a complete step checkpoint of this recipe (no"
+            f" {runtime.step_file(path, weights_file).name}): pass an out_dir/step-XXXXXX folder that it wrote"
+        )
+    return path
+
+
+def resume_run(
+    runtime: Runtime, path: Path, model: nn.Module, optimizer: Any, method: Method, data: RunData,
+    run_config: Optional[Dict[str, Any]],
 ) -> Dict[str, Any]:
-    """Restore model weights and optimizer from a step checkpoint; return its train state."""
-    path = Path(path)
-    file = path / method.weights_file if path.is_dir() else path
-    if not file.is_file():
-        raise LitError(f"no {method.weights_file} in {str(path)!r}: pass a step-XXXXXX directory of a {method.name} run")
+    """Restore model, optimizer, data position and every generator of every process from a step checkpoint."""
+    saved_run = Path(path) / RUN_FILE
+    if run_config is not None and saved_run.is_file():
+        check_same_run(json.loads(saved_run.read_text()), run_config, path)
     state: Dict[str, Any] = {"model": model, "optimizer": optimizer, "train_state": None}
-    try:
-        rest = fabric.load(file, state, strict=False, weights_only=True)
-    except (RuntimeError, KeyError, ValueError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise LitError(f"cannot resume from {str(file)!r} ({first})") from e
-    if state["train_state"] is None:
-        raise LitError(f"{str(file)!r} holds no training state (a final checkpoint?): resume from a step-XXXXXX one")
-    if "method" in rest and method.metadata.get("method") not in (None, rest["method"]):
-        raise LitError(f"{str(file)!r} was written by a {rest['method']} run, not {method.name}")
-    return state["train_state"]
+    rest = runtime.load_step(path, state, method.weights_file)
+    train_state = state["train_state"]
+    if not isinstance(train_state, dict):
+        raise LitError(f"{str(path)!r} holds no training state (a final checkpoint?): resume from a step-XXXXXX one")
+    saved_method = rest.get("method") if isinstance(rest, dict) else None
+    if saved_method is not None and method.metadata.get("method") not in (None, saved_method):
+        raise LitError(f"{str(path)!r} was written by a {saved_method} run, not {method.name}")
+    rows = train_state.get("rows", data.rows)
+    if rows != data.rows:
+        raise LitError(
+            f"{str(path)!r} was written with {rows} rows per forward (micro_batch_size x devices per process), this"
+            f" run has {data.rows}: resume with the same --devices and --train.micro_batch_size"
+        )
+    data.train.load_state_dict(train_state["data"])
+    rng = train_state["rng"]
+    if len(rng) != runtime.num_processes:
+        raise LitError(f"{str(path)!r} was written by {len(rng)} processes: resume with as many")
+    runtime.set_rng_state(rng[runtime.rank])
+    return train_state
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -500,136 +637,204 @@ def fit(
     eval: EvalArgs,
     resume: Union[bool, Literal["auto"], Path] = False,
     run_config: Optional[Dict[str, Any]] = None,
-    targets_only: bool = True,
+    runtime: Optional[Runtime] = None,
+    xla_metrics: bool = False,
 ) -> Dict[str, Any]:
-    """Train until `train.max_steps` (or `train.epochs`) optimizer steps, validating every `eval.interval` steps
-    and checkpointing every `train.save_interval` steps and at the end; then write `out_dir/final`.
-    Returns a summary (steps, last train/val loss, tokens/s)."""
-    from lightning.fabric.utilities.throughput import ThroughputMonitor
+    """Train for `train.max_steps` optimizer steps (or `train.epochs` epochs), validating every `eval.interval` steps
+    and checkpointing every `train.save_interval` steps and at the last step; then export the last step's trained
+    weights to `out_dir/final`. Returns a summary (steps, per-step losses, last val loss, throughput, MFU,
+    compilations)."""
     from tqdm import tqdm
 
     from lit_gpt.tokenizer import Tokenizer
 
+    runtime = runtime or Runtime(fabric)
     out_dir = Path(out_dir)
-    world = fabric.world_size
-    accum = train.gradient_accumulation_iters(world)
-    total_steps = train.total_steps(data.train.batches_per_epoch, world)
-    tokenizer = Tokenizer(checkpoint_dir)
-    raw_model.max_seq_length = data.max_seq_length
+    if run_config is not None and method.metadata.get("config"):
+        run_config = {**run_config, "method_config": method.metadata["config"]}  # e.g. lora_r: part of the run
+    accum = train.gradient_accumulation_iters(runtime.data_parallel_size)
+    total_steps = train.max_steps if train.max_steps is not None else train.epochs * data.steps_per_epoch
+    # only the validation sample needs the tokenizer (and a benchmark's random checkpoint has none)
+    sampling = data.sample_prompt is not None and eval.max_new_tokens > 0
+    tokenizer = Tokenizer(checkpoint_dir) if sampling else None
+    # one RoPE table for training and for the validation samples, set explicitly, once (never inside forward):
+    # on a tracing backend a table that changed length would change every graph that uses it
+    block_size = raw_model.config.block_size
+    rope = data.max_seq_length
+    if sampling:
+        n = data.sample_prompt.numel()
+        new = max(1, min(eval.max_new_tokens, block_size - n))
+        rope = max(rope, runtime.cache_length(runtime.prompt_bucket(n, block_size), n, new, block_size))
+    runtime.set_rope(raw_model, min(rope, block_size))
+    filters = {"model": method.save_filter} if method.save_filter is not None else None
+    write_files = run_files(checkpoint_dir, run_config)
+    has_val = bool(data.prepared.val)  # the same on every process, also one that got no validation batch
 
     step = 0
-    resume_from = _resume_path(resume, out_dir, method)
+    last_saved: Optional[Path] = None
+    resume_from = _resume_path(runtime, resume, out_dir, method.weights_file)
     if resume_from is not None:
-        train_state = load_checkpoint_state(fabric, resume_from, model, optimizer, method)
+        train_state = resume_run(runtime, resume_from, model, optimizer, method, data, run_config)
         step = int(train_state["step"])
-        data.train.load_state_dict(train_state["data"])
-        rng = train_state["rng"]
-        if rng.size(0) != world:
-            raise LitError(f"{str(resume_from)!r} was written by {rng.size(0)} processes: resume with --devices {rng.size(0)}")
-        torch.set_rng_state(rng[fabric.global_rank].clone())
+        last_saved = resume_from
         fabric.print(f"Resumed from {resume_from} at step {step} (epoch {data.train.epoch}, batch {data.train.index})")
     else:
-        # dropout masks differ per rank (the model itself was built from the same seed on every rank)
-        torch.manual_seed(train.seed + fabric.global_rank)
+        # dropout masks differ per process (the model itself was built from the same seed on every process)
+        runtime.seed(train.seed + runtime.rank)
     if step >= total_steps:
         fabric.print(f"Nothing to do: the checkpoint is at step {step} of {total_steps}")
-    elif step == 0 and eval.initial_validation and data.val:
-        val_loss = validate(fabric, model, data.val)
+    elif step == 0 and eval.initial_validation and has_val:
+        val_loss = validate(runtime, model, data.val, data.rows)
         fabric.log_dict({"val_loss": val_loss, "step": 0}, step=0)
         fabric.print(f"initial validation loss {val_loss:.4f}")
 
-    start_step = step  # the throughput counters start at this run's first step
-    config = raw_model.config
-    flops_per_token = config.flops_per_token(data.max_seq_length) * (3 if method.trains_all else 2)
-    # MFU is reported where Lightning knows the device's peak FLOPs (GPUs/TPUs, not CPUs)
-    monitor = ThroughputMonitor(fabric, window_size=max(2, min(50, total_steps // max(1, train.log_interval))))
-    running_loss = torch.zeros((), device=fabric.device)  # summed on the device, read only at log steps
-    running_n = 0
-    train_time = 0.0
-    samples = tokens = padded_tokens = logged_padded_tokens = 0
-    summary: Dict[str, Any] = {"steps": step, "train_loss": None, "val_loss": None}
-    bar = tqdm(total=total_steps, initial=step, desc=f"finetune {method.name}", disable=fabric.global_rank != 0,
+    flops_per_token = raw_model.config.flops_per_token(data.max_seq_length) * (3 if method.trains_all else 2)
+    peak = runtime.peak_flops()
+    running_loss = runtime.zeros(())  # the steps' mean losses, summed on the device, read at log steps only
+    running_steps = 0
+    # throughput: steady steps (no compilation, not the run's first step) apart from the others
+    steady = {"time": 0.0, "tokens": 0, "padded": 0, "steps": 0}
+    warmup = {"time": 0.0, "steps": 0}
+    step_compiles: Dict[int, int] = {}  # padded length -> graphs compiled in steps that used it
+    other_compiles = 0
+    tokens_seen = 0
+    summary: Dict[str, Any] = {"steps": step, "first_step": step + 1, "losses": {}, "train_loss": None,
+                               "val_loss": None, "total_steps": total_steps}
+    bar = tqdm(total=total_steps, initial=step, desc=f"finetune {method.name}", disable=runtime.rank != 0,
                dynamic_ncols=True, file=sys.stdout)
     model.train()
+    first_step_of_run = True
     while step < total_steps:
         t0 = time.perf_counter()
+        c0 = runtime.compile_count()
         set_lr(optimizer, lr_at(step, total_steps, train.lr_warmup_steps, train.learning_rate, train.min_lr))
-        for micro in range(accum):
-            batch = next(data.train)
-            input_ids, labels = fabric.to_device((batch["input_ids"], batch["labels"]))
-            # only the last micro-batch of a step synchronises gradients across ranks
-            with fabric.no_backward_sync(model, enabled=micro < accum - 1):
-                loss = loss_fn(model, input_ids, labels, targets_only)
-                fabric.backward(loss / accum)
-            running_loss += loss.detach()
-            running_n += 1
-            samples += input_ids.size(0)
-            tokens += batch["n_tokens"]
-            padded_tokens += input_ids.numel()
+        # the whole step's micro-batches first: the loss is divided by the step's target count over all processes
+        batches = [pad_rows(next(data.train), data.rows) for _ in range(accum)]
+        step_targets = runtime.sum_over_processes(
+            [sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in batches)]
+        )[0]
+        scale = runtime.scalar(runtime.grad_scale / step_targets)
+        mean_scale = runtime.scalar(1.0 / step_targets)
+        for micro, batch in enumerate(batches):
+            last = micro == accum - 1
+            input_ids, labels = runtime.place((batch["input_ids"], batch["labels"]))
+            with runtime.backward_sync(model, last):
+                loss = loss_sum(model, input_ids, labels, runtime.targets_only)
+                fabric.backward(loss * scale)
+            running_loss += loss.detach().float() * mean_scale
+            runtime.end_micro_batch(last)
         if train.max_norm is not None:
-            fabric.clip_gradients(model, optimizer, max_norm=train.max_norm)
-        optimizer.step()
+            # error_if_nonfinite=False: no host read of the norm inside the step
+            fabric.clip_gradients(model, optimizer, max_norm=train.max_norm, error_if_nonfinite=False)
+        optimizer.step()  # on XLA the strategy ends the step's graph here
         optimizer.zero_grad(set_to_none=True)
         step += 1
-        train_time += time.perf_counter() - t0
+        running_steps += 1
+        n_tokens = sum(b["n_tokens"] for b in batches) * runtime.num_processes
+        n_padded = sum(b["input_ids"].numel() for b in batches) * runtime.num_processes
+        tokens_seen += n_tokens
+
+        loss_value = None
+        if step % train.log_interval == 0 or step == total_steps:
+            # the only host read of the loss (on async backends it waits for the step)
+            loss_value = runtime.sum_over_processes([float(running_loss.cpu())])[0] / running_steps
+            running_loss = runtime.zeros(())
+            running_steps = 0
+        step_time = time.perf_counter() - t0
+        new_compiles = runtime.compile_count() - c0
+        length = max(b["input_ids"].size(1) for b in batches)
+        step_compiles[length] = step_compiles.get(length, 0) + new_compiles
+        if first_step_of_run or new_compiles:
+            warmup["time"] += step_time
+            warmup["steps"] += 1
+        else:
+            steady["time"] += step_time
+            steady["tokens"] += n_tokens
+            steady["padded"] += n_padded
+            steady["steps"] += 1
+        first_step_of_run = False
         bar.update(1)
 
-        if step % train.log_interval == 0 or step == total_steps:
-            mean_loss = fabric.all_reduce(running_loss / running_n, reduce_op="mean")
-            loss_value = float(mean_loss)  # the only host read of the loss
-            running_loss.zero_()
-            running_n = 0
-            monitor.update(time=train_time, batches=step - start_step, samples=samples, lengths=padded_tokens,
-                           flops=int(flops_per_token * (padded_tokens - logged_padded_tokens)))
-            logged_padded_tokens = padded_tokens
-            metrics = {"loss": loss_value, "lr": optimizer.param_groups[0]["lr"], "step": step,
-                       "epoch": data.train.epoch, "tokens": tokens * world,
-                       "tokens_per_sec": tokens * world / max(train_time, 1e-9)}
-            metrics.update(monitor.compute())
+        if loss_value is not None:
+            summary["losses"][step] = loss_value
+            metrics: Dict[str, Any] = {"loss": loss_value, "lr": optimizer.param_groups[0]["lr"], "step": step,
+                                       "epoch": data.train.epoch, "tokens": tokens_seen, "step_time": step_time}
+            if steady["time"] > 0:
+                metrics["tokens_per_sec"] = steady["tokens"] / steady["time"]
+                metrics["padded_tokens_per_sec"] = steady["padded"] / steady["time"]
+                if peak:
+                    metrics["mfu"] = flops_per_token * metrics["padded_tokens_per_sec"] / (
+                        peak * runtime.data_parallel_size)
+            if runtime.compiles_graphs:
+                metrics["compiles"] = new_compiles
             fabric.log_dict(metrics, step=step)
-            bar.set_postfix(loss=f"{loss_value:.4f}", lr=f"{metrics['lr']:.2e}", tok_s=f"{metrics['tokens_per_sec']:.0f}")
-            summary.update(train_loss=loss_value, tokens_per_sec=metrics["tokens_per_sec"])
+            postfix = {"loss": f"{loss_value:.4f}", "lr": f"{metrics['lr']:.2e}"}
+            if "tokens_per_sec" in metrics:
+                postfix["steady_tok_s"] = f"{metrics['tokens_per_sec']:.0f}"
+            bar.set_postfix(postfix)
+            summary.update(train_loss=loss_value, tokens_per_sec=metrics.get("tokens_per_sec"),
+                           mfu=metrics.get("mfu"))
 
-        if data.val and (step % eval.interval == 0 or (step == total_steps and eval.final_validation)):
-            val_loss = validate(fabric, model, data.val)
+        c1 = runtime.compile_count()
+        if has_val and (step % eval.interval == 0 or (step == total_steps and eval.final_validation)):
+            val_loss = validate(runtime, model, data.val, data.rows)
             fabric.log_dict({"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50))}, step=step)
             summary["val_loss"] = val_loss
-            text = ""
-            if data.sample_prompt is not None and eval.max_new_tokens > 0:
-                text = generate_sample(model, raw_model, data.sample_prompt, tokenizer, eval.max_new_tokens,
-                                       data.max_seq_length, fabric.device)
-            if fabric.global_rank == 0:
+            text = generate_sample(runtime, model, raw_model, data.sample_prompt, tokenizer,
+                                   eval.max_new_tokens) if sampling else ""
+            if runtime.rank == 0:
                 bar.write(f"step {step}: val loss {val_loss:.4f}" + (f" | sample: {text!r}" if text else ""))
 
         if (train.save_interval is not None and step % train.save_interval == 0) or step == total_steps:
-            train_state = {"step": step, "data": data.train.state_dict(), "rng": _rng_states(fabric),
-                           "total_steps": total_steps}
-            path = save_checkpoint(fabric, step_dir(out_dir, step), model, method, checkpoint_dir, optimizer,
-                                   train_state, run_config)
-            bar.write(f"saved {path}") if fabric.global_rank == 0 else None
+            train_state = {"step": step, "data": data.train.state_dict(), "total_steps": total_steps, "rows": data.rows,
+                           "rng": runtime.gather_objects(runtime.rng_state())}
+            state = {"model": model, "optimizer": optimizer, "train_state": train_state, **method.metadata}
+            last_saved = runtime.save_step(step_dir(out_dir, step), state, filters, method.weights_file, write_files)
+            bar.write(f"saved {last_saved}") if runtime.rank == 0 else None
+        other_compiles += runtime.compile_count() - c1
     bar.close()
     summary["steps"] = step
-    final = save_checkpoint(fabric, out_dir / FINAL_DIR, model, method, checkpoint_dir, run_config=run_config)
-    fabric.print(f"Saved the {method.name} weights to {final / method.weights_file}")
-    if fabric.device.type == "cuda":
-        fabric.print(f"Memory used: {torch.cuda.max_memory_allocated() / 1e9:.02f} GB")
+
+    if last_saved is not None:
+        final = runtime.export_final(last_saved, out_dir / FINAL_DIR, model, {"model": model, **method.metadata},
+                                     filters, method.weights_file, write_files)
+        fabric.print(f"Saved the {method.name} weights of step {step} to {final}")
+        summary["final"] = final
+    _report(fabric, runtime, summary, steady, warmup, step_compiles, other_compiles, flops_per_token, peak)
+    if xla_metrics:
+        from lit_gpt.xla.diagnostics import metrics_report
+
+        fabric.print(metrics_report())
     return summary
 
 
-def _resume_path(resume: Union[bool, str, Path], out_dir: Path, method: Method) -> Optional[Path]:
-    """`--resume`: False = start fresh; "auto" = the newest checkpoint in out_dir if any; True = the newest one,
-    which must exist; a path = that checkpoint."""
-    if resume is False or resume is None or resume == "false":
-        return None
-    if resume in (True, "auto", "true"):
-        found = find_resume_checkpoint(out_dir, method.weights_file)
-        if found is None and resume != "auto":
-            raise LitError(f"--resume: no complete checkpoint in {str(out_dir)!r}; use --resume auto to start fresh")
-        return found
-    path = Path(resume)
-    if not path.exists():
-        raise LitError(f"--resume {str(path)!r} does not exist")
-    return path
+def _report(fabric: Any, runtime: Runtime, summary: Dict[str, Any], steady: Dict[str, Any], warmup: Dict[str, Any],
+            step_compiles: Dict[int, int], other_compiles: int, flops_per_token: float, peak: Optional[float]) -> None:
+    """The closing lines: steady throughput (compilation and warm-up steps apart) with MFU, compilations, memory."""
+    if runtime.compiles_graphs:
+        n_step = sum(step_compiles.values())
+        summary.update(train_compiles=n_step, padded_lengths=sorted(step_compiles), other_compiles=other_compiles)
+        fabric.print(
+            f"XLA compilations: train step {n_step} for {len(step_compiles)} padded length(s)"
+            f" {sorted(step_compiles)} (per length: {dict(sorted(step_compiles.items()))}); validation, sample"
+            f" generation and checkpoints {other_compiles}"
+        )
+    if steady["steps"]:
+        rate = steady["tokens"] / steady["time"]
+        padded = steady["padded"] / steady["time"]
+        mfu = flops_per_token * padded / (peak * runtime.data_parallel_size) if peak else None
+        summary.update(tokens_per_sec=rate, padded_tokens_per_sec=padded, mfu=mfu, steady_steps=steady["steps"])
+        fabric.print(
+            f"Throughput: {rate:.1f} tokens/s ({padded:.1f} with padding) over {steady['steps']} steady step(s);"
+            f" {warmup['steps']} first or compiling step(s) took {warmup['time']:.1f} s apart"
+            + (f"; MFU {mfu * 100:.1f}%" if mfu is not None else "; MFU: peak FLOP/s unknown for this device")
+        )
+    else:
+        fabric.print(f"Throughput: no steady step to measure ({warmup['steps']} first or compiling step(s),"
+                     f" {warmup['time']:.1f} s)")
+    report = runtime.memory_report()
+    if report is not None:
+        fabric.print(report)
 
 
 def run_config(**kwargs: Any) -> Dict[str, Any]:

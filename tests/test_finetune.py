@@ -80,6 +80,7 @@ def run_args(method: str, tiny_dir: Path, data_dir: Path, out_dir: Path, steps: 
         checkpoint_dir=tiny_dir,
         out_dir=out_dir,
         precision="32-true",
+        accelerator="cpu",  # the backend under test, also on a machine with a GPU
         data=DataArgs(data_dir=data_dir),
         train=TrainArgs(global_batch_size=global_batch, micro_batch_size=micro, max_steps=steps,
                         learning_rate=cfg["lr"], min_lr=cfg["lr"] / 10, lr_warmup_steps=2,
@@ -194,19 +195,21 @@ def test_resume_after_kill_equals_uninterrupted(trained, tiny_dir, data_dir, tmp
     class Killed(Exception):
         pass
 
-    original = training.save_checkpoint
+    from lit_gpt.runtime import Runtime
 
-    def save_then_die(fabric, directory, *a, **kw):
-        result = original(fabric, directory, *a, **kw)
+    original = Runtime.save_step
+
+    def save_then_die(self, directory, *a, **kw):
+        result = original(self, directory, *a, **kw)
         if Path(directory).name == "step-000005":
             raise Killed
         return result
 
     resumed = tmp_path / "resumed"
-    monkeypatch.setattr(training, "save_checkpoint", save_then_die)
+    monkeypatch.setattr(Runtime, "save_step", save_then_die)
     with pytest.raises(Killed):
         recipe.setup(**run_args(method, tiny_dir, data_dir, resumed, **args))
-    monkeypatch.setattr(training, "save_checkpoint", original)
+    monkeypatch.setattr(Runtime, "save_step", original)
     assert not (resumed / "step-000010").exists()
     # a checkpoint being written when the process died must be ignored by --resume auto
     (resumed / ".step-000008.partial").mkdir()
@@ -275,8 +278,8 @@ def test_cli_error_is_one_line(tiny_dir, tmp_path):
 @pytest.mark.slow
 def test_two_processes_ddp_match_one(trained, tiny_dir, data_dir, tmp_path):
     """2 CPU processes (DDP over gloo), each accumulating 2 micro-batches of 1 sample == the reference run's 1
-    process accumulating 4: the same samples per step and the same averaged gradient, so the same losses and
-    weights up to float summation order. (Fabric has no FSDP on the CPU: see test_bad_settings_are_one_line_errors.)"""
+    process accumulating 4: the same samples per step and the same gradient (the step's loss is normalised by
+    the target tokens of all processes), so the same losses and weights up to float summation order. (Fabric has no FSDP on the CPU: see test_bad_settings_are_one_line_errors.)"""
     method, one, _ = trained
     if method == "lora":
         # the reference uses dropout, whose masks differ per rank: compare with a dropout-free 1-process run
@@ -286,6 +289,7 @@ def test_two_processes_ddp_match_one(trained, tiny_dir, data_dir, tmp_path):
     cfg = METHOD_ARGS[method]
     cmd = [
         sys.executable, str(ROOT / "finetune" / f"{method}.py"), "--devices", "2", "--precision", "32-true",
+        "--accelerator", "cpu",
         "--checkpoint_dir", str(tiny_dir), "--data.data_dir", str(data_dir), "--out_dir", str(two),
         "--train.max_steps", "10", "--train.micro_batch_size", "1", "--train.global_batch_size", "4",
         "--train.learning_rate", str(cfg["lr"]), "--train.min_lr", str(cfg["lr"] / 10), "--train.lr_warmup_steps", "2",
@@ -331,7 +335,7 @@ def test_lora_on_real_smollm2_lowers_validation_loss(smollm2_dir, tmp_path):
                  source=str(src), max_seq_length=128, val_split_fraction=0.2, seed=0)
     out = tmp_path / "out"
     load_recipe("lora").setup(
-        checkpoint_dir=smollm2_dir, out_dir=out, precision="32-true",
+        checkpoint_dir=smollm2_dir, out_dir=out, precision="32-true", accelerator="cpu",
         data=DataArgs(data_dir=tmp_path / "prepared"),
         train=TrainArgs(global_batch_size=4, micro_batch_size=4, max_steps=6, learning_rate=3e-3, min_lr=3e-4,
                         lr_warmup_steps=1, save_interval=None, seed=0),
@@ -348,8 +352,7 @@ def test_loss_runs_the_head_on_labelled_positions_only():
     """`targets_only`: the vocab projection sees exactly the positions that have a label, row by row (not the masked
     prompts, not the padding), and the loss and gradients equal those over full logits."""
     from lit_gpt import GPT, Config
-    from lit_gpt.training import IGNORE_INDEX, loss_fn
-    from lit_gpt.utils import chunked_cross_entropy
+    from lit_gpt.training import IGNORE_INDEX, loss_sum
 
     torch.manual_seed(0)
     model = GPT(Config.from_name("pythia-70m", n_layer=2, vocab_size=100, block_size=64))
@@ -359,16 +362,18 @@ def test_loss_runs_the_head_on_labelled_positions_only():
     labels[0, :5] = labels[1, :12] = labels[2, :3] = labels[2, 15:] = IGNORE_INDEX  # prompts, and padding in row 2
     head_rows = []
     hook = model.lm_head.register_forward_hook(lambda m, args, out: head_rows.append(args[0].shape[:-1].numel()))
-    loss = loss_fn(model, idx, labels)
+    loss = loss_sum(model, idx, labels)
     hook.remove()
     assert head_rows == [int((labels != IGNORE_INDEX).sum())] == [15 + 8 + 12]
-    reference = chunked_cross_entropy(model(idx), labels)
-    assert loss.item() == pytest.approx(reference.item(), abs=1e-6)
+    logits = model(idx)
+    reference = torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.size(-1)), labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum")
+    assert loss.item() == pytest.approx(reference.item(), rel=1e-6)
     weight = model.transformer.h[0].attn.qkv.weight
     (g,) = torch.autograd.grad(loss, weight)
     (g_ref,) = torch.autograd.grad(reference, weight)
     torch.testing.assert_close(g, g_ref, rtol=1e-5, atol=1e-7)
     # nothing to learn: a zero loss with a graph, no error
     none = torch.full_like(labels, IGNORE_INDEX)
-    zero = loss_fn(model, idx, none)
+    zero = loss_sum(model, idx, none)
     assert zero.item() == 0.0 and zero.requires_grad

@@ -99,14 +99,17 @@ def load_staged(
     layer_cls: Optional[Iterable[Type[nn.Module]]] = None,
     strict: bool = True,
     progress: bool = True,
+    allow_missing: Optional[Callable[[str], bool]] = None,
 ) -> nn.Module:
     """Build `model` (a `Config` for `GPT`, or a function returning a module) on the meta device and fill it
     from `checkpoint` (one file or several, later ones override) block by block onto the XLA devices.
 
     With `fabric` (from `make_fabric`, launched) the mesh, device and parameter dtype come from it; otherwise
     pass `device` (default: the XLA device), `mesh` (None: no sharding) and `dtype` (None: keep the file's).
-    `strict=False` allows checkpoint keys the model does not have; missing keys always need a module with
-    `reset_parameters()`, else they are an error."""
+    `strict=False` allows checkpoint keys the model does not have. A tensor missing from every checkpoint is an
+    error unless `allow_missing(name)` says the variant adds it itself (adapter / LoRA parameters): those are
+    initialised by their module's `reset_parameters()`. The rule is the CPU/GPU recipes' (one line naming the
+    missing tensors): a base checkpoint that lacks a base weight is refused, never filled with random values."""
     from tqdm import tqdm
 
     mesh, dtype, device = _resolve_target(fabric, mesh, dtype, device)
@@ -163,6 +166,17 @@ def load_staged(
             " matches the checkpoint (lit_config.json)"
         )
 
+    missing = sorted(
+        name for name in expected_keys
+        if _source_key(name, names_of.get(id(_lookup(module, name)), [name]), sources) is None
+    )
+    not_allowed = [n for n in missing if allow_missing is None or not allow_missing(n)]
+    if not_allowed:
+        raise LitError(
+            f"the checkpoint lacks {len(not_allowed)} weight(s) of the model ({_few(not_allowed)}): it does not"
+            " match the model config (lit_config.json), or it is not a complete base checkpoint"
+        )
+
     placed: Dict[int, nn.Parameter] = {}
     order = unit_names + [None]
     bar = tqdm(order, desc="loading", unit="block", disable=not progress or not _print_rank())
@@ -217,12 +231,22 @@ def load_staged(
         xm.wait_device_ops()  # transfers run asynchronously: their staging buffers are freed once they finish
     _release_host_memory()
     del keepalive  # only meta tensors and the placed ones' old objects: no memory
+    if hasattr(module, "reset_rope_cache"):
+        # the RoPE tables (non-persistent buffers, built on meta with the model): built on the host, transferred
+        from lit_gpt.xla.runtime import set_rope_length
+
+        set_rope_length(module, module.max_seq_length)
     still_meta = [n for n, t in list(module.named_parameters()) + list(module.named_buffers()) if t.is_meta]
     if still_meta:
         raise LitError(
             f"{len(still_meta)} tensor(s) were neither in the checkpoint nor initialisable ({_few(still_meta)})"
         )
     return module
+
+
+def _lookup(module: nn.Module, name: str) -> Any:
+    owner_name, _, attr = name.rpartition(".")
+    return getattr(module.get_submodule(owner_name) if owner_name else module, attr)
 
 
 def _source_key(name: str, aliases: List[str], sources: _Sources) -> Optional[str]:

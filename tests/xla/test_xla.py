@@ -98,6 +98,11 @@ def test_clear_errors(xla_workers):
     errors = xla_workers.result("train8")["errors"]["errors"]
     assert "batch size 6 is not divisible by the 8 devices" in errors["batch"]
     assert "devices=3" in errors["devices"] and "CPU_NUM_DEVICES" in errors["devices"]
+    # a missing base weight is an error naming it, never a random initialisation (a variant's own may be missing)
+    assert "lacks 1 weight(s) of the model (transformer.h.1.attn.proj.weight)" in errors["missing_layer"]
+    assert "lacks 1 weight(s) of the model (lm_head.weight)" in errors["missing_head"]
+    assert xla_workers.result("train8")["errors"]["lora_loaded"]
+
     # PJRT_DEVICE=TPU on a machine without TPU: a LitError (one line from a recipe) that says what to do
     choice = xla_workers.result("ref1")["device_choice"]
     tpu = choice["error"]

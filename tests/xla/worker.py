@@ -176,7 +176,8 @@ def scenario_adapter(out: Path, result: Dict[str, Any]) -> None:
     fabric = lx.make_fabric()
     fabric.launch()
     config = adapter.Config(**TINY, adapter_prompt_length=4, adapter_start_layer=1)
-    model = lx.load_staged(lambda: adapter.GPT(config), tiny_checkpoint(out), fabric, progress=False)
+    model = lx.load_staged(lambda: adapter.GPT(config), tiny_checkpoint(out), fabric, progress=False,
+                           allow_missing=adapter.adapter_filter)
     adapter.mark_only_adapter_as_trainable(model)
     from lit_gpt.xla.checkpoint import module_state_dict
 
@@ -263,6 +264,26 @@ def scenario_errors(out: Path, result: Dict[str, Any]) -> None:
         lx.make_fabric(devices=3)
     except LitError as e:
         errors["devices"] = str(e)
+    # the staged loader refuses a base checkpoint that lacks a weight of the model (never random values), like the
+    # CPU/GPU path; only a variant's own new parameters may be missing
+    state = torch.load(tiny_checkpoint(out), weights_only=True)
+    without_layer = out / "missing" / "no_layer.pth"
+    without_layer.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({k: v for k, v in state.items() if k != "transformer.h.1.attn.proj.weight"}, without_layer)
+    without_head = out / "missing" / "no_head.pth"
+    torch.save({k: v for k, v in state.items() if k != "lm_head.weight"}, without_head)
+    for name, path, config in (("layer", without_layer, Config(**TINY)),
+                               ("head", without_head, Config(**{**TINY, "tie_embeddings": False}))):
+        try:
+            lx.load_staged(config, path, fabric, progress=False)
+        except LitError as e:
+            errors[f"missing_{name}"] = str(e)
+    from lit_gpt import lora
+
+    lora_config = lora.Config(**TINY, lora_r=2, lora_alpha=4)
+    model = lx.load_staged(lambda: lora.GPT(lora_config), tiny_checkpoint(out), fabric, progress=False,
+                           allow_missing=lora.lora_filter)
+    result["lora_loaded"] = sorted(n for n, _ in model.named_parameters() if lora.lora_filter(n))[:2]
     result["errors"] = errors
 
 

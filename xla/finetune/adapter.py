@@ -37,6 +37,7 @@ def setup(
     logger_name: Literal["csv", "tensorboard"] = "csv",
     compile_cache_dir: Optional[Path] = None,
     xla_metrics: bool = False,
+    accelerator: str = "auto",
 ) -> None:
     """Finetune a model with LLaMA-Adapter on prepared instruction data, on XLA devices.
 
@@ -59,6 +60,7 @@ def setup(
         logger_name: "csv" or "tensorboard" (under out_dir/logs).
         compile_cache_dir: Persistent XLA compilation cache: a second run skips compiling (TPU/GPU).
         xla_metrics: Print torch_xla's metrics report (compilations, transfers, timings) at the end.
+        accelerator: The PJRT device: "auto" (the TPU when there is one, else the CPU), "tpu", "cpu" or "cuda".
     """
     from lit_gpt.xla import finetune
 
@@ -67,7 +69,7 @@ def setup(
         adapter_start_layer=adapter_start_layer,
     )
     fabric = finetune.setup_fabric(devices, precision, train, out_dir, logger_name, activation_checkpointing,
-                                   compile_cache_dir)
+                                   compile_cache_dir, resume=resume, accelerator=accelerator)
     run_config = training.run_config(method="adapter", checkpoint_dir=checkpoint_dir, data=data, train=train,
                                      eval=eval, optimizer=optimizer, platform="xla")
     fabric.launch(main, checkpoint_dir, out_dir, config, data, train, eval, resume, optimizer, run_config,
@@ -77,22 +79,24 @@ def setup(
 def main(fabric, checkpoint_dir, out_dir, config, data, train, eval, resume, optimizer, run_config,
          xla_metrics) -> dict:
     from lit_gpt.xla import finetune
+    from lit_gpt.xla.runtime import XLARuntime
 
     fabric.seed_everything(train.seed)
-    run_data = finetune.load_data(fabric, data, train, eval, checkpoint_dir, config.block_size)
+    runtime = XLARuntime(fabric)  # the one training loop, with XLA's placement, graph cuts and checkpoints
+    run_data = training.load_data(runtime, data, train, eval, checkpoint_dir, config.block_size)
 
     # the method: adapter layers on the frozen base model; only the adapter weights train and are saved
-    model = finetune.load_model(fabric, lambda: adapter.GPT(config), checkpoint_dir)
+    model = finetune.load_model(fabric, lambda: adapter.GPT(config), checkpoint_dir, own_filter=adapter.adapter_filter)
     adapter.mark_only_adapter_as_trainable(model)
     method = training.Method(
         name="adapter", weights_file="lit_model.pth.adapter",
         save_filter=finetuned_filter(model), metadata=finetuned_metadata(model),
     )
 
-    wrapped, opt = fabric.setup(model, finetune.build_optimizer(model, train, optimizer))
-    return finetune.fit(
+    wrapped, opt = fabric.setup(model, training.build_optimizer(model, train, optimizer))
+    return training.fit(
         fabric, wrapped, model, opt, run_data, method, checkpoint_dir=checkpoint_dir, out_dir=out_dir, train=train,
-        eval=eval, resume=resume, run_config=run_config, xla_metrics=xla_metrics,
+        eval=eval, resume=resume, run_config=run_config, runtime=runtime, xla_metrics=xla_metrics,
     )
 
 

@@ -36,6 +36,7 @@ def setup(
     logger_name: Literal["csv", "tensorboard"] = "csv",
     compile_cache_dir: Optional[Path] = None,
     xla_metrics: bool = False,
+    accelerator: str = "auto",
 ) -> None:
     """Finetune all weights of a model on prepared instruction data, on XLA devices.
 
@@ -56,12 +57,13 @@ def setup(
         logger_name: "csv" or "tensorboard" (under out_dir/logs).
         compile_cache_dir: Persistent XLA compilation cache: a second run skips compiling (TPU/GPU).
         xla_metrics: Print torch_xla's metrics report (compilations, transfers, timings) at the end.
+        accelerator: The PJRT device: "auto" (the TPU when there is one, else the CPU), "tpu", "cpu" or "cuda".
     """
     from lit_gpt.xla import finetune
 
     config = training.load_config(checkpoint_dir)
     fabric = finetune.setup_fabric(devices, precision, train, out_dir, logger_name, activation_checkpointing,
-                                   compile_cache_dir)
+                                   compile_cache_dir, resume=resume, accelerator=accelerator)
     run_config = training.run_config(method="full", checkpoint_dir=checkpoint_dir, data=data, train=train,
                                      eval=eval, optimizer=optimizer, platform="xla")
     fabric.launch(main, checkpoint_dir, out_dir, config, data, train, eval, resume, optimizer, run_config,
@@ -71,18 +73,20 @@ def setup(
 def main(fabric, checkpoint_dir, out_dir, config, data, train, eval, resume, optimizer, run_config,
          xla_metrics) -> dict:
     from lit_gpt.xla import finetune
+    from lit_gpt.xla.runtime import XLARuntime
 
     fabric.seed_everything(train.seed)
-    run_data = finetune.load_data(fabric, data, train, eval, checkpoint_dir, config.block_size)
+    runtime = XLARuntime(fabric)  # the one training loop, with XLA's placement, graph cuts and checkpoints
+    run_data = training.load_data(runtime, data, train, eval, checkpoint_dir, config.block_size)
 
     # the method: the plain model, every parameter trains and is saved
     model = finetune.load_model(fabric, lambda: GPT(config), checkpoint_dir)
     method = training.Method(name="full", weights_file="lit_model.pth")
 
-    wrapped, opt = fabric.setup(model, finetune.build_optimizer(model, train, optimizer))
-    return finetune.fit(
+    wrapped, opt = fabric.setup(model, training.build_optimizer(model, train, optimizer))
+    return training.fit(
         fabric, wrapped, model, opt, run_data, method, checkpoint_dir=checkpoint_dir, out_dir=out_dir, train=train,
-        eval=eval, resume=resume, run_config=run_config, xla_metrics=xla_metrics,
+        eval=eval, resume=resume, run_config=run_config, runtime=runtime, xla_metrics=xla_metrics,
     )
 
 

@@ -44,6 +44,7 @@ def setup(
     logger_name: Literal["csv", "tensorboard"] = "csv",
     compile_cache_dir: Optional[Path] = None,
     xla_metrics: bool = False,
+    accelerator: str = "auto",
 ) -> None:
     """Finetune a model with LoRA on prepared instruction data, on XLA devices.
 
@@ -73,6 +74,7 @@ def setup(
         logger_name: "csv" or "tensorboard" (under out_dir/logs).
         compile_cache_dir: Persistent XLA compilation cache: a second run skips compiling (TPU/GPU).
         xla_metrics: Print torch_xla's metrics report (compilations, transfers, timings) at the end.
+        accelerator: The PJRT device: "auto" (the TPU when there is one, else the CPU), "tpu", "cpu" or "cuda".
     """
     from lit_gpt.xla import finetune
 
@@ -82,7 +84,7 @@ def setup(
         lora_mlp=lora_mlp, lora_head=lora_head,
     )
     fabric = finetune.setup_fabric(devices, precision, train, out_dir, logger_name, activation_checkpointing,
-                                   compile_cache_dir)
+                                   compile_cache_dir, resume=resume, accelerator=accelerator)
     run_config = training.run_config(method="lora", checkpoint_dir=checkpoint_dir, data=data, train=train,
                                      eval=eval, optimizer=optimizer, platform="xla")
     fabric.launch(main, checkpoint_dir, out_dir, config, data, train, eval, resume, optimizer, run_config,
@@ -92,22 +94,24 @@ def setup(
 def main(fabric, checkpoint_dir, out_dir, config, data, train, eval, resume, optimizer, run_config,
          xla_metrics) -> dict:
     from lit_gpt.xla import finetune
+    from lit_gpt.xla.runtime import XLARuntime
 
     fabric.seed_everything(train.seed)
-    run_data = finetune.load_data(fabric, data, train, eval, checkpoint_dir, config.block_size)
+    runtime = XLARuntime(fabric)  # the one training loop, with XLA's placement, graph cuts and checkpoints
+    run_data = training.load_data(runtime, data, train, eval, checkpoint_dir, config.block_size)
 
     # the method: LoRA layers on the frozen base model; only the LoRA matrices train and are saved
-    model = finetune.load_model(fabric, lambda: lora.GPT(config), checkpoint_dir)
+    model = finetune.load_model(fabric, lambda: lora.GPT(config), checkpoint_dir, own_filter=lora.lora_filter)
     lora.mark_only_lora_as_trainable(model)
     method = training.Method(
         name="lora", weights_file="lit_model.pth.lora",
         save_filter=finetuned_filter(model), metadata=finetuned_metadata(model),
     )
 
-    wrapped, opt = fabric.setup(model, finetune.build_optimizer(model, train, optimizer))
-    return finetune.fit(
+    wrapped, opt = fabric.setup(model, training.build_optimizer(model, train, optimizer))
+    return training.fit(
         fabric, wrapped, model, opt, run_data, method, checkpoint_dir=checkpoint_dir, out_dir=out_dir, train=train,
-        eval=eval, resume=resume, run_config=run_config, xla_metrics=xla_metrics,
+        eval=eval, resume=resume, run_config=run_config, runtime=runtime, xla_metrics=xla_metrics,
     )
 
 
