@@ -27,7 +27,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import torch
 
 from lit_gpt.config import next_power_of_two
-from lit_gpt.utils import LitError
+from lit_gpt.utils import LitError, error_reason, remove_stale_temp_files, write_atomic, write_text_atomic
 
 IGNORE_INDEX = -100
 FORMAT_VERSION = 1
@@ -151,6 +151,8 @@ def records_to_rows(
 # ---------------------------------------------------------------------------------------------------------------
 def _read_text(path: Path) -> str:
     path = Path(path)
+    if path.is_dir():
+        raise LitError(f"data file {str(path)!r} is a directory: pass the .json / .jsonl / .csv file in it")
     if not path.is_file():
         raise LitError(f"data file {str(path)!r} not found")
     # surrogateescape keeps going past bytes that are not UTF-8, so that the rows holding them can be reported
@@ -298,6 +300,7 @@ def download(url: str, destination: Path) -> Path:
     from tqdm import tqdm
 
     destination.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temp_files(destination)  # an interrupted earlier download
     tmp = destination.with_name(f".{destination.name}.tmp{os.getpid()}")
     try:
         with urllib.request.urlopen(url, timeout=60) as response, open(tmp, "wb") as f:
@@ -435,14 +438,28 @@ def prepare(
     tokenizer = Tokenizer(checkpoint_dir)
     style = PromptStyle.from_name(prompt_style, checkpoint_dir)
     if max_seq_length is None:
-        from lit_gpt.generate import load_config
+        from lit_gpt.config import load_config
 
         max_seq_length = load_config(checkpoint_dir).block_size
     if max_seq_length < 2:
         raise LitError(f"--max_seq_length must be >= 2 (got {max_seq_length})")
+    created = check_destination(destination)
+    try:
+        return _prepare(rows, bad, checkpoint_dir, destination, source, prompt_style, max_seq_length, mask_inputs,
+                        val_split_fraction, seed, on_bad_rows, extra_meta, fingerprint, tokenizer, style)
+    except BaseException:
+        _remove_empty(created)  # nothing was written: leave no empty folder behind
+        raise
+
+
+def _prepare(rows, bad, checkpoint_dir, destination, source, prompt_style, max_seq_length, mask_inputs,
+             val_split_fraction, seed, on_bad_rows, extra_meta, fingerprint, tokenizer, style) -> Dict[str, Any]:
+    from tqdm import tqdm
 
     bad = list(bad)
     total = len(rows) + len(bad)  # rows read (a row that fails tokenizing below is still one row)
+    if total == 0:
+        raise LitError(f"{source}: no rows at all; nothing to write")
     report_bad_rows(bad if on_bad_rows == "error" else [], source, on_bad_rows)  # fail before the slow part
     samples: List[Sample] = []
     truncated = 0
@@ -491,6 +508,35 @@ def prepare(
     return meta
 
 
+def check_destination(destination: Path) -> List[Path]:
+    """The output folder exists or can be made, and is writable: found before the tokenizing, not after it.
+    Returns the folders it created (removed again by the caller if nothing gets written)."""
+    destination = Path(destination)
+    if destination.exists() and not destination.is_dir():
+        raise LitError(f"--destination_path {str(destination)!r} is a file, not a folder: pass a folder")
+    created = []
+    missing = destination
+    while not missing.exists():
+        created.append(missing)
+        missing = missing.parent
+    try:
+        destination.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise LitError(f"cannot write --destination_path {str(destination)!r}: {error_reason(e)}") from None
+    if not os.access(destination, os.W_OK | os.X_OK):
+        _remove_empty(created)
+        raise LitError(f"cannot write --destination_path {str(destination)!r}: permission denied")
+    return created
+
+
+def _remove_empty(folders: List[Path]) -> None:
+    for folder in folders:  # deepest first
+        try:
+            folder.rmdir()
+        except OSError:
+            return
+
+
 def print_summary(meta: Dict[str, Any], destination: Path) -> None:
     c = meta["counts"]
     print(
@@ -503,25 +549,15 @@ def print_summary(meta: Dict[str, Any], destination: Path) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 # Writing and reading the prepared split
 # ---------------------------------------------------------------------------------------------------------------
-def _atomic_write(path: Path, write: Callable[[Path], None]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-
-
 def write_prepared(destination: Path, train: List[Sample], val: List[Sample], meta: Dict[str, Any]) -> None:
     """Write train.pt, val.pt, then meta.json, each atomically. meta.json goes last and the old one is removed
     first: a directory with a meta.json that names these counts is complete."""
     destination = Path(destination)
     destination.mkdir(parents=True, exist_ok=True)
     (destination / META_FILE).unlink(missing_ok=True)
-    _atomic_write(destination / TRAIN_FILE, lambda p: torch.save(train, p))
-    _atomic_write(destination / VAL_FILE, lambda p: torch.save(val, p))
-    _atomic_write(destination / META_FILE, lambda p: p.write_text(json.dumps(meta, indent=2) + "\n"))
+    write_atomic(destination / TRAIN_FILE, lambda f: torch.save(train, f))
+    write_atomic(destination / VAL_FILE, lambda f: torch.save(val, f))
+    write_text_atomic(destination / META_FILE, json.dumps(meta, indent=2) + "\n")
 
 
 @dataclass
