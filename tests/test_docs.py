@@ -25,6 +25,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -38,7 +39,7 @@ from typing import Dict, List, Optional, Tuple
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = sorted((ROOT / "tutorials").glob("*.md")) + [ROOT / "README.md", ROOT / "xla" / "README.md"]
 PARSE_ONLY_REASONS = ("needs the network", "needs a GPU", "needs a TPU VM", "needs gcloud", "long run")
-TINY_MODEL_PAGES = ("tutorials/finetune_adapter.md", "tutorials/finetune_lora.md", "tutorials/finetune_full.md",
+TINY_MODEL_PAGES = ("tutorials/inference.md", "tutorials/finetune_adapter.md", "tutorials/finetune_lora.md", "tutorials/finetune_full.md",
                     "tutorials/convert.md", "tutorials/oom.md", "tutorials/tpu.md", "tutorials/resources.md",
                     "xla/README.md")
 # flags added to a command when it does not set them itself: the run stays a few seconds
@@ -296,11 +297,12 @@ class DocsRunner:
         assert self.server.stdout.readline().strip() == "ready", "the docs fork server did not start"
 
     def close(self) -> None:
-        self.server.terminate()
+        # the server leads its own process group, with every forked command in it (also one a timed-out block left)
         try:
-            self.server.wait(10)
-        except subprocess.TimeoutExpired:
-            self.server.kill()
+            os.killpg(self.server.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.server.wait(10)
 
     def workdir(self, name: str, model: Path) -> Path:
         work = self.base / name
