@@ -219,25 +219,27 @@ def write_atomic(path: Union[str, Path], write: Callable[[Any], None]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temp_files(path)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    fd = _open_unnamed(path.parent)
     try:
+        fd = _open_unnamed(path.parent)
+        linked = False
         if fd is not None:
             with os.fdopen(fd, "wb") as f:
-                fd = None
                 write(f)
                 f.flush()
                 os.fsync(f.fileno())
                 # give the complete file a (temporary) name, then move it over `path` in one step
-                _link_fd(f.fileno(), tmp)
-        else:
+                try:
+                    _link_fd(f.fileno(), tmp)
+                    linked = True
+                except OSError:
+                    pass  # a filesystem that makes unnamed files but cannot link them: write a named one below
+        if not linked:
             with open(tmp, "wb") as f:
                 write(f)
                 f.flush()
                 os.fsync(f.fileno())
         os.replace(tmp, path)
     finally:
-        if fd is not None:
-            os.close(fd)
         if tmp.exists():
             tmp.unlink()
 

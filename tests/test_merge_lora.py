@@ -188,3 +188,17 @@ def test_merge_killed_mid_write_leaves_no_file_behind(tmp_path, named):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert sorted(p.name for p in out.iterdir() if "lit_model.pth" in p.name) == ["lit_model.pth"]
+
+
+def test_atomic_save_falls_back_where_unnamed_files_cannot_be_linked(tmp_path, monkeypatch):
+    import lit_gpt.utils as utils
+
+    def no_link(fd, target):
+        raise OSError(95, "Operation not supported")
+
+    monkeypatch.setattr(utils, "_link_fd", no_link)
+    path = tmp_path / "lit_model.pth"
+    utils.save_atomic({"w": torch.arange(3)}, path)
+    utils.save_atomic({"w": torch.arange(4)}, path)  # replaces, through a named temporary file
+    assert torch.equal(torch.load(path, weights_only=True)["w"], torch.arange(4))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["lit_model.pth"]
