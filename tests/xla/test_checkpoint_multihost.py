@@ -7,6 +7,7 @@ consolidation names the missing host until its files are copied over."""
 
 import shutil
 import socket
+import zipfile
 
 import pytest
 import torch
@@ -76,8 +77,11 @@ def test_two_host_checkpoint_layouts(tmp_path):
     assert latest_checkpoint(shared) == ckpt
     assert read_marker(ckpt)["files"] == {"0": ["__0_0.distcp"], "1": ["__1_0.distcp"]}
     assert not list(shared.glob(".*"))  # no temporary directory left behind
-    state = torch.load(consolidate(ckpt, tmp_path / "shared.pth", progress=False), weights_only=True)
+    output = consolidate(ckpt, tmp_path / "shared.pth", progress=False)
+    state = torch.load(output, weights_only=True)
     assert torch.equal(state["weight"], WEIGHT) and torch.equal(state["bias"], BIAS)
+    with zipfile.ZipFile(output) as archive:
+        assert archive.testzip() is None  # the record CRCs are those of the bytes written
 
     # local disks: host 0's directory lacks host 1's shards until they are copied over
     host0, host1 = local.with_name("host0") / "step-000002", local.with_name("host1") / "step-000002"
