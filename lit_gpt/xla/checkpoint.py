@@ -1154,19 +1154,36 @@ def _lazy_tensor(size: Tuple[int, ...], dtype: torch.dtype) -> Tuple[torch.Tenso
 
 
 def read_values(checkpoint_dir: PathLike) -> Dict[str, Any]:
-    """The plain values saved with a checkpoint (step, data position, ...), without torch_xla or devices."""
+    """The plain values saved with a checkpoint (step, data position, method, ...), without torch_xla or devices.
+
+    Only the file holding them is read: in a multi-host run, this host's own entry (its own shard file, so a
+    per-host local disk suffices); otherwise host 0's."""
     from torch.distributed.checkpoint.metadata import MetadataIndex
 
     checkpoint_dir = Path(checkpoint_dir)
-    _, md = check_complete(checkpoint_dir)
-    info = md.storage_data.get(MetadataIndex(META_KEY))
+    _, md = check_complete(checkpoint_dir, ranks=[])  # marker and index readable; shards checked below
+    rank, world = _rank_world()
+    info = md.storage_data.get(MetadataIndex(_meta_key(rank))) if world > 1 else None
+    info = info or md.storage_data.get(MetadataIndex(META_KEY))
     if info is None:
         raise LitError(
             f"checkpoint {str(checkpoint_dir)!r} has no {META_KEY} entry: it was not written by save_sharded"
         )
-    with open(checkpoint_dir / info.relative_path, "rb") as f:
-        raw = torch.load(_FileSlice(f, info.offset, info.length), weights_only=True)  # DCP torch.saves the bytes
-    return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)["values"]
+    path = checkpoint_dir / info.relative_path
+    if not path.is_file() or path.stat().st_size < info.offset + info.length:
+        raise LitError(
+            f"sharded checkpoint {str(checkpoint_dir)!r} lacks {info.relative_path} (or it is truncated), which"
+            " holds the saved step and settings: copy it from the host that wrote it"
+        )
+    try:
+        with open(path, "rb") as f:
+            raw = torch.load(_FileSlice(f, info.offset, info.length), weights_only=True)  # DCP torch.saves bytes
+        return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)["values"]
+    except Exception as e:  # a damaged entry raises anything from EOFError to UnpicklingError
+        raise LitError(
+            f"cannot read the saved values in {str(path)!r} ({type(e).__name__}): the checkpoint is damaged, use an"
+            " earlier one"
+        ) from e
 
 
 def consolidate(

@@ -40,7 +40,7 @@ def _host(rank: int, port: int, shared: str, local: str, errors) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from lit_gpt.xla.checkpoint import load_sharded, save_sharded
+    from lit_gpt.xla.checkpoint import load_sharded, read_values, save_sharded
 
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
@@ -59,6 +59,7 @@ def _host(rank: int, port: int, shared: str, local: str, errors) -> None:
         state = {"model": fresh, "step": 0}
         load_sharded(f"{local}{rank}/step-000002", state)
         assert state["step"] == 2
+        assert read_values(f"{local}{rank}/step-000002") == {"step": 2}  # from this host's own shard file
         assert torch.equal(fresh.weight.full_tensor(), WEIGHT) and torch.equal(fresh.bias.full_tensor(), BIAS)
         dist.destroy_process_group()
     except BaseException as e:  # reported to the test, which runs in another process
