@@ -35,9 +35,18 @@ def cli(fn: Callable) -> Callable:
 
 
 def run_cli(fn: Callable, **kwargs: Any) -> Any:
-    """`jsonargparse.CLI(fn)` with `LitError`s reported as one line (exit 1)."""
+    """`jsonargparse.CLI(fn)` with `LitError`s reported as one line (exit 1). The argument groups' dataclass fields
+    (`--train.*`, `--data.*`, `--eval.*`) show their docstrings in `--help`."""
     from jsonargparse import CLI
 
+    try:
+        from jsonargparse import set_parsing_settings
+
+        set_parsing_settings(docstring_parse_attribute_docstrings=True)
+    except ImportError:  # jsonargparse < 4.35
+        from jsonargparse import set_docstring_parse_options
+
+        set_docstring_parse_options(attribute_docstrings=True)
     return cli(CLI)(fn, **kwargs)
 
 
@@ -216,10 +225,10 @@ def save_atomic(obj: Any, path: Union[str, Path]) -> None:
 def write_atomic(path: Union[str, Path], write: Callable[[Any], None]) -> None:
     """Call `write(binary_file)` on a temporary file in `path`'s folder, fsync it, then rename it to `path`."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_temp_files(path)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_temp_files(path)
         fd = _open_unnamed(path.parent)
         linked = False
         if fd is not None:
@@ -239,6 +248,8 @@ def write_atomic(path: Union[str, Path], write: Callable[[Any], None]) -> None:
                 f.flush()
                 os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as e:  # a full disk, a read-only or vanished folder: one line, and no partial file
+        raise LitError(f"cannot write {str(path)!r}: {error_reason(e)}") from None
     finally:
         if tmp.exists():
             tmp.unlink()
