@@ -693,9 +693,13 @@ def convert_lit_checkpoint(
         shards[-1].append(item)
         size += item[3]
 
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
-    output_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise LitError(f"cannot write --output_dir {str(output_dir)!r}: {error_reason(e)}") from None
     n = len(shards)
     names = ["model.safetensors"] if n == 1 else [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
     # earlier exports into this folder with another shard count would be picked up by transformers: remove them
@@ -728,6 +732,8 @@ def convert_lit_checkpoint(
             try:
                 save_file(tensors, str(tmp), metadata={"format": "pt"})
                 os.replace(tmp, output_dir / shard_name)
+            except (OSError, SafetensorError) as e:  # a full disk: one line, and no partial file
+                raise LitError(f"cannot write {str(output_dir / shard_name)!r}: {error_reason(e)}") from None
             finally:
                 if tmp.exists():
                     tmp.unlink()

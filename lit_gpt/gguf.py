@@ -426,6 +426,8 @@ def _write_atomic(path: Path, write: Any) -> None:
     try:
         write(tmp)
         os.replace(tmp, path)
+    except OSError as e:  # a full disk, a read-only folder: one line, and no partial file
+        raise LitError(f"cannot write {str(path)!r}: {error_reason(e)}") from None
     finally:
         if tmp.exists():
             tmp.unlink()

@@ -248,11 +248,32 @@ def write_atomic(path: Union[str, Path], write: Callable[[Any], None]) -> None:
                 f.flush()
                 os.fsync(f.fileno())
         os.replace(tmp, path)
-    except OSError as e:  # a full disk, a read-only or vanished folder: one line, and no partial file
-        raise LitError(f"cannot write {str(path)!r}: {error_reason(e)}") from None
+    except (OSError, RuntimeError) as e:  # a full disk, a read-only or vanished folder: one line, no partial file
+        reason = write_failure(e)
+        if reason is None:
+            raise
+        raise LitError(f"cannot write {str(path)!r}: {reason}") from None
     finally:
         if tmp.exists():
             tmp.unlink()
+
+
+def write_failure(error: BaseException) -> Optional[str]:
+    """Why a write failed, if `error` is a failed write: an OSError (maybe wrapped by torch.save's writer, which
+    raises RuntimeError), or torch's own "file write failed" when its C++ writer hit the error. None otherwise."""
+    seen = set()
+    e: Optional[BaseException] = error
+    torch_writer_failed = False
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError):
+            return error_reason(e)
+        if isinstance(e, RuntimeError) and re.search(r"PytorchStreamWriter failed|file write failed", str(e)):
+            torch_writer_failed = True
+        e = e.__cause__ or e.__context__
+    if torch_writer_failed:
+        return "the write failed (is the disk full, or a file size limit reached?)"
+    return None
 
 
 def _link_fd(fd: int, target: Path) -> None:
@@ -287,7 +308,12 @@ def write_text_atomic(path: Union[str, Path], text: str) -> None:
 def copy_file_atomic(src: Union[str, Path], dst: Union[str, Path]) -> None:
     """Copy a file through a temporary file and a rename."""
     with open(src, "rb") as source:
-        write_atomic(dst, lambda f: shutil.copyfileobj(source, f, 1 << 20))
+
+        def copy(f: Any) -> None:
+            source.seek(0)  # from the start each time (write_atomic may write a second temporary file)
+            shutil.copyfileobj(source, f, 1 << 20)
+
+        write_atomic(dst, copy)
 
 
 def refuse_overwrite(directory: Union[str, Path], names: Any, overwrite: bool, fix: str) -> None:

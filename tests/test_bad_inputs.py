@@ -139,6 +139,7 @@ class Case:
     stdin: Optional[bytes] = None
     env: Dict[str, str] = field(default_factory=dict)
     owner: str = "scripts"  # whose code handles it: "scripts" (converters, data, chat) or "recipes"
+    fsize: Optional[int] = None  # largest file the case may write (RLIMIT_FSIZE): a disk that fills up
 
 
 def py(script: str, *args: Arg) -> List[Arg]:
@@ -252,6 +253,9 @@ CASES = [
                                                     "--output_dir", d / "hf", "--checkpoint_path",
                                                     evil_pickle(d / "evil.pth")),
          r"refusing to load .*evil\.pth': it is a pickle that imports (posix|os|nt)\.system, which could run code"),
+    Case("lit-export-disk-full", lambda d, fx: py("scripts/convert_lit_checkpoint.py", "--checkpoint_dir", fx.ckpt,
+                                                  "--output_dir", d / "hf"),
+         r"cannot write '.*hf/model\.safetensors': .*(File too large|os error 27)", fsize=12_000),
     Case("lit-export-bad-shard-size", lambda d, fx: py("scripts/convert_lit_checkpoint.py", "--checkpoint_dir",
                                                        fx.ckpt, "--output_dir", d / "hf", "--max_shard_size", "lots"),
          r"cannot parse size 'lots'; write e\.g\. 5GB"),
@@ -269,6 +273,9 @@ CASES = [
                                                   fx.lora_final / "lit_model.pth.lora", "--out_dir",
                                                   "/sys/lit-gpt-bad-inputs/merged"),
          r"cannot write .*lit-gpt-bad-inputs"),
+    Case("merge-disk-full", lambda d, fx: py("scripts/merge_lora.py", "--checkpoint_dir", fx.ckpt, "--lora_path",
+                                             fx.lora_final / "lit_model.pth.lora", "--out_dir", d / "m"),
+         r"cannot write '.*m/lit_model\.pth': File too large$", fsize=12_000),
     Case("merge-into-a-file", lambda d, fx: py("scripts/merge_lora.py", "--checkpoint_dir", fx.ckpt, "--lora_path",
                                                fx.lora_final / "lit_model.pth.lora", "--out_dir", write(d / "f", "x")),
          r"'.*f' is a file, not a folder"),
@@ -299,6 +306,9 @@ CASES = [
     Case("json-bad-val-split", lambda d, fx: py("scripts/prepare_json.py", "--data_file", write(
         d / "ok.json", json.dumps(_rows(4, 2))), "--checkpoint_dir", fx.ckpt, "--destination_path", d / "o",
         "--val_split_fraction", "1.5"), r"--val_split_fraction must be in \[0, 1\), got 1\.5"),
+    Case("json-disk-full", lambda d, fx: py("scripts/prepare_json.py", "--data_file", write(
+        d / "ok.json", json.dumps(_rows(40, 2))), "--checkpoint_dir", fx.ckpt, "--destination_path", d / "o"),
+         r"cannot write '.*o/train\.pt': File too large$", fsize=12_000),
     Case("json-empty-array", lambda d, fx: py("scripts/prepare_json.py", "--data_file", write(d / "z.json", "[]"),
                                               "--checkpoint_dir", fx.ckpt, "--destination_path", d / "o"),
          r"z\.json: no rows at all; nothing to write"),
@@ -322,6 +332,9 @@ CASES = [
          r"sharded checkpoint file .*__0_0\.distcp' is damaged \(CRC32 .* recorded at save time\)"),
     Case("consolidate-interrupted-save", lambda d, fx: consolidate_interrupted(d, fx),
          r"incomplete checkpoint \(no lit_checkpoint\.json: its save was interrupted\)"),
+    Case("consolidate-disk-full", lambda d, fx: py("xla/scripts/consolidate_checkpoint.py", "--checkpoint_dir",
+                                                   fx.sharded, "--output", d / "c.pth"),
+         r"cannot write '.*c\.pth': (File too large|the write failed \(is the disk full.*\))$", fsize=12_000),
     Case("consolidate-output-read-only", lambda d, fx: py("xla/scripts/consolidate_checkpoint.py", "--checkpoint_dir",
                                                           fx.sharded, "--output", "/sys/lit-gpt-bad-inputs/c.pth"),
          r"cannot write .*lit-gpt-bad-inputs"),
@@ -493,6 +506,11 @@ def child(req):
         os.dup2(new, fd)
         os.close(new)
     os.closerange(3, 256)
+    if req["fsize"]:
+        import resource
+
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails (EFBIG), as on a full disk
+        resource.setrlimit(resource.RLIMIT_FSIZE, (req["fsize"], req["fsize"]))
     sys.stdin = sys.__stdin__ = wrap(0, "stdin", "r")
     sys.stdout = sys.__stdout__ = wrap(1, "stdout", "w")
     sys.stderr = sys.__stderr__ = wrap(2, "stderr", "w")
@@ -576,13 +594,13 @@ class Zygote:
             future.set_exception(RuntimeError("the zygote process ended"))
 
     def run(self, case_id: str, argv: Sequence[Arg], env: Dict[str, str], stdin: Path, stdout: Path,
-            stderr: Path) -> dict:
+            stderr: Path, fsize: Optional[int]) -> dict:
         import base64
 
         future: Future = Future()
         request = {
             "id": case_id, "cwd": str(ROOT), "env": env, "timeout": TIMEOUT, "stdin": str(stdin),
-            "stdout": str(stdout), "stderr": str(stderr),
+            "stdout": str(stdout), "stderr": str(stderr), "fsize": fsize,
             "argv": [base64.b64encode(os.fsencode(a)).decode() for a in argv[1:]],  # argv[0] is the interpreter
         }
         with self.lock:
@@ -599,6 +617,20 @@ class Zygote:
             self.proc.kill()
 
 
+def _limit_file_size(fsize: Optional[int]) -> Optional[Callable[[], None]]:
+    if not fsize:
+        return None
+
+    def limit() -> None:
+        import resource
+        import signal
+
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
+
+    return limit
+
+
 def run_case(case: Case, fx: Fixtures, zygote: Optional[Zygote]) -> Outcome:
     import time
 
@@ -612,13 +644,13 @@ def run_case(case: Case, fx: Fixtures, zygote: Optional[Zygote]) -> Outcome:
     (io_dir / "stdin").write_bytes(case.stdin or b"")
     start = time.perf_counter()
     if zygote is not None:
-        result = zygote.run(case.id, argv, env, io_dir / "stdin", io_dir / "stdout", io_dir / "stderr")
+        result = zygote.run(case.id, argv, env, io_dir / "stdin", io_dir / "stdout", io_dir / "stderr", case.fsize)
         rc = None if result["timed_out"] else result["rc"]
         out, err = (io_dir / "stdout").read_bytes(), (io_dir / "stderr").read_bytes()
     else:
         try:
             proc = subprocess.run(argv, cwd=ROOT, env=env, input=case.stdin or b"", capture_output=True,
-                                  timeout=TIMEOUT)
+                                  timeout=TIMEOUT, preexec_fn=_limit_file_size(case.fsize))
             rc, out, err = proc.returncode, proc.stdout, proc.stderr
         except subprocess.TimeoutExpired as e:
             rc, out, err = None, e.stdout or b"", e.stderr or b""

@@ -58,7 +58,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from lightning_utilities.core.imports import RequirementCache
 from torch.optim import Optimizer
 
-from lit_gpt.utils import LitError, error_reason, remove_stale_temp_files
+from lit_gpt.utils import LitError, error_reason, remove_stale_temp_files, write_failure
 
 MARKER = "lit_checkpoint.json"
 FORMAT = "lit-gpt-xla-sharded"
@@ -1285,6 +1285,11 @@ def consolidate(
         finally:
             reader.close()
         os.replace(tmp, output)
+    except (OSError, RuntimeError) as e:  # a full disk: one line, and the temporary output removed below
+        reason = write_failure(e)
+        if reason is None:
+            raise
+        raise LitError(f"cannot write {str(output)!r}: {reason}") from None
     finally:
         shutil.rmtree(tmp_dir, ignore_errors=True)
     return output
