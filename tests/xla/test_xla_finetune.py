@@ -1,40 +1,48 @@
-"""The XLA finetuning recipes on XLA:CPU with 8 virtual devices (FSDP over SPMD), on a tiny checkpoint and Alpaca-
-format data prepared by scripts/prepare_alpaca.py from a local JSON file. The tiny checkpoint has a word-level
-tokenizer of ~50 words (a 128-row embedding instead of SmolLM2's 49152), which keeps the runs fast.
+"""The one training loop on every backend, tested as the contract between the recipes: `finetune/X.py` on the CPU,
+`xla/finetune/X.py` on XLA:CPU with 1 device and with 8 devices (FSDP over SPMD), for full, LoRA and adapter
+finetuning, epoch-driven (`--train.epochs`, no `max_steps`: what users run), same data, seed and settings (fp32,
+dropout 0):
 
+* the same number of optimizer steps (epochs x samples / global batch, on any number of devices);
+* the same logged loss step by step (the mean per target token over the whole step: relative difference <= 1e-4);
+* final weights equal within 1e-5; each method's final weights generate the same text on the CPU and on XLA;
+* the train step compiles at most twice per padded length; validation with a sample compiles nothing later;
+* exact resume under SIGKILL (LoRA with dropout on 8 devices, so the XLA generator state matters): killed right
+  after a checkpoint, then at a random moment (possibly inside a save), resumed with --resume auto each time: the
+  same losses and bit-identical final weights as the uninterrupted run;
+* the final export takes the step this run wrote, never a newer one left in the folder by an earlier run.
 
-* 20 steps of each method: the loss goes down, the train step compiles at most twice per padded length;
-* the consolidated final weights, loaded by generate/{adapter,lora,full}.py on the CPU, give the same greedy text
-  as xla/generate/{adapter,lora,base}.py;
-* resume: a run killed after its step-10 checkpoint, continued with --resume auto, ends with the same weights as
-  the uninterrupted run (fp32).
-
-The runs are separate processes (the XLA runtime reads PJRT_DEVICE / CPU_NUM_DEVICES once) started together."""
+The tiny checkpoint has a word-level tokenizer of ~50 words (a 128-row embedding), which keeps the runs fast. XLA
+runs are separate processes (the runtime reads PJRT_DEVICE / CPU_NUM_DEVICES once), one at a time; the CPU
+references run in this process meanwhile."""
 
 import csv
+import importlib.util
 import json
+import random
 import re
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 import pytest
 import torch
+from words import GEN_PROMPT, WORDS, alpaca_rows as _alpaca_rows, make_word_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
 TIMEOUT = 1200
-STEPS = 20
-GEN_PROMPT = "Repeat the words."
+EPOCHS = 2
+STEPS = EPOCHS * 40 // 8  # 40 training samples, 8 per step
 GEN_TOKENS = 12
-WORDS = "red green blue cat dog sun moon tree river stone bird fish".split()
 
 COMMON = [
-    "--train.global_batch_size", "8", "--train.micro_batch_size", "1", "--train.max_steps", str(STEPS),
-    "--train.save_interval", "10", "--train.log_interval", "5", "--train.lr_warmup_steps", "2",
-    "--data.shuffle", "false", "--eval.interval", "10", "--eval.max_iters", "1",
+    "--train.global_batch_size", "8", "--train.micro_batch_size", "1", "--train.epochs", str(EPOCHS),
+    "--train.save_interval", "5", "--train.log_interval", "1", "--train.lr_warmup_steps", "2",
+    "--data.shuffle", "false", "--eval.interval", "5", "--eval.max_iters", "1", "--accelerator", "cpu",
 ]
 NO_VALIDATION = ["--eval.interval", "1000", "--eval.final_validation", "false"]  # shown once, for the adapter
 METHODS = {
@@ -42,55 +50,15 @@ METHODS = {
     "adapter": (["--adapter_start_layer", "0", "--train.learning_rate", "0.05", "--eval.max_new_tokens", "4"],
                 "lit_model.pth.adapter", ("generate/adapter.py", "--adapter_path"),
                 ("xla/generate/adapter.py", "--adapter_path")),
-    "lora": (["--lora_r", "4", "--lora_alpha", "8", "--lora_mlp", "true", "--train.learning_rate", "0.02",
-              *NO_VALIDATION],
+    "lora": (["--lora_r", "4", "--lora_alpha", "8", "--lora_mlp", "true", "--lora_dropout", "0",
+              "--train.learning_rate", "0.02", *NO_VALIDATION],
              "lit_model.pth.lora", ("generate/lora.py", "--lora_path"), ("xla/generate/lora.py", "--lora_path")),
     "full": (["--train.learning_rate", "0.002", "--train.min_lr", "0.0002", *NO_VALIDATION],
              "lit_model.pth", ("generate/full.py", "--checkpoint_path"), ("xla/generate/base.py", None)),
 }
-
-
-def _alpaca_rows() -> List[dict]:
-    """44 rows in groups of growing length, kept in file order (--data.shuffle false): the batches pad to two
-    different lengths, and every epoch (5 steps of 8 samples) sees the same batches, so logged losses compare."""
-    rows = []
-    for i in range(44):
-        n = [1, 4, 10, 20][i * 4 // 44]
-        ws = " ".join(WORDS[(i + j) % len(WORDS)] for j in range(n))
-        rows.append({"instruction": GEN_PROMPT, "input": ws, "output": ws})
-    return rows
-
-
-def make_word_checkpoint(directory: Path, seed: int = 0) -> Path:
-    """A random tiny Llama-style checkpoint whose tokenizer.json is a word-level vocabulary of the Alpaca template
-    and the data's words (unknown words become <unk>)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    from lit_gpt import GPT, Config
-    from lit_gpt.prompts import Alpaca
-
-    text = " ".join([Alpaca.header, Alpaca.header_with_input, Alpaca().apply(GEN_PROMPT, input="x"), *WORDS])
-    specials = ["<unk>", "<s>", "</s>"]
-    words = sorted({w for w, _ in pre_tokenizers.Whitespace().pre_tokenize_str(text)})
-    words += [f"<extra_{i}>" for i in range(-(len(specials) + len(words)) % 8)]  # a vocabulary that splits over 8
-    vocab = {w: i for i, w in enumerate(specials + words)}
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer.add_special_tokens(specials)
-    directory.mkdir(parents=True)
-    tokenizer.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
-    (directory / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
-    # every id the model can emit is a word the tokenizer decodes
-    config = Config(name="tiny-words", block_size=128, vocab_size=len(vocab), n_layer=2, n_head=4, n_query_groups=2,
-                    n_embd=64, intermediate_size=128, norm_class_name="RMSNorm", mlp_class_name="LLaMAMLP",
-                    tie_embeddings=True)
-    torch.manual_seed(seed)
-    model = GPT(config)
-    model.apply(model._init_weights)
-    torch.save(model.state_dict(), directory / "lit_model.pth")
-    config.save(directory)
-    return directory
+# the soak: LoRA with dropout, a checkpoint every 2 steps
+SOAK = ["--lora_r", "4", "--lora_alpha", "8", "--lora_dropout", "0.1", "--train.learning_rate", "0.02",
+        *NO_VALIDATION, "--train.save_interval", "2"]
 
 
 @dataclass
@@ -106,36 +74,47 @@ class Sequential:
     the next ones go on. One at a time: several processes with 8 virtual devices each on a small machine can starve
     a device thread past XLA:CPU's collective rendezvous timeout (10 s), which aborts the process."""
 
-    def __init__(self, jobs: List[Tuple[str, List[str], str]], env: dict, log_dir: Path) -> None:
+    def __init__(self, jobs: List[Tuple[str, List[str], object, int]], env, log_dir: Path) -> None:
         self.jobs, self.env, self.log_dir = jobs, env, log_dir
         self.results: Dict[str, Result] = {}
-        self.done = {name: threading.Event() for name, _, _ in jobs}
+        self.done = {name: threading.Event() for name, _, _, _ in jobs}
         self.proc: Optional[subprocess.Popen] = None
         self.stopped = False
         self.thread = threading.Thread(target=self._run_all, daemon=True)
         self.thread.start()
 
     def _run_all(self) -> None:
-        for name, cmd, kill_on in self.jobs:
+        for name, cmd, kill_on, devices in self.jobs:
             if self.stopped:
                 break
             stderr_path = self.log_dir / f"{name}.stderr"
             with open(stderr_path, "w") as err:
-                self.proc = subprocess.Popen(cmd, env=self.env, cwd=REPO, stdout=subprocess.PIPE, stderr=err, text=True)
-                lines, killed = [], False
-                for line in self.proc.stdout:
+                self.proc = proc = subprocess.Popen(cmd, env=self.env(devices), cwd=REPO, stdout=subprocess.PIPE,
+                                                    stderr=err, text=True)
+                lines, killed = [], []
+                timer = None
+                if isinstance(kill_on, float):  # SIGKILL after a delay: wherever the run is then
+                    timer = threading.Timer(kill_on, lambda: killed.append(1) or proc.kill())
+                    timer.start()
+                for line in proc.stdout:
                     lines.append(line)
-                    if kill_on and kill_on in line and not killed:
-                        self.proc.kill()  # SIGKILL right after the checkpoint, like a preempted TPU VM
-                        killed = True
-                self.proc.wait()
-            self.results[name] = Result(self.proc.returncode, "".join(lines), stderr_path.read_text(), killed)
+                    if isinstance(kill_on, str) and kill_on in line and not killed:
+                        proc.kill()  # SIGKILL right after the checkpoint, like a preempted TPU VM
+                        killed.append(1)
+                proc.wait()
+                if timer is not None:
+                    timer.cancel()
+            self.results[name] = Result(proc.returncode, "".join(lines), stderr_path.read_text(), bool(killed))
             self.done[name].set()
 
-    def result(self, name: str, expect_ok: bool = True) -> Result:
+    def result(self, name: str, expect_ok: Optional[bool] = True) -> Result:
+        """The finished job; `expect_ok` True: it must have succeeded; None: killed or not, it must not have
+        failed on its own."""
         if not self.done[name].wait(TIMEOUT):
             pytest.fail(f"{name} did not finish in {TIMEOUT} s")
         r = self.results[name]
+        if expect_ok is None:
+            assert r.killed or r.returncode == 0, f"{name} failed:\n{r.stdout[-3000:]}\n{r.stderr[-4000:]}"
         if expect_ok:
             assert r.returncode == 0, f"{name} failed:\n{r.stdout[-3000:]}\n{r.stderr[-4000:]}"
         return r
@@ -146,10 +125,29 @@ class Sequential:
             self.proc.kill()
 
 
+
+
+def _cli_args(argv: List[str]) -> Dict[str, str]:
+    """The recipe arguments above as {name: value} (for the in-process CPU reference runs)."""
+    return {argv[i][2:]: argv[i + 1] for i in range(0, len(argv), 2)}
+
+
+def _cpu_reference(method: str, tiny_dir: Path, data_dir: Path, out_dir: Path) -> dict:
+    """finetune/<method>.py on the CPU, in this process, through jsonargparse like the command line."""
+    from jsonargparse import CLI
+
+    spec = importlib.util.spec_from_file_location(f"cpu_recipe_{method}", REPO / "finetune" / f"{method}.py")
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    argv = ["--checkpoint_dir", str(tiny_dir), "--data.data_dir", str(data_dir), "--out_dir", str(out_dir),
+            "--precision", "32-true", *COMMON, *METHODS[method][0]]
+    return CLI(recipe.setup, args=argv)
+
+
 @pytest.fixture(scope="module")
 def runs(xla_env, tmp_path_factory):
-    """Prepare the data, then run (one after another) the adapter run, the adapter run that gets killed after its
-    step-10 checkpoint and its resumption, and the LoRA and full runs."""
+    """Prepare the data, then run the XLA jobs one after another in a background thread (1 and 8 devices per method,
+    the LoRA-with-dropout reference, the killed and resumed soak runs) while the CPU references run here."""
     tmp = tmp_path_factory.mktemp("xla_finetune")
     tiny_dir = make_word_checkpoint(tmp / "tiny-words")
     (tmp / "alpaca.json").write_text(json.dumps(_alpaca_rows()))
@@ -162,31 +160,41 @@ def runs(xla_env, tmp_path_factory):
     )
     assert prep.returncode == 0, prep.stderr
 
-    def cmd(method: str, out_dir: Path, *extra: str) -> List[str]:
+    def cmd(method: str, out_dir: Path, *extra: str, args: Optional[List[str]] = None) -> List[str]:
         return [sys.executable, str(REPO / f"xla/finetune/{method}.py"), "--checkpoint_dir", str(tiny_dir),
-                "--data.data_dir", str(data_dir), "--out_dir", str(out_dir), *COMMON, *METHODS[method][0], *extra]
+                "--data.data_dir", str(data_dir), "--out_dir", str(out_dir), *COMMON,
+                *(METHODS[method][0] if args is None else args), *extra]
 
-    resumed = tmp / "resumed"
-    jobs = [
-        ("adapter", cmd("adapter", tmp / "adapter"), ""),
-        ("killed", cmd("adapter", resumed), f"saved {resumed / 'step-000010'}"),
-        ("resume", cmd("adapter", resumed, "--resume", "auto"), ""),
-        ("lora", cmd("lora", tmp / "lora"), ""),
-        ("full", cmd("full", tmp / "full"), ""),
+    soak = tmp / "soak"
+    rng = random.Random(0)
+    jobs = []
+    for method in METHODS:
+        jobs.append((f"{method}8", cmd(method, tmp / f"{method}8"), None, 8))
+        jobs.append((f"{method}1", cmd(method, tmp / f"{method}1"), None, 1))
+    jobs += [
+        ("dropout8", cmd("lora", tmp / "dropout8", args=SOAK), None, 8),
+        # killed right after a checkpoint, then at a random moment (maybe inside a save), then to the end
+        ("soak_a", cmd("lora", soak, args=SOAK), f"saved {soak / 'step-000004'}", 8),
+        ("soak_b", cmd("lora", soak, "--resume", "auto", args=SOAK), rng.uniform(14.0, 24.0), 8),
+        ("soak_c", cmd("lora", soak, "--resume", "auto", args=SOAK), None, 8),
     ]
-    seq = Sequential(jobs, xla_env(8), tmp)
-    yield {"tmp": tmp, "seq": seq, "tiny_dir": tiny_dir, "env": xla_env}
+    seq = Sequential(jobs, xla_env, tmp)
+    cpu = {}
+    for method in METHODS:
+        cpu[method] = (tmp / f"{method}_cpu", _cpu_reference(method, tiny_dir, data_dir, tmp / f"{method}_cpu"))
+    yield {"tmp": tmp, "seq": seq, "tiny_dir": tiny_dir, "data_dir": data_dir, "env": xla_env, "cpu": cpu,
+           "cmd": cmd}
     seq.stop()
 
 
 @pytest.fixture(scope="module")
 def generations(runs):
-    """Once the three runs are done: each method's final weights through the CPU and the XLA generate recipe, all
-    started at once."""
+    """Once the 8-device runs are done: each method's final weights through the CPU and the XLA generate recipe,
+    all started at once."""
     procs = {}
     for method, (_, weights_file, (cpu_script, cpu_flag), (xla_script, xla_flag)) in METHODS.items():
-        runs["seq"].result(method)
-        tiny_dir, final = runs["tiny_dir"], runs["tmp"] / method / "final"
+        runs["seq"].result(f"{method}8")
+        tiny_dir, final = runs["tiny_dir"], runs["tmp"] / f"{method}8" / "final"
         sampling = ["--prompt", _gen_prompt(), "--prompt_style", "raw", "--temperature", "0",
                     "--max_new_tokens", str(GEN_TOKENS)]
         cpu_cmd = [sys.executable, str(REPO / cpu_script), "--checkpoint_dir", str(tiny_dir), cpu_flag,
@@ -214,9 +222,16 @@ def _gen_prompt() -> str:
     return Alpaca().apply(GEN_PROMPT, input="red cat sun tree")
 
 
-def _losses(out_dir: Path) -> List[float]:
-    with open(out_dir / "logs" / "csv" / "version_0" / "metrics.csv") as f:
-        return [float(row["loss"]) for row in csv.DictReader(f) if row.get("loss")]
+def _losses(out_dir: Path, key: str = "loss") -> Dict[int, float]:
+    """{step: value} over every logged run (version) in out_dir, later versions overriding earlier ones."""
+    values = {}
+    paths = sorted((out_dir / "logs" / "csv").glob("version_*/metrics.csv"), key=lambda p: int(p.parent.name[8:]))
+    for path in paths:
+        with open(path) as f:
+            for row in csv.DictReader(f):
+                if row.get(key):
+                    values[int(float(row["step"]))] = float(row[key])
+    return values
 
 
 def _weights(path: Path) -> Dict[str, torch.Tensor]:
@@ -225,26 +240,53 @@ def _weights(path: Path) -> Dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("method", list(METHODS))
-def test_finetune_trains_with_bounded_compilations(runs, method):
-    out = runs["seq"].result(method).stdout
-    out_dir = runs["tmp"] / method
-    losses = _losses(out_dir)
-    assert len(losses) == STEPS // 5
-    # logs 1 and 4 average the same five batches (epochs 1 and 4)
-    assert losses[-1] < losses[0] - 0.05, losses
+def test_cpu_and_xla_on_1_and_8_devices_train_the_same(runs, method):
+    """The parity contract: same steps, same per-step losses, same final weights on every backend."""
+    cpu_dir, cpu_summary = runs["cpu"][method]
+    weights_file = METHODS[method][1]
+    reference = _losses(cpu_dir)
+    assert cpu_summary["steps"] == STEPS and sorted(reference) == list(range(1, STEPS + 1))
+    ref_weights = _weights(cpu_dir / "final" / weights_file)
+    for devices in (1, 8):
+        out = runs["seq"].result(f"{method}{devices}").stdout
+        out_dir = runs["tmp"] / f"{method}{devices}"
+        got = _losses(out_dir)
+        assert sorted(got) == sorted(reference), (devices, got)
+        for step in reference:
+            assert got[step] == pytest.approx(reference[step], rel=1e-4), (devices, step, got, reference)
+        weights = _weights(out_dir / "final" / weights_file)
+        assert weights.keys() == ref_weights.keys() and weights
+        for name in weights:
+            diff = (weights[name].float() - ref_weights[name].float()).abs().max().item()
+            assert diff <= 1e-5, (devices, name, diff)
+        assert f"Saved the {method} weights of step {STEPS}" in out
+    # the loss went down over the two epochs (the same batches in each: compare epoch means)
+    first, second = (sum(reference[s] for s in range(a, a + 5)) / 5 for a in (1, 6))
+    assert second < first - 0.02, reference
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_epoch_driven_xla_runs_take_every_step_with_bounded_compilations(runs, method):
+    """8 devices, `--train.epochs 2` and no max_steps: 10 optimizer steps (epochs x 40 samples / 8), not 10 / 8;
+    the train step compiles at most twice per padded length; checkpoints and the consolidated export are there."""
+    out = runs["seq"].result(f"{method}8").stdout
+    out_dir = runs["tmp"] / f"{method}8"
     m = re.search(r"XLA compilations: train step (\d+) for (\d+) padded length\(s\)", out)
     assert m, out[-2000:]
     compiles, lengths = int(m.group(1)), int(m.group(2))
     assert lengths == 2  # the data pads to two lengths (see _alpaca_rows)
     # per padded length: the first step (optimizer state created inside the graph) and the steady step, no more
     assert 1 <= compiles <= 2 * lengths, out[-2000:]
-    # sharded, complete checkpoints every 10 steps and the consolidated final weights
-    for step in (10, 20):
+    for step in (5, 10):
         assert (out_dir / f"step-{step:06d}" / "lit_checkpoint.json").is_file()
+        # the run's files are inside the checkpoint when it is committed, not copied in afterwards
+        assert (out_dir / f"step-{step:06d}" / "lit_config.json").is_file()
+        assert (out_dir / f"step-{step:06d}" / "finetune.json").is_file()
     assert (out_dir / "final" / METHODS[method][1]).is_file()
     assert (out_dir / "final" / "lit_config.json").is_file()
-    if method == "adapter":  # validation with a sample from the XLA generation code
-        assert re.search(r"step 10: val loss [\d.]+ \| sample: ", out), out[-2000:]
+    assert re.search(r"Throughput: [\d.]+ tokens/s .* over \d+ steady step", out), out[-2000:]
+    if method == "adapter":  # validation with a sample from the one generation loop
+        assert re.search(r"step 5: val loss [\d.]+ \| sample: ", out), out[-2000:]
 
 
 @pytest.mark.parametrize("method", list(METHODS))
@@ -265,19 +307,34 @@ def test_final_weights_generate_the_same_on_cpu_and_xla(runs, generations, metho
     assert "XLA compilations: 2 " in xla_log
 
 
-def test_resume_after_kill_matches_uninterrupted_run(runs):
-    killed = runs["seq"].result("killed", expect_ok=False)
-    out_dir = runs["tmp"] / "resumed"
-    assert killed.killed and killed.returncode != 0, killed.stdout[-2000:]
-    # the run died after its step-10 checkpoint and before anything later
-    assert (out_dir / "step-000010" / "lit_checkpoint.json").is_file()
-    assert "step-000020" not in killed.stdout and "Saved the adapter weights" not in killed.stdout
-    out = runs["seq"].result("resume").stdout
-    assert f"Resumed from {out_dir / 'step-000010'} at step 10" in out
+def test_lora_with_dropout_survives_kills_bit_exactly_and_exports_its_own_step(runs):
+    """SIGKILL after the step-4 checkpoint, then at a random moment; each time --resume auto. The losses and the
+    final LoRA weights equal the uninterrupted run's exactly. Then a run resumed from step 4 with --train.max_steps
+    4 exports step 4's weights, although the folder holds step 10."""
+    seq = runs["seq"]
+    reference_dir, soak = runs["tmp"] / "dropout8", runs["tmp"] / "soak"
+    seq.result("dropout8")
+    a = seq.result("soak_a", expect_ok=False)
+    assert a.killed and a.returncode != 0 and (soak / "step-000004" / "lit_checkpoint.json").is_file()
+    seq.result("soak_b", expect_ok=None)
+    c = seq.result("soak_c")
+    assert "Resumed from" in c.stdout or "Nothing to do" in c.stdout
+    assert _losses(soak) == _losses(reference_dir)
+    ref = _weights(reference_dir / "final" / "lit_model.pth.lora")
+    got = _weights(soak / "final" / "lit_model.pth.lora")
+    assert ref.keys() == got.keys() and ref
+    for name in ref:
+        assert torch.equal(ref[name], got[name]), (name, (ref[name] - got[name]).abs().max())
 
-    runs["seq"].result("adapter")
-    reference = _weights(runs["tmp"] / "adapter" / "final" / "lit_model.pth.adapter")
-    got = _weights(out_dir / "final" / "lit_model.pth.adapter")
-    assert reference.keys() == got.keys() and reference
-    for name in reference:
-        assert torch.equal(reference[name], got[name]), (name, (reference[name] - got[name]).abs().max())
+    # the export takes this run's last step: step 4 here, not the newer step 10 of the folder
+    from lit_gpt.xla.checkpoint import consolidate
+
+    again = subprocess.run(runs["cmd"]("lora", soak, "--resume", str(soak / "step-000004"), "--train.max_steps", "4",
+                                       args=SOAK), cwd=REPO, env=runs["env"](8), capture_output=True, text=True,
+                           timeout=TIMEOUT)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "Nothing to do" in again.stdout
+    consolidate(soak / "step-000004", runs["tmp"] / "step4.lora", key="model")
+    step4, final = _weights(runs["tmp"] / "step4.lora"), _weights(soak / "final" / "lit_model.pth.lora")
+    assert step4.keys() == final.keys() and all(torch.equal(step4[k], final[k]) for k in step4)
+    assert any(not torch.equal(step4[k], ref[k]) for k in step4)
