@@ -1,4 +1,4 @@
-"""Benchmark: the XLA finetuning step (lit_gpt/xla/finetune.py, what xla/finetune/*.py run) against the same step in
+"""Benchmark: the XLA finetuning step (lit_gpt/training.py fit with the XLA runtime, what xla/finetune/*.py run) against the same step in
 eager PyTorch on the CPU, same model and batch shape, one process.
 
     PJRT_DEVICE=CPU CPU_NUM_DEVICES=8 python bench/xla_finetune.py --method lora
@@ -96,6 +96,7 @@ def main(fabric, model_name, n_layer, method, steps, micro_batch_size, seq_len, 
     from lit_gpt.data import PreparedData, TrainBatches
     from lit_gpt.peft import finetuned_filter, finetuned_metadata
     from lit_gpt.xla import finetune
+    from lit_gpt.xla.runtime import XLARuntime
 
     base = Config.from_name(model_name, **({"n_layer": n_layer} if n_layer else {}))
     config, make_model, mark_trainable = build(method, base)
@@ -120,19 +121,20 @@ def main(fabric, model_name, n_layer, method, steps, micro_batch_size, seq_len, 
                     "labels": t.clone()} for _ in range(rows * 4)]
         data = training.RunData(
             train=TrainBatches(samples, rows, seq_len, seed=0, shuffle=False), val=[], max_seq_length=seq_len,
-            prepared=PreparedData(samples, []), sample_prompt=None,
+            prepared=PreparedData(samples, []), sample_prompt=None, steps_per_epoch=4, rows=rows,
         )
 
-        model = finetune.load_model(fabric, make_model, checkpoint_dir)
+        runtime = XLARuntime(fabric)
+        model = finetune.load_model(fabric, make_model, checkpoint_dir, own_filter=lambda key, value: own(key))
         if mark_trainable is not None:
             mark_trainable(model)
             m = training.Method(name=method, weights_file=f"lit_model.pth.{method}",
                                 save_filter=finetuned_filter(model), metadata=finetuned_metadata(model))
         else:
             m = training.Method(name="full", weights_file="lit_model.pth")
-        wrapped, opt = fabric.setup(model, finetune.build_optimizer(model, train))
-        summary = finetune.fit(fabric, wrapped, model, opt, data, m, checkpoint_dir=checkpoint_dir,
-                               out_dir=Path(tmp) / "out", train=train, eval=eval)
+        wrapped, opt = fabric.setup(model, training.build_optimizer(model, train))
+        summary = training.fit(fabric, wrapped, model, opt, data, m, checkpoint_dir=checkpoint_dir,
+                               out_dir=Path(tmp) / "out", train=train, eval=eval, runtime=runtime)
 
         flops_per_token = base.flops_per_token(seq_len) * (3 if m.trains_all else 2)
         steady = [(t, n) for t, compiles, n in summary["step_times"] if compiles == 0]
@@ -142,7 +144,7 @@ def main(fabric, model_name, n_layer, method, steps, micro_batch_size, seq_len, 
             return None
         step_time = statistics.median(t for t, _ in steady)
         tokens = steady[0][1]
-        peak_per_device = finetune.peak_flops()
+        peak_per_device = runtime.peak_flops()
         peak = peak_per_device * n_devices if peak_per_device else cpu_peak_flops()
         peak_name = "TPU bf16 peak x chips" if peak_per_device else "this CPU's fp32 torch.mm throughput"
 
@@ -182,7 +184,7 @@ def eager_step_time(make_model, mark_trainable, checkpoint_dir, train, rows, seq
     times = []
     for _ in range(4):
         t0 = time.perf_counter()
-        loss = training.loss_fn(model, x, x, targets_only=False)
+        loss = training.loss_sum(model, x, x, targets_only=False) / x.numel()
         loss.backward()
         torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
         opt.step()

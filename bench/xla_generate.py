@@ -67,12 +67,15 @@ def main(fabric, checkpoint_dir: Path, max_new_tokens: Tuple[int, ...], eager_re
     from lit_gpt.generate import generate as eager_generate
     from lit_gpt.generate import load_config, load_model
     from lit_gpt.tokenizer import Tokenizer
+    from lit_gpt.generate import timed_generate
     from lit_gpt.xla import load_staged
-    from lit_gpt.xla.generate import generate
+    from lit_gpt.xla.runtime import XLARuntime
 
     tokenizer = Tokenizer(checkpoint_dir)
     t0 = time.perf_counter()
-    model = fabric.setup_module(load_staged(load_config(checkpoint_dir), checkpoint_dir / "lit_model.pth", fabric))
+    model_config = load_config(checkpoint_dir)
+    model = fabric.setup_module(load_staged(model_config, checkpoint_dir / "lit_model.pth", fabric))
+    runtime = XLARuntime(fabric)  # the one generation loop with XLA's placement and graph cuts
     load_time = time.perf_counter() - t0
     cpu_model = load_model(checkpoint_dir) if eager_reference else None
     n_devices = fabric.strategy.num_devices
@@ -86,7 +89,8 @@ def main(fabric, checkpoint_dir: Path, max_new_tokens: Tuple[int, ...], eager_re
     for text in PROMPTS:
         ids = tokenizer.encode(text)
         for n in max_new_tokens:
-            r = generate(model, ids, n)
+            r = timed_generate(model, ids, n, runtime, temperature=0.0)
+            bucket = runtime.prompt_bucket(r.prompt_length, model_config.block_size)
             eager_speed, equal = None, None
             if cpu_model is not None:
                 # steady eager decode, comparable with the XLA column: (n - 1) tokens over the time a call of n
@@ -103,10 +107,10 @@ def main(fabric, checkpoint_dir: Path, max_new_tokens: Tuple[int, ...], eager_re
             xla_speed = r.decode_tokens_per_sec
             ratio = xla_speed / eager_speed if xla_speed and eager_speed else None
             fmt = lambda v, width: f"{v:>{width}.2f}" if v is not None else f"{'n/a':>{width}}"  # noqa: E731
-            print(f"{r.prompt_length:>6} {r.bucket:>6} {n:>4} {r.compiles:>8} {r.time_to_first_token:>7.2f}"
+            print(f"{r.prompt_length:>6} {bucket:>6} {n:>4} {r.compiles:>8} {r.time_to_first_token:>7.2f}"
                   f" {fmt(xla_speed, 9)} {fmt(eager_speed, 11)} {fmt(ratio, 9)}"
                   f" {str(equal) if equal is not None else 'n/a':>5}", flush=True)
-            rows.append({"prompt_tokens": r.prompt_length, "bucket": r.bucket, "new_tokens": n, "compiles": r.compiles,
+            rows.append({"prompt_tokens": r.prompt_length, "bucket": bucket, "new_tokens": n, "compiles": r.compiles,
                          "time_to_first_token_s": r.time_to_first_token, "xla_tokens_per_s": xla_speed,
                          "eager_tokens_per_s": eager_speed, "xla_over_eager": ratio, "tokens_equal": equal})
     print("compiles: XLA compilations of that call (prefill + decode: 2 for a new bucket or cache size, 0 otherwise);"

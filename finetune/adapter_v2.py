@@ -2,7 +2,7 @@
 `adapter_start_layer` on), a scale and bias on every linear layer, and the norms train.
 
     python scripts/prepare_alpaca.py --checkpoint_dir checkpoints/HuggingFaceTB/SmolLM2-135M-Instruct
-    python finetune/adapter.py --checkpoint_dir checkpoints/HuggingFaceTB/SmolLM2-135M-Instruct --data.data_dir data/alpaca
+    python finetune/adapter_v2.py --checkpoint_dir checkpoints/HuggingFaceTB/SmolLM2-135M-Instruct --data.data_dir data/alpaca
     python generate/adapter_v2.py --checkpoint_dir checkpoints/HuggingFaceTB/SmolLM2-135M-Instruct \\
         --adapter_path out/adapter_v2/alpaca/final/lit_model.pth.adapter_v2 --prompt "..."
 

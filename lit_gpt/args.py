@@ -5,7 +5,6 @@ jsonargparse turns each dataclass into a group of flags: `--train.micro_batch_si
 hyperparameter settable from the command line and identical across methods.
 """
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -24,15 +23,20 @@ class TrainArgs:
     max_steps: Optional[int] = None
     """Stop after this many optimizer steps. When unset, `epochs` decides."""
     epochs: int = 1
-    """Passes over the training set, used when `max_steps` is unset."""
+    """Passes over the training set, used when `max_steps` is unset. An epoch is floor(samples / global_batch_size)
+    optimizer steps on any number of devices (the few samples left over wait for the next epoch's shuffle)."""
     learning_rate: float = 3e-4
+    """Peak learning rate, reached after the warmup."""
     min_lr: float = 6e-5
     """The cosine schedule decays from `learning_rate` to `min_lr` at the last step."""
     lr_warmup_steps: int = 100
     """Linear warmup from 0 over this many optimizer steps (capped at the run's length)."""
     weight_decay: float = 0.02
+    """AdamW's decoupled weight decay (not applied to norms, biases and other 1-D parameters)."""
     beta1: float = 0.9
+    """AdamW's first-moment decay."""
     beta2: float = 0.95
+    """AdamW's second-moment decay."""
     max_norm: Optional[float] = 1.0
     """Clip the global gradient norm to this value; None disables clipping."""
     max_seq_length: Optional[int] = None
@@ -46,6 +50,8 @@ class TrainArgs:
 
     def validate(self, devices: int) -> None:
         """Raise a LitError for settings that cannot work together."""
+        if devices < 1:
+            raise LitError(f"--devices (and --num_nodes) must be >= 1 (got {devices} devices in all)")
         for name in ("global_batch_size", "micro_batch_size", "epochs", "log_interval"):
             if getattr(self, name) < 1:
                 raise LitError(f"--train.{name} must be >= 1 (got {getattr(self, name)})")
@@ -65,11 +71,6 @@ class TrainArgs:
         """Micro-batches per optimizer step on each device."""
         return self.global_batch_size // (self.micro_batch_size * devices)
 
-    def total_steps(self, batches_per_epoch: int, devices: int) -> int:
-        """Optimizer steps in the run: `max_steps`, or `epochs` passes over the micro-batches of one device."""
-        if self.max_steps is not None:
-            return self.max_steps
-        return max(1, math.ceil(self.epochs * batches_per_epoch / self.gradient_accumulation_iters(devices)))
 
 
 @dataclass

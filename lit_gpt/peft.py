@@ -134,6 +134,10 @@ def load_full_finetuned(checkpoint_dir: Union[str, Path], checkpoint_path: Union
     (a state dict, or `{"model": state dict, ...}` as finetune/full.py writes), built on the meta device."""
     config = load_config(checkpoint_dir)
     state = load_state_dict(checkpoint_path)
+    if state.get("method") in METHODS:  # a finetuned-weights file of a PEFT method, not a whole model
+        flag = "--lora_path" if state["method"] == "lora" else "--adapter_path"
+        raise LitError(f"{str(checkpoint_path)!r} holds {state['method']} weights, not a whole model: use"
+                       f" generate/{state['method']}.py {flag} {checkpoint_path}")
     state = state["model"] if isinstance(state.get("model"), dict) else state
     head, wte = state.get("lm_head.weight"), state.get("transformer.wte.weight")
     if config.tie_embeddings and head is not None and wte is not None and not torch.equal(head, wte):

@@ -70,6 +70,30 @@ def _as_tuple(x: Any) -> Any:
     return tuple(_as_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x
 
 
+def commit_folder(tmp: Path, directory: Path) -> None:
+    """Rename the complete folder `tmp` to `directory`; an existing `directory` is moved aside first and deleted
+    after, so at every moment one complete version exists under a name that `--resume` and the loaders accept."""
+    old = None
+    if directory.exists():
+        old = directory.with_name(f".{directory.name}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(directory, old)
+    os.replace(tmp, directory)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def write_error(directory: Path, partials: Sequence[Path], e: OSError) -> LitError:
+    """A checkpoint that could not be written (full disk, quota, permissions): its partial folders are removed,
+    the complete checkpoints before it stay, and the user gets one line."""
+    for partial in partials:
+        shutil.rmtree(partial, ignore_errors=True)
+    return LitError(
+        f"cannot write the checkpoint {str(directory)!r} ({e.strerror or e}): free space there or choose another"
+        " --out_dir, then continue with --resume auto (the earlier checkpoints are intact)"
+    )
+
+
 def resolve_accelerator(accelerator: str) -> str:
     """`--accelerator auto|cpu|cuda` -> "cpu" or "cuda", with one line when the choice cannot work here."""
     if accelerator not in ("auto", "cpu", "cuda", "gpu"):
@@ -235,17 +259,13 @@ class Runtime:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         self.barrier()
-        self.fabric.save(tmp / weights_file, state, filter=filter)
-        if self.rank == 0:
-            write_files(tmp)
-            old = None
-            if directory.exists():
-                old = directory.with_name(f".{directory.name}.old")
-                shutil.rmtree(old, ignore_errors=True)
-                os.replace(directory, old)
-            os.replace(tmp, directory)
-            if old is not None:
-                shutil.rmtree(old, ignore_errors=True)
+        try:
+            self.fabric.save(tmp / weights_file, state, filter=filter)
+            if self.rank == 0:
+                write_files(tmp)
+                commit_folder(tmp, directory)
+        except OSError as e:
+            raise write_error(directory, [tmp], e) from e
         self.barrier()
         return directory
 
@@ -256,7 +276,14 @@ class Runtime:
             return self.fabric.load(file, state, strict=False, weights_only=True)
         except (RuntimeError, KeyError, ValueError) as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise LitError(f"cannot resume from {str(file)!r} ({first})") from e
+            raise LitError(f"cannot resume from {str(file)!r} ({first}): pass a step folder that this recipe wrote") from e
+
+    def saved_method(self, directory: Path, weights_file: str) -> str:
+        """The method that wrote a step checkpoint ("full" when it records none), read before loading it."""
+        from lit_gpt.utils import load_state_dict
+
+        saved = load_state_dict(self.step_file(directory, weights_file))
+        return saved.get("method") or "full"
 
     def latest_step(self, out_dir: Path, weights_file: str) -> Optional[Path]:
         """The newest complete step checkpoint in `out_dir` (partial ones have another name)."""

@@ -595,17 +595,20 @@ def resume_run(
     run_config: Optional[Dict[str, Any]],
 ) -> Dict[str, Any]:
     """Restore model, optimizer, data position and every generator of every process from a step checkpoint."""
+    saved_method = runtime.saved_method(path, method.weights_file)
+    if saved_method != method.name:
+        raise LitError(
+            f"{str(path)!r} was written by a {saved_method} finetuning run, not {method.name}: resume it with the"
+            f" {saved_method} recipe, or pass a step folder of a {method.name} run"
+        )
     saved_run = Path(path) / RUN_FILE
     if run_config is not None and saved_run.is_file():
         check_same_run(json.loads(saved_run.read_text()), run_config, path)
     state: Dict[str, Any] = {"model": model, "optimizer": optimizer, "train_state": None}
-    rest = runtime.load_step(path, state, method.weights_file)
+    runtime.load_step(path, state, method.weights_file)
     train_state = state["train_state"]
     if not isinstance(train_state, dict):
         raise LitError(f"{str(path)!r} holds no training state (a final checkpoint?): resume from a step-XXXXXX one")
-    saved_method = rest.get("method") if isinstance(rest, dict) else None
-    if saved_method is not None and method.metadata.get("method") not in (None, saved_method):
-        raise LitError(f"{str(path)!r} was written by a {saved_method} run, not {method.name}")
     rows = train_state.get("rows", data.rows)
     if rows != data.rows:
         raise LitError(
@@ -742,6 +745,7 @@ def fit(
             running_steps = 0
         step_time = time.perf_counter() - t0
         new_compiles = runtime.compile_count() - c0
+        summary.setdefault("step_times", []).append((step_time, new_compiles, n_padded // runtime.num_processes))
         length = max(b["input_ids"].size(1) for b in batches)
         step_compiles[length] = step_compiles.get(length, 0) + new_compiles
         if first_step_of_run or new_compiles:
@@ -786,10 +790,14 @@ def fit(
                 bar.write(f"step {step}: val loss {val_loss:.4f}" + (f" | sample: {text!r}" if text else ""))
 
         if (train.save_interval is not None and step % train.save_interval == 0) or step == total_steps:
+            rng = runtime.rng_state()
             train_state = {"step": step, "data": data.train.state_dict(), "total_steps": total_steps, "rows": data.rows,
-                           "rng": runtime.gather_objects(runtime.rng_state())}
+                           "rng": runtime.gather_objects(rng)}
             state = {"model": model, "optimizer": optimizer, "train_state": train_state, **method.metadata}
             last_saved = runtime.save_step(step_dir(out_dir, step), state, filters, method.weights_file, write_files)
+            # go on from the saved generator state, like a run resumed from this checkpoint: saving may advance a
+            # backend's generator (XLA advances its seed at every graph cut, and a save cuts the graph)
+            runtime.set_rng_state(rng)
             bar.write(f"saved {last_saved}") if runtime.rank == 0 else None
         other_compiles += runtime.compile_count() - c1
     bar.close()

@@ -57,7 +57,15 @@ def setup_fabric(
         devices, default_precision(precision), activation_checkpointing=activation_checkpointing,
         compile_cache_dir=compile_cache_dir, loggers=training.make_logger(out_dir, logger_name),
     )
-    train.validate(pjrt_device_count())
+    n = pjrt_device_count()
+    if train.global_batch_size < train.micro_batch_size * n:
+        # a slice with more chips than the default global batch: one micro-batch per chip is the smallest step
+        fabric.print(
+            f"note: --train.global_batch_size {train.global_batch_size} < micro_batch_size x devices"
+            f" ({train.micro_batch_size} x {n}): using {train.micro_batch_size * n} (the learning rate is not rescaled)"
+        )
+        train.global_batch_size = train.micro_batch_size * n
+    train.validate(n)
     return fabric
 
 

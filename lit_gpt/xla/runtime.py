@@ -166,15 +166,35 @@ class XLARuntime(Runtime):
     ) -> Path:
         """A sharded checkpoint directory (every host writes its shards; atomic: `save_sharded`), with the run's
         files written inside before it is committed."""
+        from lit_gpt.runtime import write_error
         from lit_gpt.xla.checkpoint import save_sharded
 
-        return save_sharded(directory, state, filter=filter, write_files=write_files)
+        try:
+            return save_sharded(directory, state, filter=filter, write_files=write_files)
+        except OSError as e:
+            directory = Path(directory)
+            raise write_error(directory, list(directory.parent.glob(f".{directory.name}.tmp-*")), e) from e
 
     def load_step(self, directory: Path, state: Dict[str, Any], weights_file: str) -> Dict[str, Any]:
         from lit_gpt.xla.checkpoint import check_complete
 
+        from torch.distributed.checkpoint.api import CheckpointException
+
         check_complete(directory)
-        return self.fabric.load(directory, state, strict=False)  # strict=False: PEFT saves the trained weights only
+        try:
+            # strict=False: PEFT checkpoints hold the trained weights only
+            return self.fabric.load(directory, state, strict=False)
+        except (RuntimeError, KeyError, ValueError, CheckpointException) as e:  # DCP's is a BaseException
+            reasons = [str(x) for x in getattr(e, "failures", {}).values()] or [str(e)]
+            first = reasons[0].strip().splitlines()[-1] if reasons[0].strip() else type(e).__name__
+            raise LitError(
+                f"cannot resume from {str(directory)!r} ({first}): pass a step folder that this recipe wrote"
+            ) from e
+
+    def saved_method(self, directory: Path, weights_file: str) -> str:
+        from lit_gpt.xla.checkpoint import read_values
+
+        return read_values(directory).get("method") or "full"
 
     def latest_step(self, out_dir: Path, weights_file: str) -> Optional[Path]:
         # every host lists what it holds (per-host disks may differ); host 0 picks the newest step all hold
@@ -195,9 +215,9 @@ class XLARuntime(Runtime):
         """Consolidate the trained weights of `step` (this run's last step checkpoint) into `final/weights_file`,
         streamed tensor by tensor, in the format the GPU/CPU recipes write. Host 0 does it, into a temporary
         folder renamed when complete; the other hosts' shards must be readable from it (shared storage)."""
-        import os
         import shutil
 
+        from lit_gpt.runtime import commit_folder, write_error
         from lit_gpt.xla.checkpoint import consolidate
 
         final = Path(final)
@@ -205,14 +225,12 @@ class XLARuntime(Runtime):
             tmp = final.with_name(f".{final.name}.partial")
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
-            consolidate(step, tmp / weights_file, key="model")
-            write_files(tmp)
-            if final.exists():
-                old = final.with_name(f".{final.name}.old")
-                shutil.rmtree(old, ignore_errors=True)
-                os.replace(final, old)
-                shutil.rmtree(old, ignore_errors=True)
-            os.replace(tmp, final)
+            try:
+                consolidate(step, tmp / weights_file, key="model")
+                write_files(tmp)
+                commit_folder(tmp, final)
+            except OSError as e:
+                raise write_error(final, [tmp], e) from e
         self.barrier()
         return final / weights_file
 
