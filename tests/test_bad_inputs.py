@@ -405,6 +405,8 @@ CASES = [
     Case("finetune-used-out-dir-without-resume", used_out_dir, r"(?i)--resume.*(out_dir|folder)", owner="recipes"),
     Case("finetune-every-target-cropped", lambda d, fx: finetune("lora", d, fx, "--train.max_seq_length", "16"),
          r"(?i)max_seq_length", owner="recipes"),
+    Case("finetune-disk-full", lambda d, fx: finetune("full", d, fx), r"(?i)cannot write .*(File too large|disk)",
+         owner="recipes", fsize=12_000),
     Case("finetune-missing-data", lambda d, fx: finetune("full", d, fx, data=d / "nodata"),
          r"no prepared data in .*nodata", owner="recipes"),
     Case("finetune-bad-batch-sizes", lambda d, fx: finetune("adapter", d, fx, "--train.global_batch_size", "3",
