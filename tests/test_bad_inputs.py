@@ -371,6 +371,15 @@ CASES = [
         d / "hf" / "model.safetensors", b"weights").parent),
          r"no lit_model\.pth in '.*hf', only Hugging Face weights: convert them with"
          r" python scripts/convert_hf_checkpoint\.py --checkpoint_dir"),
+    Case("generate-garbage-tokenizer", lambda d, fx: generate("generate/base.py", fx, "--checkpoint_dir", with_file(
+        d, fx, "tokenizer.json", "{not a tokenizer")), r"cannot load '.*ckpt/tokenizer\.json'"),
+    Case("generate-nested-tokenizer-config", lambda d, fx: generate("generate/base.py", fx, "--checkpoint_dir", with_file(
+        d, fx, "tokenizer_config.json", "[" * 100_000 + "]" * 100_000)),
+         r"'.*ckpt/tokenizer_config\.json' is not valid JSON \(maximum recursion depth"),
+    Case("generate-broken-chat-template", lambda d, fx: generate("generate/base.py", fx, "--prompt_style", "chat",
+                                                                 "--checkpoint_dir", with_file(
+        d, fx, "tokenizer_config.json", json.dumps({"eos_token": "<|im_end|>", "chat_template": "{% for m in x %}"}))),
+         r"chat template is not valid Jinja"),
     Case("generate-missing-checkpoint", lambda d, fx: generate("generate/base.py", fx, "--checkpoint_dir",
                                                                d / "org" / "model"),
          r"'.*model' does not exist.*download\.py --repo_id org/model"),
@@ -446,6 +455,12 @@ def with_weights(d: Path, fx: Fixtures, damage: Callable[[Path], object]) -> Pat
     if damage is truncate_in_place:
         shutil.copy(fx.ckpt / "lit_model.pth", ckpt / "lit_model.pth")
     damage(ckpt / "lit_model.pth")
+    return ckpt
+
+
+def with_file(d: Path, fx: Fixtures, name: str, content: str) -> Path:
+    ckpt = copy_ckpt(d, fx)
+    (ckpt / name).write_text(content)
     return ckpt
 
 
