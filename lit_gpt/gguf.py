@@ -162,7 +162,8 @@ def _check_existing(
         except (OSError, ValueError, RecursionError):
             return False
 
-    if len(present) == len(OUTPUT_FILES) and same("config.json", hf_config) and same("tokenizer_config.json", tokenizer_config):
+    complete = len(present) == len(OUTPUT_FILES)
+    if complete and same("config.json", hf_config) and same("tokenizer_config.json", tokenizer_config):
         print(
             f"{checkpoint_dir} already holds a conversion of {gguf_path.name} (same config and tokenizer): nothing to"
             " do (--overwrite true converts again)",

@@ -148,7 +148,8 @@ def load_error_detail(error: BaseException) -> str:
     if mismatches:
         name, ckpt, model = mismatches[0]
         more = f" (and {len(mismatches) - 1} more tensors)" if len(mismatches) > 1 else ""
-        return f"tensor {name} has shape {ckpt.replace(' ', '')} in the checkpoint but {model.replace(' ', '')} in the model{more}"
+        ckpt, model = ckpt.replace(" ", ""), model.replace(" ", "")
+        return f"tensor {name} has shape {ckpt} in the checkpoint but {model} in the model{more}"
     for label in ("Missing key(s) in state_dict", "Unexpected key(s) in state_dict"):
         line = next((x for x in message.splitlines() if label in x), None)
         if line is not None:

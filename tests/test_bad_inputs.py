@@ -206,6 +206,8 @@ def xla_env() -> Dict[str, str]:
             "XLA_FLAGS": "--xla_backend_optimization_level=0"}
 
 
+NESTED = "[" * 100_000 + "]" * 100_000  # deeper than the JSON parser's recursion limit
+
 CASES = [
     # --- converters: never overwrite, never traceback -----------------------------------------------------------
     Case("gguf-missing-file", lambda d, fx: py("scripts/convert_gguf_checkpoint.py", "--gguf_path", d / "no.gguf",
@@ -282,7 +284,8 @@ CASES = [
     # --- data preparation ------------------------------------------------------------------------------------------
     Case("json-deeply-nested", lambda d, fx: py(
         "scripts/prepare_json.py", "--data_file", write(d / "deep.json", "[" * 50_000 + "]" * 50_000),
-        "--checkpoint_dir", fx.ckpt, "--destination_path", d / "o"), r"deep\.json:1: row 1 of the JSON array is nested too deeply"),
+        "--checkpoint_dir", fx.ckpt, "--destination_path", d / "o"),
+         r"deep\.json:1: row 1 of the JSON array is nested too deeply"),
     Case("json-missing-file", lambda d, fx: py("scripts/prepare_json.py", "--data_file", d / "none.json",
                                                "--checkpoint_dir", fx.ckpt, "--destination_path", d / "o"),
          r"data file .*none\.json' not found"),
@@ -373,8 +376,8 @@ CASES = [
          r" python scripts/convert_hf_checkpoint\.py --checkpoint_dir"),
     Case("generate-garbage-tokenizer", lambda d, fx: generate("generate/base.py", fx, "--checkpoint_dir", with_file(
         d, fx, "tokenizer.json", "{not a tokenizer")), r"cannot load '.*ckpt/tokenizer\.json'"),
-    Case("generate-nested-tokenizer-config", lambda d, fx: generate("generate/base.py", fx, "--checkpoint_dir", with_file(
-        d, fx, "tokenizer_config.json", "[" * 100_000 + "]" * 100_000)),
+    Case("generate-nested-tokenizer-config", lambda d, fx: generate(
+        "generate/base.py", fx, "--checkpoint_dir", with_file(d, fx, "tokenizer_config.json", NESTED)),
          r"'.*ckpt/tokenizer_config\.json' is not valid JSON \(maximum recursion depth"),
     Case("generate-broken-chat-template", lambda d, fx: generate("generate/base.py", fx, "--prompt_style", "chat",
                                                                  "--checkpoint_dir", with_file(
@@ -708,7 +711,8 @@ def runner(fx, request):
 
 def describe(o: Outcome) -> str:
     cmd = " ".join(a.decode("utf-8", "replace") if isinstance(a, bytes) else str(a) for a in o.argv)
-    return f"\n$ {cmd}\nexit {o.returncode} after {o.seconds:.1f} s\n--- stdout:\n{o.stdout[-1500:]}\n--- stderr:\n{o.stderr[-3000:]}"
+    return (f"\n$ {cmd}\nexit {o.returncode} after {o.seconds:.1f} s\n--- stdout:\n{o.stdout[-1500:]}"
+            f"\n--- stderr:\n{o.stderr[-3000:]}")
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])

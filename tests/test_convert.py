@@ -168,7 +168,8 @@ def test_export_finetuned_weights_sharded_with_side_files(llama_dir, tmp_path):
 
     # exporting into a folder that holds a model is refused, leaving it as it was ...
     before = {p.name: p.read_bytes() for p in out.iterdir()}
-    with pytest.raises(LitError, match=r"already holds config\.json.*refusing to overwrite.*--output_dir.*--overwrite true"):
+    refused = r"already holds config\.json.*refusing to overwrite.*--output_dir.*--overwrite true"
+    with pytest.raises(LitError, match=refused):
         convert_lit_checkpoint(llama_dir, out, checkpoint_path=finetuned, dtype="bfloat16")
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     # ... and with overwrite, exporting again unsharded into the same folder leaves no stale shards behind

@@ -180,7 +180,8 @@ def test_on_bad_rows_error_rejects_and_all_bad_is_an_error(tiny_dir, tmp_path):
     src = write_json(tmp_path / "d.json", [{"instruction": "a", "output": "b"}, {"instruction": "c", "output": ""}])
     parsed, bad = rows_of(src)
     # a one-line JSON array: the element number finds the row, the line number alone would not
-    with pytest.raises(LitError, match=r"1 bad row\(s\): row 2 \(line 1\): field 'output' is empty.*--on_bad_rows skip"):
+    refused = r"1 bad row\(s\): row 2 \(line 1\): field 'output' is empty.*--on_bad_rows skip"
+    with pytest.raises(LitError, match=refused):
         data.prepare(parsed, bad, checkpoint_dir=tiny_dir, destination=tmp_path / "o", source=str(src),
                      on_bad_rows="error")
     assert not (tmp_path / "o" / "meta.json").exists()

@@ -250,7 +250,8 @@ def test_an_existing_checkpoint_folder_is_never_overwritten_silently(synthetic, 
     config = json.loads((out / "config.json").read_text())
     (out / "config.json").write_text(json.dumps({**config, "rms_norm_eps": 1e-6}))
     before = files()
-    with pytest.raises(LitError, match=r"already holds config\.json.*refusing to overwrite.*--checkpoint_dir.*--overwrite true"):
+    refused = r"already holds config\.json.*refusing to overwrite.*--checkpoint_dir.*--overwrite true"
+    with pytest.raises(LitError, match=refused):
         convert_gguf(gguf_path, out)
     assert files() == before
     (out / "config.json").unlink()
