@@ -14,7 +14,6 @@ architecture stores one block per KV group.
 import json
 import os
 import re
-import shutil
 import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
