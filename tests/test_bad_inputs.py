@@ -385,6 +385,13 @@ CASES = [
                                                                  "--checkpoint_dir", with_file(
         d, fx, "tokenizer_config.json", json.dumps({"eos_token": "<|im_end|>", "chat_template": "{% for m in x %}"}))),
          r"chat template is not valid Jinja"),
+    Case("generate-lora-on-base-of-another-shape", lambda d, fx: generate(
+        "generate/lora.py", fx, "--checkpoint_dir", with_other_config(d, fx), "--lora_path",
+        fx.lora_final / "lit_model.pth.lora"),
+         r"tensor [\w.]+ has shape \[\d+(,\d+)*\] in the checkpoint but \[\d+(,\d+)*\] in the model", owner="recipes"),
+    Case("finetune-base-of-another-shape", lambda d, fx: finetune("lora", d, fx, "--checkpoint_dir",
+                                                                  with_other_config(d, fx)),
+         r"tensor [\w.]+ has shape \[\d+(,\d+)*\] in the checkpoint but \[\d+(,\d+)*\] in the model", owner="recipes"),
     Case("generate-missing-checkpoint", lambda d, fx: generate("generate/base.py", fx, "--checkpoint_dir",
                                                                d / "org" / "model"),
          r"'.*model' does not exist.*download\.py --repo_id org/model"),
