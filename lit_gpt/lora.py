@@ -10,8 +10,6 @@ model runs at base speed; `scripts/merge_lora.py` writes the result as a plain c
 
 import json
 import math
-import os
-import shutil
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal, Optional, Sequence
@@ -24,7 +22,7 @@ from lit_gpt.config import Config as BaseConfig
 from lit_gpt.convert import HF_SIDE_FILES
 from lit_gpt.model import GPT as BaseModel
 from lit_gpt.peft import base_config, load_variant_model
-from lit_gpt.utils import LitError, save_atomic
+from lit_gpt.utils import LitError, copy_file_atomic, save_atomic, write_text_atomic
 
 
 @dataclass
@@ -247,12 +245,10 @@ def merge_lora_checkpoint(checkpoint_dir: Path, lora_path: Path, out_dir: Option
 
     for name in HF_SIDE_FILES:
         if (checkpoint_dir / name).is_file():
-            shutil.copyfile(checkpoint_dir / name, out_dir / name)
+            copy_file_atomic(checkpoint_dir / name, out_dir / name)
     if (checkpoint_dir / "config.json").is_file():
         hf = json.loads((checkpoint_dir / "config.json").read_text())
         if hf.get("tie_word_embeddings") and not config.tie_embeddings:
             hf["tie_word_embeddings"] = False  # a merged LoRA head is no longer the embedding matrix
-        tmp = out_dir / ".config.json.tmp"
-        tmp.write_text(json.dumps(hf, indent=2))
-        os.replace(tmp, out_dir / "config.json")
+        write_text_atomic(out_dir / "config.json", json.dumps(hf, indent=2))
     return out_path

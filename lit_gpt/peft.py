@@ -23,7 +23,7 @@ import torch.nn as nn
 from lit_gpt.config import Config
 from lit_gpt.config import load_config
 from lit_gpt.model import GPT
-from lit_gpt.utils import LitError, check_checkpoint_dir, load_state_dict, save_atomic
+from lit_gpt.utils import LitError, load_error_detail, check_checkpoint_dir, load_state_dict, save_atomic
 
 METHODS = ("adapter", "adapter_v2", "lora")
 
@@ -118,8 +118,7 @@ def _load_part(model: nn.Module, state: Dict[str, torch.Tensor], path: Path, all
     try:
         result = model.load_state_dict(state, strict=False, assign=True)
     except RuntimeError as e:
-        first = str(e).strip().splitlines()[0]
-        raise LitError(f"checkpoint {str(path)!r} does not match the model config ({first})") from e
+        raise LitError(f"checkpoint {str(path)!r} does not match the model config ({load_error_detail(e)})") from e
     if result.unexpected_keys:
         raise LitError(f"checkpoint {str(path)!r} has weights the model lacks (e.g. {result.unexpected_keys[0]!r}):"
                        " it belongs to another model or variant config")

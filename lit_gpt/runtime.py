@@ -28,7 +28,7 @@ from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence
 import torch
 import torch.nn as nn
 
-from lit_gpt.utils import LitError
+from lit_gpt.utils import LitError, load_error_detail
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 FINAL_DIR = "final"
@@ -275,8 +275,9 @@ class Runtime:
         try:
             return self.fabric.load(file, state, strict=False, weights_only=True)
         except (RuntimeError, KeyError, ValueError) as e:
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise LitError(f"cannot resume from {str(file)!r} ({first}): pass a step folder that this recipe wrote") from e
+            raise LitError(
+                f"cannot resume from {str(file)!r} ({load_error_detail(e)}): pass a step folder that this recipe wrote"
+            ) from e
 
     def saved_method(self, directory: Path, weights_file: str) -> str:
         """The method that wrote a step checkpoint ("full" when it records none), read before loading it."""

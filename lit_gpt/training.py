@@ -41,7 +41,7 @@ from lit_gpt.args import DataArgs, EvalArgs, TrainArgs
 from lit_gpt.config import load_config  # noqa: F401  (the recipes' `training.load_config`: the one loader)
 from lit_gpt.data import IGNORE_INDEX, PreparedData, TrainBatches, count_cropped, load_prepared, val_batches
 from lit_gpt.runtime import FINAL_DIR, STEP_DIR, Runtime, param_dtype, resolve_accelerator
-from lit_gpt.utils import LitError, check_checkpoint_dir, load_state_dict, num_parameters
+from lit_gpt.utils import LitError, load_error_detail, check_checkpoint_dir, load_state_dict, num_parameters
 
 Precision = Literal["32-true", "bf16-true", "bf16-mixed", "16-true", "16-mixed"]
 COPIED_FILES = (
@@ -201,8 +201,7 @@ def load_base_weights(
     try:
         result = model.load_state_dict(state, strict=False, assign=assign)
     except RuntimeError as e:
-        first = str(e).strip().splitlines()[0]
-        raise LitError(f"checkpoint {str(path)!r} does not match the model config ({first})") from e
+        raise LitError(f"checkpoint {str(path)!r} does not match the model config ({load_error_detail(e)})") from e
     if result.unexpected_keys:
         raise LitError(f"checkpoint {str(path)!r} has weights the model lacks (e.g. {result.unexpected_keys[0]!r})")
     own = own_filter or (lambda k, v: False)
@@ -260,7 +259,8 @@ def setup_model(
         # FSDP materialises (and shards) the meta-initialised blocks itself; the weights are loaded after sharding
         with fabric.init_module(empty_init=True):
             model = build()
-        materialize_outside(model, Block, fabric.device)  # keeps a tied head tied (see its docstring)
+        if getattr(getattr(model, "config", None), "tie_embeddings", False):
+            materialize_outside(model, Block, fabric.device)  # keeps a tied head tied (see its docstring)
         if mark_trainable is not None:
             mark_trainable(model)
         wrapped = fabric.setup_module(model)

@@ -23,7 +23,9 @@ Loading (lit_gpt.xla.loader)
 Sharded checkpoints (lit_gpt.xla.checkpoint; fabric.save(dir, state) / fabric.load(dir, state) call these)
     save_sharded(dir, state, filter=None) -> Path      atomic; every host writes its own shards
     load_sharded(dir, state, strict=True) -> dict      in place; returns saved values not asked for
-    latest_checkpoint(out_dir) -> Optional[Path]        newest complete checkpoint (for --resume auto)
+    latest_checkpoint(out_dir) -> Optional[Path]        newest complete checkpoint on this host
+    agreed_latest_checkpoint(out_dir) -> Optional[Path] the newest every host holds (what --resume auto takes)
+    verify_files(dir)                                   sizes and CRC32s recorded at save time
     consolidate(dir, output=None, key="model") -> Path  one lit_model.pth, streaming
                                                          (CLI: xla/scripts/consolidate_checkpoint.py)
 
@@ -53,6 +55,8 @@ _EXPORTS = {
     "save_sharded": "checkpoint",
     "load_sharded": "checkpoint",
     "latest_checkpoint": "checkpoint",
+    "agreed_latest_checkpoint": "checkpoint",
+    "verify_files": "checkpoint",
     "consolidate": "checkpoint",
     "is_complete": "checkpoint",
     "sync": "diagnostics",
