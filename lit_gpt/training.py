@@ -700,7 +700,8 @@ def fit(
     warmup = {"time": 0.0, "steps": 0}
     step_compiles: Dict[int, int] = {}  # padded length -> graphs compiled in steps that used it
     other_compiles = 0
-    tokens_seen = 0
+    tokens_seen = padded_seen = 0
+    train_time = 0.0
     summary: Dict[str, Any] = {"steps": step, "first_step": step + 1, "losses": {}, "train_loss": None,
                                "val_loss": None, "total_steps": total_steps}
     bar = tqdm(total=total_steps, initial=step, desc=f"finetune {method.name}", disable=runtime.rank != 0,
@@ -736,6 +737,7 @@ def fit(
         n_tokens = sum(b["n_tokens"] for b in batches) * runtime.num_processes
         n_padded = sum(b["input_ids"].numel() for b in batches) * runtime.num_processes
         tokens_seen += n_tokens
+        padded_seen += n_padded
 
         loss_value = None
         if step % train.log_interval == 0 or step == total_steps:
@@ -744,6 +746,7 @@ def fit(
             running_loss = runtime.zeros(())
             running_steps = 0
         step_time = time.perf_counter() - t0
+        train_time += step_time
         new_compiles = runtime.compile_count() - c0
         summary.setdefault("step_times", []).append((step_time, new_compiles, n_padded // runtime.num_processes))
         length = max(b["input_ids"].size(1) for b in batches)
@@ -762,7 +765,9 @@ def fit(
         if loss_value is not None:
             summary["losses"][step] = loss_value
             metrics: Dict[str, Any] = {"loss": loss_value, "lr": optimizer.param_groups[0]["lr"], "step": step,
-                                       "epoch": data.train.epoch, "tokens": tokens_seen, "step_time": step_time}
+                                       "epoch": data.train.epoch, "tokens": tokens_seen, "step_time": step_time,
+                                       # cumulative, named like Lightning's ThroughputMonitor columns
+                                       "time": train_time, "lengths": padded_seen}
             if steady["time"] > 0:
                 metrics["tokens_per_sec"] = steady["tokens"] / steady["time"]
                 metrics["padded_tokens_per_sec"] = steady["padded"] / steady["time"]
