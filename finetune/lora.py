@@ -41,7 +41,7 @@ def setup(
     data: DataArgs = DataArgs(),
     train: TrainArgs = TrainArgs(global_batch_size=16, micro_batch_size=1, learning_rate=3e-4),
     eval: EvalArgs = EvalArgs(),
-    logger_name: Literal["csv", "tensorboard"] = "csv",
+    logger_name: Literal["csv", "tensorboard", "wandb"] = "csv",
     accelerator: Literal["auto", "cpu", "cuda"] = "auto",
     num_nodes: int = 1,
 ) -> dict:
@@ -68,7 +68,8 @@ def setup(
         data: Where the prepared data is and how it is batched.
         train: Optimisation and checkpointing.
         eval: Validation.
-        logger_name: "csv" or "tensorboard" (under out_dir/logs).
+        logger_name: "csv", "tensorboard" or "wandb" (under out_dir/logs; W&B: project from WANDB_PROJECT,
+            offline with WANDB_MODE=offline).
         accelerator: "cpu", "cuda" or "auto" (a GPU when one is visible, else the CPU).
         num_nodes: Machines to train on, `devices` processes each (launched by torchrun or SLURM on every node).
     """

@@ -88,7 +88,7 @@ def setup_fabric(
     devices: int,
     precision: Optional[str],
     out_dir: Path,
-    logger_name: Literal["csv", "tensorboard"] = "csv",
+    logger_name: Literal["csv", "tensorboard", "wandb"] = "csv",
     strategy: Literal["auto", "ddp", "fsdp"] = "auto",
     block_cls: Optional[Type[nn.Module]] = None,
     accelerator: str = "auto",
@@ -168,7 +168,22 @@ def check_out_dir(out_dir: Path, resume: Union[bool, str, Path]) -> None:
 
 
 def make_logger(out_dir: Path, name: str) -> Any:
-    """The CSV or TensorBoard logger under out_dir/logs (the GPU/CPU and the XLA recipes log alike)."""
+    """The CSV, TensorBoard or Weights & Biases logger under out_dir/logs (the GPU/CPU and the XLA recipes log
+    alike). W&B takes its project from WANDB_PROJECT (default "lit-gpt-xla") and runs offline with
+    WANDB_MODE=offline (sync later with `wandb sync`)."""
+    if name == "wandb":
+        try:
+            import wandb  # noqa: F401  (Lightning's logger imports it lazily: fail here, with the fix)
+        except ImportError:
+            raise LitError("--logger_name wandb needs the wandb package: pip install wandb") from None
+        import os
+
+        from lightning.pytorch.loggers import WandbLogger
+
+        logs = Path(out_dir) / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        return WandbLogger(save_dir=str(logs), project=os.environ.get("WANDB_PROJECT", "lit-gpt-xla"),
+                           name=Path(out_dir).name)
     if name == "csv":
         from lightning.fabric.loggers import CSVLogger
 
@@ -177,7 +192,7 @@ def make_logger(out_dir: Path, name: str) -> Any:
         from lightning.fabric.loggers import TensorBoardLogger
 
         return TensorBoardLogger(root_dir=Path(out_dir) / "logs", name="tensorboard")
-    raise LitError(f"--logger_name must be 'csv' or 'tensorboard', got {name!r}")
+    raise LitError(f"--logger_name must be 'csv', 'tensorboard' or 'wandb', got {name!r}")
 
 
 def uses_fsdp(fabric: L.Fabric) -> bool:
@@ -671,6 +686,11 @@ def fit(
     runtime.set_rope(raw_model, min(rope, block_size))
     filters = {"model": method.save_filter} if method.save_filter is not None else None
     write_files = run_files(checkpoint_dir, run_config)
+    if run_config is not None:
+        # the run's arguments beside its metrics (CSV: hparams.yaml; TensorBoard: hparams; W&B: the run config);
+        # a resumed run logs a new version and records them again
+        for logger in fabric.loggers:
+            logger.log_hyperparams(json.loads(json.dumps(run_config, default=str)))
     has_val = bool(data.prepared.val)  # the same on every process, also one that got no validation batch
 
     step = 0

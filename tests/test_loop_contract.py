@@ -452,3 +452,23 @@ def test_a_full_disk_during_a_save_is_one_line_and_leaves_no_partial_checkpoint(
     assert fabric_save["patched"]
     assert sorted(p.name for p in out.iterdir() if p.name != "logs") == ["step-000001"]
     assert (out / "step-000001" / "lit_model.pth.lora").is_file()
+
+
+def test_wandb_logger_offline_records_metrics_and_the_run_config(tiny_dir, data_dir, tmp_path, monkeypatch):
+    """`--logger_name wandb` with WANDB_MODE=offline: the run's files under out_dir/logs/wandb, with the losses and
+    the run's arguments, and nothing sent anywhere."""
+    pytest.importorskip("wandb", reason="wandb is in requirements-test.txt")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_PROJECT", "contract-test")
+    out = tmp_path / "out"
+    load_recipe("lora").setup(**args("lora", tiny_dir, data_dir, out, steps=2, logger_name="wandb"))
+    import wandb
+
+    wandb.finish()
+    runs = list((out / "logs" / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1, list((out / "logs").rglob("*"))[:20]
+    # offline, the run is one record file (what `wandb sync` uploads): the run config and the metrics are in it
+    records = next(runs[0].glob("run-*.wandb")).read_bytes()
+    for name in (b"lora_r", b"learning_rate", b"global_batch_size", b"loss", b"tokens_per_sec"):
+        assert name in records, name

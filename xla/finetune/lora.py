@@ -41,7 +41,7 @@ def setup(
     data: DataArgs = DataArgs(pad_pow2=True),
     train: TrainArgs = TrainArgs(global_batch_size=16, micro_batch_size=1, learning_rate=3e-4, lr_warmup_steps=20),
     eval: EvalArgs = EvalArgs(),
-    logger_name: Literal["csv", "tensorboard"] = "csv",
+    logger_name: Literal["csv", "tensorboard", "wandb"] = "csv",
     compile_cache_dir: Optional[Path] = None,
     xla_metrics: bool = False,
     accelerator: str = "auto",
@@ -71,7 +71,8 @@ def setup(
             the train step compiles once per length bucket).
         train: Optimisation and checkpointing (micro_batch_size is per device).
         eval: Validation.
-        logger_name: "csv" or "tensorboard" (under out_dir/logs).
+        logger_name: "csv", "tensorboard" or "wandb" (under out_dir/logs; W&B: project from WANDB_PROJECT,
+            offline with WANDB_MODE=offline).
         compile_cache_dir: Persistent XLA compilation cache: a second run skips compiling (TPU/GPU).
         xla_metrics: Print torch_xla's metrics report (compilations, transfers, timings) at the end.
         accelerator: The PJRT device: "auto" (the TPU when there is one, else the CPU), "tpu", "cpu" or "cuda".
