@@ -687,10 +687,14 @@ def fit(
     filters = {"model": method.save_filter} if method.save_filter is not None else None
     write_files = run_files(checkpoint_dir, run_config)
     if run_config is not None:
-        # the run's arguments beside its metrics (CSV: hparams.yaml; TensorBoard: hparams; W&B: the run config);
-        # a resumed run logs a new version and records them again
+        # the run's arguments beside its metrics (TensorBoard: hparams; W&B: the run config; Fabric's CSV logger
+        # has no place for them: finetune.json in every checkpoint folder holds them); a resumed run logs a new
+        # version and records them again
         for logger in fabric.loggers:
-            logger.log_hyperparams(json.loads(json.dumps(run_config, default=str)))
+            try:
+                logger.log_hyperparams(json.loads(json.dumps(run_config, default=str)))
+            except NotImplementedError:
+                pass
     has_val = bool(data.prepared.val)  # the same on every process, also one that got no validation batch
 
     step = 0
