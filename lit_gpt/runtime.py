@@ -236,8 +236,6 @@ class Runtime:
             pass
 
     # ----------------------------------------------------------------- checkpoints
-    checkpoint_kind = "file"
-
     def step_file(self, directory: Path, weights_file: str) -> Path:
         """What a step checkpoint directory must hold to count as complete."""
         return Path(directory) / weights_file

@@ -149,8 +149,6 @@ class XLARuntime(Runtime):
         xm.set_rng_state(seed, self.device)
 
     # ----------------------------------------------------------------- checkpoints
-    checkpoint_kind = "sharded"
-
     def step_file(self, directory: Path, weights_file: str) -> Path:
         from lit_gpt.xla.checkpoint import MARKER
 
