@@ -57,7 +57,7 @@ class Locked:
 
 
 def fail(message, code=1):
-    print(f"ERROR: (gcloud.{'.'.join(cmd)}) {message}", file=sys.stderr)
+    print(f"ERROR: (gcloud.compute.tpus.{'.'.join(cmd)}) {message}", file=sys.stderr)
     sys.exit(code)
 
 

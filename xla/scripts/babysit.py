@@ -172,6 +172,9 @@ class Slice:
 
 
 class Babysitter:
+    """The loop: bring the slice up, run the setup script and the command on it, and tell a lost slice (delete,
+    create again, rerun) from a failed command (stop)."""
+
     def __init__(self, tpu: Slice, setup: Optional[str], command: str, max_restarts: int, create_attempts: int,
                  create_retry_delay: float, poll_interval: float, preemption_grace: float,
                  delete_on_success: bool, delete_on_interrupt: bool) -> None:
@@ -207,7 +210,7 @@ class Babysitter:
     def delete(self) -> None:
         """Delete the slice and wait until it is gone: creating it again under the same name needs the old one
         gone, and a delete can return (or fail transiently) before it is."""
-        for attempt in range(1, 4):
+        for _ in range(3):
             proc = self.gcloud(self.tpu.delete_cmd(), "deleting the slice")
             if proc.returncode != 0 and "NOT_FOUND" not in proc.stderr:
                 log(f"delete failed: {short(last_line(proc.stderr))}")
@@ -325,7 +328,10 @@ class Babysitter:
                 return 0
             lost, detail = (True, self.last_detail) if code is None else self.lost_after_failure()
             if not lost:
-                # not a preemption: rerunning would fail the same way
+                assert code is not None  # None: the slice was lost while the command ran
+                # not a preemption: rerunning would fail the same way. (A local signal death, code -N, exits 128+N
+                # like a shell would report it.)
+                code = code if code > 0 else 128 - code
                 print(f"error: {step} failed with exit code {code} while the slice {self.tpu.name} is healthy"
                       f" ({detail}): not a preemption, not retrying; the slice is left running", file=sys.stderr,
                       flush=True)
