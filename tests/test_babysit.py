@@ -217,11 +217,7 @@ def weights(path: Path) -> Dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def words(tmp_path_factory):
     """The tiny word-level checkpoint and its prepared Alpaca data."""
-    sys.path.insert(0, str(REPO / "tests" / "xla"))
-    try:
-        from words import alpaca_rows, make_word_checkpoint
-    finally:
-        sys.path.remove(str(REPO / "tests" / "xla"))
+    from words import alpaca_rows, make_word_checkpoint  # tests/words.py, a shared test helper
     tmp = tmp_path_factory.mktemp("babysit_words")
     tiny = make_word_checkpoint(tmp / "tiny-words")
     (tmp / "alpaca.json").write_text(json.dumps(alpaca_rows()))

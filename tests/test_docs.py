@@ -20,6 +20,7 @@ How a block is run:
 The README results tables are checked too: they must be what `bench/tables.py` writes from `bench/results/*.json`.
 """
 
+import importlib.util
 import json
 import os
 import re
@@ -289,9 +290,8 @@ class DocsRunner:
             path = self.bin / name
             path.write_text(STUB.format(name=name))
             path.chmod(0o755)
-        code = f"import sys; sys.path.insert(0, {str(ROOT / 'tests')!r}); import test_docs; test_docs.serve(sys.argv[1])"
         self.server = subprocess.Popen(
-            [sys.executable, "-c", code, self.socket_path], cwd=base, env={**os.environ, **self.env},
+            [sys.executable, str(Path(__file__).resolve()), "--serve", self.socket_path], cwd=base, env={**os.environ, **self.env},
             stdout=subprocess.PIPE, text=True, start_new_session=True,
         )
         assert self.server.stdout.readline().strip() == "ready", "the docs fork server did not start"
@@ -431,11 +431,14 @@ if "pytest" in sys.modules:
 
     def test_readme_tables_are_generated_from_bench_results():
         """The results tables in README.md and xla/README.md are what bench/tables.py writes from bench/results/."""
-        sys.path.insert(0, str(ROOT / "bench"))
-        try:
-            import tables
-        finally:
-            sys.path.remove(str(ROOT / "bench"))
+        spec = importlib.util.spec_from_file_location("bench_tables", ROOT / "bench" / "tables.py")
+        tables = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(tables)
         for path, expected in tables.render_all().items():
             assert path.read_text(encoding="utf-8") == expected, (
                 f"{path.relative_to(ROOT)} differs from what `python bench/tables.py` writes from bench/results/")
+
+
+if __name__ == "__main__":  # the fork server (see `Runner`): python tests/test_docs.py --serve SOCKET
+    if len(sys.argv) == 3 and sys.argv[1] == "--serve":
+        serve(sys.argv[2])

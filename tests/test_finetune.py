@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from lit_gpt import training
 from lit_gpt.args import DataArgs, EvalArgs, TrainArgs
 from lit_gpt.utils import LitError
 

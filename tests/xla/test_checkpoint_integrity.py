@@ -30,8 +30,7 @@ def flip_one_bit(path: Path, at: float = 0.5) -> None:
 
 
 def worker(out: Path) -> None:
-    sys.path.insert(0, str(HERE))
-    import worker as w  # tests/xla/worker.py: the tiny model and its training step
+    import worker as w  # tests/xla/worker.py (this file runs as a script: its folder is on sys.path)
 
     import lit_gpt.xla as lx
     from lit_gpt.utils import LitError

@@ -24,14 +24,13 @@ import re
 import subprocess
 import sys
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 import pytest
 import torch
-from words import GEN_PROMPT, WORDS, alpaca_rows as _alpaca_rows, make_word_checkpoint
+from words import GEN_PROMPT, alpaca_rows as _alpaca_rows, make_word_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
 TIMEOUT = 1200
