@@ -689,6 +689,7 @@ class TrainBatches:
         world_size: int = 1,
         pad_multiple: int = 1,
         pad_pow2: bool = False,
+        batches_per_epoch: Optional[int] = None,
     ) -> None:
         self.samples = samples
         self.micro_batch_size = micro_batch_size
@@ -699,7 +700,10 @@ class TrainBatches:
         self.world_size = world_size
         self.pad_multiple = pad_multiple
         self.pad_pow2 = pad_pow2
-        self.batches_per_epoch = len(samples) // (micro_batch_size * world_size)
+        # micro-batches per epoch on each rank: as many as fit, or fewer (whole optimizer steps; the training loop
+        # asks for those, so that every step of an epoch has a full global batch on any device layout)
+        fit = len(samples) // (micro_batch_size * world_size)
+        self.batches_per_epoch = fit if batches_per_epoch is None else min(batches_per_epoch, fit)
         if self.batches_per_epoch == 0:
             raise LitError(
                 f"the training set has {len(samples)} samples, fewer than micro_batch_size ({micro_batch_size}) x"

@@ -56,7 +56,7 @@ def python_rng_state() -> Dict[str, Any]:
 
 
 def set_python_rng_state(state: Dict[str, Any]) -> None:
-    random.setstate(_as_tuple(state["python"]))
+    random.setstate(as_tuple(state["python"]))
     torch.set_rng_state(state["torch"])
     if "numpy" in state:
         import numpy as np
@@ -65,9 +65,9 @@ def set_python_rng_state(state: Dict[str, Any]) -> None:
         np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
 
 
-def _as_tuple(x: Any) -> Any:
+def as_tuple(x: Any) -> Any:
     # random.setstate wants tuples all the way down; a round trip through some formats gives lists back
-    return tuple(_as_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x
+    return tuple(as_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x
 
 
 def commit_folder(tmp: Path, directory: Path) -> None:

@@ -428,11 +428,11 @@ def load_data(
             f" ({train.global_batch_size}): lower the global batch size or add data"
         )
     pad = dict(pad_multiple=data.pad_multiple, pad_pow2=data.pad_pow2)
-    batches = TrainBatches(
-        kept, rows, max_seq_length, seed=train.seed, shuffle=data.shuffle, rank=rank, world_size=processes, **pad
-    )
     # whole optimizer steps only: every layout (1 process, 8 devices, ...) sees the same samples in each step
-    batches.batches_per_epoch = steps_per_epoch * train.gradient_accumulation_iters(runtime.data_parallel_size)
+    batches = TrainBatches(
+        kept, rows, max_seq_length, seed=train.seed, shuffle=data.shuffle, rank=rank, world_size=processes,
+        batches_per_epoch=steps_per_epoch * train.gradient_accumulation_iters(runtime.data_parallel_size), **pad,
+    )
     val = val_batches(
         val_kept, rows, max_seq_length, max_iters=eval.max_iters, rank=rank, world_size=processes, **pad
     )

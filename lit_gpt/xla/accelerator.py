@@ -32,6 +32,21 @@ def _tpu_chips_present() -> int:
     return tpu.num_available_chips()
 
 
+def select_pjrt_device(accelerator: str) -> None:
+    """`--accelerator` of the XLA recipes: "auto" (TPU when present, else CPU) or the PJRT device (tpu, cpu, cuda).
+    Sets PJRT_DEVICE, which the XLA runtime reads once when it starts."""
+    choice = str(accelerator).lower()
+    if choice not in ("auto", "tpu", "cpu", "cuda", "gpu"):
+        raise LitError(f"--accelerator must be auto, tpu, cpu or cuda (got {accelerator!r})")
+    if choice == "auto":
+        return
+    device = "CUDA" if choice in ("cuda", "gpu") else choice.upper()
+    current = os.environ.get("PJRT_DEVICE", "").upper()
+    if "torch_xla" in sys.modules and current and current != device:
+        raise LitError(f"the XLA runtime already runs on PJRT_DEVICE={current}: --accelerator {accelerator} comes too late")
+    os.environ["PJRT_DEVICE"] = device
+
+
 def configure_pjrt_device(verbose: bool = True) -> str:
     """Make sure `PJRT_DEVICE` is set before the XLA runtime starts, and check that the device exists.
 

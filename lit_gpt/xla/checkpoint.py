@@ -58,6 +58,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from lightning_utilities.core.imports import RequirementCache
 from torch.optim import Optimizer
 
+from lit_gpt.runtime import as_tuple
 from lit_gpt.utils import LitError, error_reason, remove_stale_temp_files, write_failure
 
 MARKER = "lit_checkpoint.json"
@@ -129,16 +130,11 @@ def _set_rng_state(state: Mapping[str, Any]) -> None:
     if "torch" in state:
         torch.set_rng_state(state["torch"])
     if "python" in state:
-        random.setstate(_as_tuple(state["python"]))
+        random.setstate(as_tuple(state["python"]))
     if "xla" in state and _xla_in_use():
         import torch_xla.core.xla_model as xm
 
         xm.set_rng_state(int(state["xla"]))
-
-
-def _as_tuple(x: Any) -> Any:
-    # random.setstate wants tuples all the way down; a pickle round trip can hand lists back
-    return tuple(_as_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x
 
 
 def _xla_in_use() -> bool:

@@ -15,24 +15,6 @@ from lit_gpt.args import TrainArgs
 from lit_gpt.utils import LitError
 
 
-def select_pjrt_device(accelerator: str) -> None:
-    """`--accelerator` of the XLA recipes: "auto" (TPU when present, else CPU) or the PJRT device (tpu, cpu, cuda).
-    Sets PJRT_DEVICE, which the XLA runtime reads once when it starts."""
-    import os
-    import sys
-
-    choice = str(accelerator).lower()
-    if choice not in ("auto", "tpu", "cpu", "cuda", "gpu"):
-        raise LitError(f"--accelerator must be auto, tpu, cpu or cuda (got {accelerator!r})")
-    if choice == "auto":
-        return
-    device = "CUDA" if choice in ("cuda", "gpu") else choice.upper()
-    current = os.environ.get("PJRT_DEVICE", "").upper()
-    if "torch_xla" in sys.modules and current and current != device:
-        raise LitError(f"the XLA runtime already runs on PJRT_DEVICE={current}: --accelerator {accelerator} comes too late")
-    os.environ["PJRT_DEVICE"] = device
-
-
 def setup_fabric(
     devices: Union[int, str],
     precision: Optional[str],
@@ -46,6 +28,8 @@ def setup_fabric(
 ) -> Any:
     """Fabric for an XLA finetuning run (FSDP over SPMD on every device; bf16-true on TPUs, else 32-true, unless
     given), logging like the GPU/CPU recipes; `out_dir` and `train` are checked before the runtime starts work."""
+    from lit_gpt.xla.accelerator import select_pjrt_device
+
     select_pjrt_device(accelerator)
     training.check_out_dir(out_dir, resume)
     if getattr(train, "compile", False):

@@ -111,21 +111,6 @@ class XLARuntime(Runtime):
 
         torch_xla.sync()
 
-    def gather_objects(self, obj: Any) -> List[Any]:
-        if self.num_processes == 1:
-            return [obj]
-        import torch.distributed as dist  # the hosts' gloo group (lit_gpt.xla.strategy)
-
-        out: List[Any] = [None] * self.num_processes
-        dist.all_gather_object(out, obj)
-        return out
-
-    def sum_over_processes(self, values: Any) -> List[float]:
-        if self.num_processes == 1:
-            return [float(v) for v in values]
-        t = torch.tensor([float(v) for v in values], dtype=torch.float64)  # host values travel over gloo
-        return [float(v) for v in self.fabric.all_reduce(t, reduce_op="sum")]
-
     # ----------------------------------------------------------------- RNG
     def rng_state(self) -> Dict[str, Any]:
         import torch_xla.core.xla_model as xm

@@ -53,7 +53,7 @@ def setup(
         accelerator: The PJRT device: "auto" (the TPU when there is one, else the CPU), "tpu", "cpu" or "cuda".
     """
     from lit_gpt.xla import make_fabric
-    from lit_gpt.xla.finetune import select_pjrt_device
+    from lit_gpt.xla.accelerator import select_pjrt_device
     from lit_gpt.xla.generate import default_precision
 
     check_model_dir(checkpoint_dir)  # before the XLA runtime starts: a typo fails fast
