@@ -130,9 +130,13 @@ elif cmd == ["tpu-vm", "ssh"]:
         print(f"ssh: connect to host {name} port 22: Connection timed out", file=sys.stderr)
         sys.exit(255)
     command = flag("--command")
+    # the babysitter ends a session with SIGTERM: take the remote command down too, like a closed connection.
+    # SIGTERM stays blocked until the handler knows the command, so none can end this fake alone and leave the
+    # command (in a session of its own) running with the babysitter's output pipes
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     proc = subprocess.Popen(["bash", "-c", command], cwd=SCENARIO["workdir"], start_new_session=True)
-    # the babysitter ends a session with SIGTERM: take the remote command down too, like a closed connection
     signal.signal(signal.SIGTERM, lambda *a: (os.killpg(proc.pid, signal.SIGKILL), sys.exit(143)))
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
     watched = SCENARIO.get("preempt_match", "") in command
     while proc.poll() is None:
         time.sleep(0.05)
