@@ -21,6 +21,7 @@ generate exactly `max_new_tokens` tokens (no early stop at EOS).
 """
 
 
+import copy
 import statistics
 import sys
 import tempfile
@@ -31,7 +32,7 @@ from typing import Callable, Dict, List, Literal, NamedTuple, Optional
 import torch
 
 from lit_gpt.config import Config, load_config
-from lit_gpt.generate import Steps, compile_steps, load_model, resolve_compile, timed_generate, use_column_major_weights
+from lit_gpt.generate import Steps, compile_steps, load_model, resolve_compile, timed_generate, use_cpu_inference_layout
 from lit_gpt.model import GPT
 from lit_gpt.runtime import Runtime
 from lit_gpt.utils import DEFAULT_CHECKPOINT_DIR, LitError, load_checkpoint, run_cli
@@ -93,7 +94,7 @@ def setup(
     prompt_tokens: int = 28,
     compile: Optional[List[str]] = None,
     transformers_static: bool = True,
-    column_major: bool = True,
+    cpu_layout: bool = True,
     results_file: Optional[Path] = None,
     note: Optional[str] = None,
 ) -> Dict[str, float]:
@@ -117,8 +118,9 @@ def setup(
         compile: Our compiled variants to time, as `--compile` modes (`lit_gpt.generate.COMPILE_MODES`, "none" for
             none); default: "default" on the CPU, "default", "reduce-overhead" and "max-autotune" on CUDA.
         transformers_static: Also time transformers with its static cache.
-        column_major: Store our tall weight matrices column-major on the CPU in float32, as generate/base.py does
-            (`lit_gpt.generate.use_column_major_weights`); false measures the plain nn.Linear layout.
+        cpu_layout: On the CPU in float32, lay our weights out as generate/base.py does
+            (`lit_gpt.generate.use_cpu_inference_layout`): oneDNN-packed linear layers for the eager loop,
+            column-major matrices for the compiled steps (a copy of the model); false measures nn.Linear's layout.
         results_file: Also write the results, the machine and the versions to this JSON file (bench/result_files.py).
         note: A remark stored in the results file (e.g. what else ran on the machine).
     """
@@ -162,18 +164,25 @@ def setup(
         ours, theirs = random_models(model_name, dev, dtype)
         ids = torch.randint(0, ours.config.vocab_size, (prompt_tokens,), generator=torch.Generator().manual_seed(0))
         what = f"{model_name} (random weights)"
-    if column_major and device == "cpu" and dtype == torch.float32:
-        use_column_major_weights(ours)  # as generate/base.py does on the CPU in 32-true
+    compiled_model = ours
+    layout = "plain"
+    if cpu_layout and device == "cpu" and dtype == torch.float32:  # as generate/base.py does on the CPU in 32-true
+        if modes:
+            compiled_model = copy.deepcopy(ours)
+            use_cpu_inference_layout(compiled_model, packed=False)
+        use_cpu_inference_layout(ours, packed=True)
+        layout = "packed eager, column-major compiled"
     runtime = Runtime.on(dev)
     block_size = ours.config.block_size
 
     def run_ours(steps: Steps) -> Run:
+        model = ours if steps.mode is None else compiled_model
         # what generate/base.py does, minus the stop tokens (every contender generates max_new_tokens)
         pad_to, cache = steps.shapes(ids.numel(), max_new_tokens, block_size)
         synchronize(dev)
         t0 = time.perf_counter()
         with torch.inference_mode():
-            r = timed_generate(ours, ids, max_new_tokens, runtime, decode_fn=steps.decode, prefill_fn=steps.prefill,
+            r = timed_generate(model, ids, max_new_tokens, runtime, decode_fn=steps.decode, prefill_fn=steps.prefill,
                                pad_to=pad_to, max_seq_length=cache)
         synchronize(dev)
         return Run(r.tokens.tolist(), time.perf_counter() - t0, r.decode_tokens_per_sec)
@@ -281,7 +290,7 @@ def setup(
                          + f", {result[f'{name}_first_run_ratio{suffix}']:.2f}x with our first run (compilation)")
         print(text)
     settings = {"checkpoint": what, "setting": setting, "prompt_tokens": ids.numel(), "max_new_tokens": max_new_tokens,
-                "runs": runs, "threads": torch.get_num_threads(), "compile": modes, "column_major": column_major,
+                "runs": runs, "threads": torch.get_num_threads(), "compile": modes, "cpu_layout": layout,
                 "batch": 1, "decoding": "greedy", "precision": {"float32": "32-true"}.get(precision, precision),
                 "device": torch.cuda.get_device_name(dev) if device == "cuda" else "cpu"}
     runs_tokens_per_s = {name: [max_new_tokens / r.seconds for r in v] for name, v in timed.items()}

@@ -88,7 +88,8 @@ def cpu_generate() -> str:
     same = all(res.get("tokens_equal_to_transformers", {}).values())
     text = "\n".join(lines) + "\n"
     text += (f"\n{s['checkpoint']}, {s['prompt_tokens']}-token prompt, {s['max_new_tokens']} new tokens,"
-             f" {s['threads']} threads; medians of {s['runs']} interleaved runs; greedy tokens"
+             f" {s['threads']} threads; medians of {s['runs']} interleaved runs"
+             + (f"; our weights: {s['cpu_layout']}" if s.get("cpu_layout") else "") + "; greedy tokens"
              f" {'identical to' if same else 'NOT identical to'} transformers'.\n")
     return text + _source(r)
 

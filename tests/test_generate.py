@@ -26,7 +26,10 @@ from lit_gpt.generate import (
     resolve_compile,
     sample,
     setup_kv_cache,
+    onednn_available,
+    pack_linear_weights,
     use_column_major_weights,
+    use_cpu_inference_layout,
 )
 from lit_gpt.utils import LitError
 
@@ -418,6 +421,38 @@ def test_column_major_weights_change_layout_only():
         assert torch.equal(value, before[name]), name
     assert use_column_major_weights(model) == 0  # idempotent
     assert torch.equal(generate(model, prompt, 16), expected)
+
+
+@pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN (mkldnn) to pack weights for")
+@pytest.mark.parametrize("tied", [True, False])
+def test_packed_linear_weights_generate_the_same(tied):
+    model = tiny_model(n_embd=32, intermediate_size=96, tie_embeddings=tied)
+    prompt = torch.randint(0, 320, (7,), generator=torch.Generator().manual_seed(1))
+    expected = naive_greedy(model, prompt, 16)
+    with torch.no_grad():
+        reference_logits = model(prompt.unsqueeze(0))
+    n_layer = model.config.n_layer
+    use_cpu_inference_layout(model, packed=True)
+    packed = [m for m in model.modules() if type(m).__name__ == "PackedLinear"]
+    # qkv, attn.proj, fc_1, fc_2 and mlp.proj of every block; the head too unless it is the embedding
+    assert len(packed) == 5 * n_layer + (0 if tied else 1)
+    assert not any(type(m) is torch.nn.Linear for m in model.transformer.h.modules())
+    if tied:
+        assert type(model.lm_head) is torch.nn.Linear and model.lm_head.weight is model.transformer.wte.weight
+        assert model.lm_head.weight.stride() == (1, 320)  # column-major instead: no second copy of the matrix
+    assert pack_linear_weights(model) == 0  # idempotent
+    with torch.no_grad():
+        torch.testing.assert_close(model(prompt.unsqueeze(0)), reference_logits, rtol=1e-4, atol=1e-4)
+    assert torch.equal(generate(model, prompt, 16), expected)
+
+
+def test_packing_skips_what_it_must_not_touch():
+    model = tiny_model(n_embd=32, intermediate_size=96, tie_embeddings=False).to(torch.bfloat16)
+    assert pack_linear_weights(model) == 0  # float32 only
+    model = tiny_model(n_embd=32, intermediate_size=96, tie_embeddings=False)
+    model.transformer.h[0].mlp.fc_2.weight = model.transformer.h[0].mlp.fc_1.weight  # shared: not copied
+    if onednn_available():
+        assert pack_linear_weights(model) == 5 * model.config.n_layer + 1 - 2
 
 
 # ---------------------------------------------------------------------------------------------------------------
