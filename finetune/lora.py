@@ -88,6 +88,8 @@ def setup(
             CUDA only). The saved LoRA weights merge into the unquantized base as usual.
     """
     train.validate(devices * num_nodes)
+    if quantize is not None and train.compile:
+        raise LitError("--train.compile is not supported with --quantize (QLoRA): drop one of the two")
     check_qlora(quantize, accelerator, strategy, devices * num_nodes)
     config = training.load_config(
         checkpoint_dir, lora.Config, lora_r=lora_r, lora_alpha=lora_alpha, lora_dropout=lora_dropout,

@@ -47,6 +47,10 @@ class TrainArgs:
     """Read the loss back from the device and log it every this many optimizer steps."""
     seed: int = 1337
     """Seeds the model's random parts (LoRA init, dropout) and the data shuffling."""
+    compile: bool = False
+    """torch.compile the transformer blocks (GPU/CPU recipes; XLA compiles whole steps already). Every block shares
+    one graph per padded batch length, so batches are padded to power-of-two lengths (unless --data.pad_multiple
+    sets other buckets) and the first step of each length compiles. One process or DDP (not FSDP, not QLoRA)."""
 
     def validate(self, devices: int) -> None:
         """Raise a LitError for settings that cannot work together."""

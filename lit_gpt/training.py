@@ -458,6 +458,14 @@ def load_data(
             f" ({train.global_batch_size}): lower the global batch size or add data"
         )
     pad = dict(pad_multiple=data.pad_multiple, pad_pow2=data.pad_pow2)
+    if train.compile:
+        if uses_fsdp(runtime.fabric):
+            raise LitError("--train.compile works on one device or with --strategy ddp, not with FSDP")
+        if data.pad_multiple == 1 and not data.pad_pow2:
+            # every new batch length would compile the blocks again: a few power-of-two buckets instead
+            pad["pad_pow2"] = True
+            say("note: --train.compile pads each batch to a power-of-two length (--data.pad_multiple sets other"
+                " buckets)")
     # whole optimizer steps only: every layout (1 process, 8 devices, ...) sees the same samples in each step
     batches = TrainBatches(
         kept, rows, max_seq_length, seed=train.seed, shuffle=data.shuffle, rank=rank, world_size=processes,
@@ -710,6 +718,8 @@ def fit(
 
     runtime = runtime or Runtime(fabric)
     out_dir = location(out_dir)
+    if train.compile:
+        runtime.compile_blocks(raw_model)
     if run_config is not None and method.metadata.get("config"):
         run_config = {**run_config, "method_config": method.metadata["config"]}  # e.g. lora_r: part of the run
     accum = train.gradient_accumulation_iters(runtime.data_parallel_size)
@@ -900,7 +910,7 @@ def _report(fabric: Any, runtime: Runtime, summary: Dict[str, Any], steady: Dict
         n_step = sum(step_compiles.values())
         summary.update(train_compiles=n_step, padded_lengths=sorted(step_compiles), other_compiles=other_compiles)
         fabric.print(
-            f"XLA compilations: train step {n_step} for {len(step_compiles)} padded length(s)"
+            f"{'XLA' if runtime.name == 'xla' else 'torch.compile (blocks)'} compilations: train step {n_step} for {len(step_compiles)} padded length(s)"
             f" {sorted(step_compiles)} (per length: {dict(sorted(step_compiles.items()))}); validation, sample"
             f" generation and checkpoints {other_compiles}"
         )

@@ -308,6 +308,136 @@ def test_bad_settings_are_one_line_errors(tiny_dir, data_dir, tmp_path):
         recipe.setup(**args)
 
 
+@pytest.mark.parametrize("method", ["lora", "adapter"])
+def test_compiled_blocks_train_like_eager(method, tiny_dir, data_dir, tmp_path, monkeypatch, capsys):
+    """--train.compile: the blocks run through torch.compile (here its aot_eager backend: dynamo's capture and
+    AOT autograd's forward/backward graphs, without Inductor's code generation, which costs tens of seconds per
+    graph on this CPU) and train exactly like the eager blocks on the same power-of-two padding, with one
+    compilation per padded length, mode and block kind (not per layer), no graph break, and resumable."""
+    from lit_gpt.runtime import Runtime
+
+    monkeypatch.setattr(Runtime, "compile_backend", "aot_eager")
+    torch._dynamo.reset()
+    recipe = load_recipe(method)
+    extra = {"lora_dropout": 0.1} if method == "lora" else {}
+    eager = recipe.setup(**run_args(method, tiny_dir, data_dir, tmp_path / "eager", steps=6, save_interval=3,
+                                    eval_interval=3, data=DataArgs(data_dir=data_dir, pad_pow2=True), **extra))
+    capsys.readouterr()
+    args = run_args(method, tiny_dir, data_dir, tmp_path / "compiled", steps=6, save_interval=3, eval_interval=3,
+                    **extra)
+    args["train"].compile = True
+    compiled = recipe.setup(**args)
+    err, out = capsys.readouterr()
+    assert "pads each batch to a power-of-two length" in out + err
+    lengths = compiled["padded_lengths"]  # each step's longest padded batch
+    assert lengths and all(n & (n - 1) == 0 or n == max(lengths) for n in lengths)  # powers of two, or the cap
+    # per padded length: one graph for the blocks whose input needs a gradient and one for block 0, whose input
+    # (the frozen embedding's output) does not (test_compiled_blocks_share_one_graph checks "not per layer")
+    from lit_gpt.data import load_prepared, pad_length
+
+    samples = load_prepared(data_dir, tiny_dir).train
+    cap = max(s["input_ids"].numel() - 1 for s in samples)
+    possible = {pad_length(s["input_ids"].numel() - 1, cap, pad_pow2=True) for s in samples}
+    assert len(lengths) <= compiled["train_compiles"] <= 2 * len(possible)
+    assert "torch.compile (blocks) compilations: train step" in out + err
+    for step, loss in read_metrics(tmp_path / "eager").items():
+        assert read_metrics(tmp_path / "compiled")[step] == pytest.approx(loss, rel=1e-5), step
+    # a compiled run resumes from its checkpoint like an eager one
+    resumed_args = run_args(method, tiny_dir, data_dir, tmp_path / "compiled", steps=6, save_interval=3,
+                            eval_interval=3, resume=str(tmp_path / "compiled" / "step-000003"), **extra)
+    resumed_args["train"].compile = True
+    resumed = recipe.setup(**resumed_args)
+    assert resumed["steps"] == 6 and resumed["first_step"] == 4
+
+
+@pytest.mark.parametrize("trainable_embedding", [False, True])
+def test_compiled_blocks_share_one_graph(trainable_embedding, monkeypatch):
+    """12 blocks, one compiled graph for all of them (plus one for block 0 when its input needs no gradient),
+    for the forward and backward of a padded length; a new length compiles again, a seen one does not."""
+    import torch.nn.functional as F
+
+    from lit_gpt import lora
+    from lit_gpt.runtime import Runtime
+
+    monkeypatch.setattr(Runtime, "compile_backend", "aot_eager")
+    torch._dynamo.reset()  # graphs are cached on the compiled function's code: start without earlier tests' graphs
+    torch.manual_seed(0)
+    config = lora.Config(name="t", block_size=64, vocab_size=96, n_layer=12, n_head=4, n_query_groups=2, n_embd=32,
+                         intermediate_size=64, norm_class_name="RMSNorm", mlp_class_name="LLaMAMLP",
+                         lora_r=4, lora_alpha=8, lora_dropout=0.0, lora_query=True, lora_value=True)
+    model = lora.GPT(config)
+    lora.mark_only_lora_as_trainable(model)
+    model.transformer.wte.weight.requires_grad_(trainable_embedding)
+    reference = lora.GPT(config)
+    reference.load_state_dict(model.state_dict())
+    runtime = Runtime.on(torch.device("cpu"))
+    assert runtime.compile_count() == 0
+    runtime.compile_blocks(model)
+    start = runtime.compile_count()
+    per_length = 1 if trainable_embedding else 2
+    for i, length in enumerate([16, 16, 32, 16]):
+        idx = torch.randint(0, 96, (2, length), generator=torch.Generator().manual_seed(i))
+        losses = []
+        for m in (model, reference):
+            loss = F.cross_entropy(m(idx).flatten(0, 1), idx.flatten())
+            loss.backward()
+            losses.append(loss.item())
+        assert losses[0] == pytest.approx(losses[1], rel=1e-6)
+        assert runtime.compile_count() - start == per_length * (1 if i < 2 else 2)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        if p.requires_grad:
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_inductor_compiled_blocks_match_eager():
+    """The default backend (Inductor's generated kernels) once, on one padded length: the LoRA model's loss and
+    gradients match the eager model's, and the second step reuses the graph."""
+    import torch.nn.functional as F
+
+    from lit_gpt import lora
+    from lit_gpt.runtime import Runtime
+
+    assert Runtime.compile_backend == "inductor"
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    config = lora.Config(name="t", block_size=64, vocab_size=96, n_layer=3, n_head=4, n_query_groups=2, n_embd=32,
+                         intermediate_size=64, norm_class_name="RMSNorm", mlp_class_name="LLaMAMLP",
+                         lora_r=4, lora_alpha=8, lora_dropout=0.0, lora_query=True, lora_value=True, lora_mlp=True)
+    model = lora.GPT(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.1)  # B = 0 at init would leave the LoRA path out of the comparison
+    lora.mark_only_lora_as_trainable(model)
+    model.transformer.wte.weight.requires_grad_(True)  # every block's input needs a gradient: one graph
+    reference = lora.GPT(config)
+    reference.load_state_dict(model.state_dict())
+    for a, b in zip(model.parameters(), reference.parameters()):
+        b.requires_grad_(a.requires_grad)
+    runtime = Runtime.on(torch.device("cpu"))
+    runtime.compile_blocks(model)
+    start = runtime.compile_count()
+    for i in range(2):
+        idx = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(i))
+        losses = []
+        for m in (model, reference):
+            loss = F.cross_entropy(m(idx).flatten(0, 1), idx.flatten())
+            loss.backward()
+            losses.append(loss.item())
+        assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+    assert runtime.compile_count() - start == 1
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        if p.requires_grad:
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_compile_refuses_what_it_cannot_do(tiny_dir, data_dir, tmp_path):
+    args = run_args("lora", tiny_dir, data_dir, tmp_path)
+    args["train"].compile = True
+    with pytest.raises(LitError, match="not supported with --quantize"):
+        load_recipe("lora").setup(**{**args, "quantize": "bnb.nf4"})
+
+
 def test_data_from_another_tokenizer_is_rejected(tiny_dir, data_dir, tmp_path):
     import shutil
 
