@@ -122,12 +122,66 @@ def cpu_finetune() -> str:
     return text + _source(r)
 
 
+GPU_COMMANDS = (
+    "`python bench/generate.py --setting random --results_file bench/results/generate_gpu.json`",
+    "`python bench/finetune.py --setting gpu --litgpt_path /tmp/litgpt_pkg --results_file"
+    " bench/results/finetune_gpu.json`",
+    "`python bench/quantize.py --dtypes '[bfloat16]' --compile true --results_file bench/results/quantize_gpu.json`",
+)
+
+
 def gpu() -> str:
-    found = [load(n) for n in ("generate_gpu", "finetune_gpu")]
-    if not any(found):
-        return ("GPU: not measured (no result files `bench/results/*_gpu.json`; run the same benches with"
-                " `--results_file` on a GPU machine).\n")
-    return "GPU result files exist but have no table yet: add one to bench/tables.py.\n"
+    gen, ft, qz = _load_all("generate_gpu", "finetune_gpu", "quantize_gpu")
+    if not any((gen, ft, qz)):
+        return ("GPU: not measured (no result files `bench/results/*_gpu.json`; on a GPU machine run "
+                + ", ".join(GPU_COMMANDS) + ").\n")
+    parts = []
+    if gen is not None:
+        res, s = gen["results"], gen["settings"]
+        lines = ["| decode (GPU, batch 1, greedy) | steady decode tokens/s | vs transformers static cache"
+                 " | first run (compiling) |", "| --- | --- | --- | --- |"]
+        names = [k[: -len("_decode_tokens_per_s")] for k in res if k.endswith("_decode_tokens_per_s")]
+        for name in names:
+            ratio = res.get(f"{name}_decode_ratio_static")
+            lines.append(f"| {name} | {_f(res[f'{name}_decode_tokens_per_s'], '.1f')}"
+                         f" | {'-' if name == 'transformers_static' else _f(ratio) + 'x'}"
+                         f" | {_f(res.get(f'{name}_first_run_s'), '.1f')} s |")
+        parts.append("\n".join(lines) + f"\n\n{s['checkpoint']} on {s['device']}, {s['precision']},"
+                     f" {s['prompt_tokens']}-token prompt, {s['max_new_tokens']} new tokens; medians of {s['runs']}"
+                     f" interleaved runs after one warm-up each (target: >= 2.2x the static cache).\n" + _source(gen))
+    if ft is not None:
+        res, s = ft["results"], ft["settings"]
+        lines = ["| finetune (GPU) | steady padded tokens/s | MFU | whole-loop padded tokens/s | peak memory"
+                 " | whole loop vs litgpt | peak memory vs litgpt |", "| --- | --- | --- | --- | --- | --- | --- |"]
+        for key, r in res.items():
+            method, who = key.split("/")
+            lg = res.get(f"{method}/litgpt")
+            mfu = r.get("mfu")
+            vs = (_f(r["whole_loop_padded_tokens_per_s"] / lg["whole_loop_padded_tokens_per_s"]) + "x"
+                  if lg and who != "litgpt" and r.get("whole_loop_padded_tokens_per_s") else "-")
+            mem = (_f(r["peak_memory_gb"] / lg["peak_memory_gb"]) + "x"
+                   if lg and who != "litgpt" and r.get("peak_memory_gb") and lg.get("peak_memory_gb") else "-")
+            lines.append(f"| {method} {who} | {_f(r.get('recipe_padded_tokens_per_s') or r['padded_tokens_per_s'], '.0f')}"
+                         f" | {'n/a' if mfu is None else _f(mfu * 100, '.1f') + '%'}"
+                         f" | {_f(r.get('whole_loop_padded_tokens_per_s'), '.0f')}"
+                         f" | {_f(r.get('peak_memory_gb'))} GB | {vs} | {mem} |")
+        text = "\n".join(lines) + "\n"
+        q, base = res.get("lora/ours_qlora"), res.get("lora/ours")
+        if q and base and q.get("peak_memory_gb") and base.get("peak_memory_gb"):
+            text += f"\nQLoRA (nf4) peak memory: {_f(q['peak_memory_gb'] / base['peak_memory_gb'])}x bf16 LoRA's.\n"
+        text += (f"\n{s['checkpoint']} (random weights), {s['precision']}, micro batch {s['micro_batch_size']}, global"
+                 f" batch {s['global_batch_size']}, max length {s['max_seq_length']}, samples of"
+                 f" {s['sample_tokens'][0]}-{s['sample_tokens'][1]} tokens, {s['steps']} steps, medians of"
+                 f" {s['repeats']} run(s); steady = the recipe's own count, compiling and first steps apart"
+                 " (targets: MFU >= 30%, whole loop >= 1.5x litgpt 0.5.13, peak memory <= litgpt's, QLoRA <= 0.5x).\n")
+        parts.append(text + _source(ft))
+    if qz is not None:
+        parts.append("GPU quantization: `bench/results/quantize_gpu.json` (the quantize table's columns; target: int8"
+                     " decode >= 1.6x bf16).\n\n" + quantize_table(qz))
+    missing = [c for c, r in zip(GPU_COMMANDS, (gen, ft, qz)) if r is None]
+    if missing:
+        parts.append("Not measured yet: " + ", ".join(missing) + ".\n")
+    return "\n".join(parts)
 
 
 def xla_generate() -> str:
@@ -207,6 +261,10 @@ def xla_load() -> str:
 
 def quantize() -> str:
     (r,) = _load_all("quantize_cpu")
+    return quantize_table(r)
+
+
+def quantize_table(r: Optional[dict]) -> str:
     head = ["| variant (CPU, batch 1, greedy) | perplexity | vs unquantized | decode tokens/s | vs unquantized"
             " | block weights | same greedy tokens |", "| --- | --- | --- | --- | --- | --- | --- |"]
     if r is None:

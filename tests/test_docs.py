@@ -439,6 +439,42 @@ if "pytest" in sys.modules:
                 f"{path.relative_to(ROOT)} differs from what `python bench/tables.py` writes from bench/results/")
 
 
+    def test_gpu_tables_render_from_result_files(tmp_path, monkeypatch):
+        """The GPU tables (README `gpu`) from bench/generate.py --setting random and bench/finetune.py --setting gpu
+        result files: ratios computed from the files' numbers (made up here), missing files named with the command
+        that writes them."""
+        spec = importlib.util.spec_from_file_location("bench_tables_gpu", ROOT / "bench" / "tables.py")
+        tables = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(tables)
+        monkeypatch.setattr(tables, "RESULTS", tmp_path)
+        assert "not measured" in tables.gpu() and "finetune.py --setting gpu" in tables.gpu()
+        common = {"date": "2026-11-24T00:00:00", "commit": "abc", "note": None,
+                  "machine": {"cpu": "x", "cpu_cores_usable": 16, "memory_gib": 128, "gpu": "NVIDIA H100"},
+                  "versions": {"torch": "2.11", "transformers": "5"},
+                  "load_average": {"start": [0.1], "end": [0.2]}}
+        (tmp_path / "generate_gpu.json").write_text(json.dumps({**common, "settings": {
+            "checkpoint": "SmolLM2-1.7B (random weights)", "device": "NVIDIA H100", "precision": "bfloat16",
+            "prompt_tokens": 28, "max_new_tokens": 256, "runs": 3}, "results": {
+            "ours_decode_tokens_per_s": 600.0, "ours_decode_ratio_static": 2.0, "ours_first_run_s": 25.0,
+            "transformers_static_decode_tokens_per_s": 300.0, "transformers_static_first_run_s": 22.0}}))
+        text = tables.gpu()
+        assert "| ours | 600.0 | 2.00x | 25.0 s |" in text and "| transformers_static | 300.0 | - |" in text
+        assert "Not measured yet" in text and "finetune.py --setting gpu" in text
+        run = {"padded_tokens_per_s": 1.0, "s_per_iteration": 1.0, "peak_rss_gib": 1.0}
+        (tmp_path / "finetune_gpu.json").write_text(json.dumps({**common, "settings": {
+            "checkpoint": "SmolLM2-1.7B-Instruct", "precision": "bf16-true", "micro_batch_size": 4,
+            "global_batch_size": 16, "max_seq_length": 512, "sample_tokens": [330, 430], "steps": 60, "repeats": 1},
+            "results": {
+                "lora/ours": {**run, "recipe_padded_tokens_per_s": 30000.0, "mfu": 0.31,
+                              "whole_loop_padded_tokens_per_s": 21000.0, "peak_memory_gb": 20.0},
+                "lora/ours_qlora": {**run, "recipe_padded_tokens_per_s": 20000.0, "mfu": 0.2,
+                                    "whole_loop_padded_tokens_per_s": 15000.0, "peak_memory_gb": 9.0},
+                "lora/litgpt": {**run, "whole_loop_padded_tokens_per_s": 14000.0, "peak_memory_gb": 25.0}}}))
+        text = tables.gpu()
+        assert "| lora ours | 30000 | 31.0% | 21000 | 20.00 GB | 1.50x | 0.80x |" in text
+        assert "QLoRA (nf4) peak memory: 0.45x bf16 LoRA's." in text
+        assert "NVIDIA H100" in text and "bench/results/finetune_gpu.json" in text
+
 if __name__ == "__main__":  # the fork server (see `Runner`): python tests/test_docs.py --serve SOCKET
     if len(sys.argv) == 3 and sys.argv[1] == "--serve":
         serve(sys.argv[2])
