@@ -65,7 +65,8 @@ def setup(
 
 def main(fabric, checkpoint_dir: Path, max_new_tokens: Tuple[int, ...], eager_reference: bool) -> List[dict]:
     from lit_gpt.generate import generate as eager_generate
-    from lit_gpt.generate import load_config, load_model
+    from lit_gpt.config import load_config
+    from lit_gpt.generate import load_model
     from lit_gpt.tokenizer import Tokenizer
     from lit_gpt.generate import timed_generate
     from lit_gpt.xla import load_staged

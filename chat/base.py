@@ -17,15 +17,16 @@ from typing import Callable, List, Optional, TextIO, Tuple, Union
 import lightning as L
 import torch
 
+from lit_gpt.config import load_config
 from lit_gpt.generate import (
     check_sampling_args,
     compile_steps,
     decode_one_token,
     generate_stream,
     generation_fabric,
-    load_config,
     load_model,
     resolve_compile,
+    use_fast_layout,
 )
 from lit_gpt.prompts import PromptStyle
 from lit_gpt.quantize import check_quantize, loader
@@ -84,7 +85,9 @@ def setup(
         raise LitError(f"--max_new_tokens {max_new_tokens} leaves no room for a prompt in the context ({block_size})")
 
     t0 = time.perf_counter()
-    model = fabric.setup_module(loader(partial(load_model, checkpoint_dir), quantize, fabric.device, dtype)())
+    model = loader(partial(load_model, checkpoint_dir), quantize, fabric.device, dtype)()
+    use_fast_layout(model, fabric.device.type, fabric.strategy.precision.precision, mode)  # the CPU's (see there)
+    model = fabric.setup_module(model)
     print(f"Loaded {checkpoint_dir} in {time.perf_counter() - t0:.2f} s ({style.name} prompt style)", file=sys.stderr)
     fabric.seed_everything(seed)
     if hasattr(sys.stdin, "reconfigure"):

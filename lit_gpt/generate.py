@@ -466,11 +466,19 @@ def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
+def _plain_linear(module: torch.nn.Module) -> bool:
+    """A layer that computes exactly F.linear(x, weight, bias): an nn.Linear, or a LoRA layer whose update is merged
+    into its weight (generate/lora.py merges before generating)."""
+    from lit_gpt.lora import LoRALinear
+
+    return type(module) is torch.nn.Linear or (type(module) is LoRALinear and module.merged)
+
+
 def pack_linear_weights(model: torch.nn.Module) -> int:
-    """Replace every plain float32 `nn.Linear` on the CPU whose weight no other module shares by a `PackedLinear`.
-    Returns how many were replaced. A tied head (SmolLM2, Gemma: the vocabulary matrix is also the embedding) is
-    left alone: packing it would add a second copy of the largest matrix; `use_column_major_weights` speeds it up
-    without one. LoRA and adapter layers (other classes) and quantized weights keep their own kernels."""
+    """Replace every plain float32 linear layer on the CPU (`_plain_linear`) whose weight no other module shares by
+    a `PackedLinear`. Returns how many were replaced. A tied head (SmolLM2, Gemma: the vocabulary matrix is also the
+    embedding) is left alone: packing it would add a second copy of the largest matrix; `use_column_major_weights`
+    speeds it up without one. Unmerged LoRA, adapter layers and quantized weights keep their own kernels."""
     uses: dict = {}
     for module in model.modules():
         weight = getattr(module, "weight", None)
@@ -479,7 +487,7 @@ def pack_linear_weights(model: torch.nn.Module) -> int:
     replaced = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is not torch.nn.Linear:
+            if not _plain_linear(child):
                 continue
             w = child.weight
             if type(w.data) is not torch.Tensor or w.dtype != torch.float32 or w.device.type != "cpu":
@@ -489,6 +497,13 @@ def pack_linear_weights(model: torch.nn.Module) -> int:
             setattr(parent, name, PackedLinear(child))
             replaced += 1
     return replaced
+
+
+def use_fast_layout(model: torch.nn.Module, device_type: str, precision: str, mode: Optional[str]) -> None:
+    """What the generation recipes (generate/*.py, chat) do to the loaded model before Fabric's setup: on the CPU in
+    32-true, `use_cpu_inference_layout` (packed weights for the eager loop, column-major for compiled steps)."""
+    if device_type == "cpu" and precision == "32-true":
+        use_cpu_inference_layout(model, packed=mode is None)
 
 
 def use_cpu_inference_layout(model: torch.nn.Module, packed: bool = True) -> None:
@@ -701,8 +716,7 @@ def generate_samples(
 
     t0 = time.perf_counter()
     model = load_model().eval()
-    if fabric.device.type == "cpu" and fabric.strategy.precision.precision == "32-true":
-        use_cpu_inference_layout(model, packed=mode is None)  # faster matrix-vector products on the CPU
+    use_fast_layout(model, fabric.device.type, fabric.strategy.precision.precision, mode)
     model = fabric.setup_module(model)
     fabric.print(f"Loaded {checkpoint_dir} in {time.perf_counter() - t0:.2f} s", file=sys.stderr)
 

@@ -446,6 +446,31 @@ def test_packed_linear_weights_generate_the_same(tied):
     assert torch.equal(generate(model, prompt, 16), expected)
 
 
+@pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN (mkldnn) to pack weights for")
+def test_merged_lora_layers_are_packed_and_unmerged_ones_are_not():
+    from lit_gpt import lora
+
+    torch.manual_seed(0)
+    config = lora.Config(name="tiny-llama", block_size=64, vocab_size=320, n_layer=2, n_head=4, n_query_groups=2,
+                         n_embd=32, intermediate_size=96, norm_class_name="RMSNorm", mlp_class_name="LLaMAMLP",
+                         tie_embeddings=True, lora_r=4, lora_alpha=8, lora_query=True, lora_value=True, lora_mlp=True)
+    model = lora.GPT(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(std=0.4 if p.dim() > 1 and "lora" not in name else 0.1)
+    prompt = torch.randint(0, 320, (7,), generator=torch.Generator().manual_seed(1))
+    assert pack_linear_weights(model) == 2  # unmerged: only the plain attn.proj layers
+    lora.merge_lora_weights(model)
+    expected = naive_greedy(model, prompt, 16)
+    with torch.no_grad():
+        reference_logits = model(prompt.unsqueeze(0))
+    # merged qkv, fc_1, fc_2, mlp.proj of both layers (the tied head stays)
+    assert pack_linear_weights(model) == 4 * config.n_layer
+    with torch.no_grad():
+        torch.testing.assert_close(model(prompt.unsqueeze(0)), reference_logits, rtol=1e-4, atol=1e-4)
+    assert torch.equal(generate(model, prompt, 16), expected)
+
+
 def test_packing_skips_what_it_must_not_touch():
     model = tiny_model(n_embd=32, intermediate_size=96, tie_embeddings=False).to(torch.bfloat16)
     assert pack_linear_weights(model) == 0  # float32 only
