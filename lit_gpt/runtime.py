@@ -418,7 +418,8 @@ class Runtime:
         without a KV cache) through one torch.compile'd function: static shapes and one whole graph per block
         (fullgraph: a graph break is an error, not a silent slowdown). Dynamo lifts each block's parameters as
         inputs, so all blocks of one kind share a graph: one compilation per padded length, train/eval mode and
-        block kind (adapter blocks before and after `adapter_start_layer` are two kinds), not per layer.
+        block kind, not per layer. Kinds: adapter blocks before and after `adapter_start_layer`, and a block whose
+        input needs no gradient (block 0 under a frozen embedding) apart from those whose input does.
         Generation (with a KV cache) keeps the eager blocks. Compilations are counted by `compile_count`."""
         import torch._dynamo
 

@@ -909,8 +909,9 @@ def _report(fabric: Any, runtime: Runtime, summary: Dict[str, Any], steady: Dict
     if runtime.compiles_graphs:
         n_step = sum(step_compiles.values())
         summary.update(train_compiles=n_step, padded_lengths=sorted(step_compiles), other_compiles=other_compiles)
+        what = "XLA" if runtime.name == "xla" else "torch.compile (blocks)"
         fabric.print(
-            f"{'XLA' if runtime.name == 'xla' else 'torch.compile (blocks)'} compilations: train step {n_step} for {len(step_compiles)} padded length(s)"
+            f"{what} compilations: train step {n_step} for {len(step_compiles)} padded length(s)"
             f" {sorted(step_compiles)} (per length: {dict(sorted(step_compiles.items()))}); validation, sample"
             f" generation and checkpoints {other_compiles}"
         )
