@@ -34,6 +34,7 @@ import torch
 from lit_gpt.config import Config, load_config
 from lit_gpt.generate import Steps, compile_steps, load_model, resolve_compile, timed_generate, use_cpu_inference_layout
 from lit_gpt.model import GPT
+from lit_gpt.quantize import check_quantize, quantize_model
 from lit_gpt.runtime import Runtime
 from lit_gpt.utils import DEFAULT_CHECKPOINT_DIR, LitError, load_checkpoint, run_cli
 
@@ -94,6 +95,7 @@ def setup(
     prompt_tokens: int = 28,
     compile: Optional[List[str]] = None,
     transformers_static: bool = True,
+    quantize: Optional[List[str]] = None,
     cpu_layout: bool = True,
     results_file: Optional[Path] = None,
     note: Optional[str] = None,
@@ -118,6 +120,10 @@ def setup(
         compile: Our compiled variants to time, as `--compile` modes (`lit_gpt.generate.COMPILE_MODES`, "none" for
             none); default: "default" on the CPU, "default", "reduce-overhead" and "max-autotune" on CUDA.
         transformers_static: Also time transformers with its static cache.
+        quantize: Weight-only quantization modes (lit_gpt/quantize.py) to time as well: each quantizes a copy of our
+            model and runs it with every compiled mode of `compile`, as `ours_<quantize>_<mode>`; its steady decode is
+            also compared with our unquantized model in the same mode (`<name>_decode_ratio_unquantized`, the median
+            of per-run ratios). Default: none.
         cpu_layout: On the CPU in float32, lay our weights out as generate/base.py does
             (`lit_gpt.generate.use_cpu_inference_layout`): oneDNN-packed linear layers for the eager loop,
             column-major matrices for the compiled steps (a copy of the model); false measures nn.Linear's layout.
@@ -142,6 +148,13 @@ def setup(
     for m in modes:
         if m == "auto" or resolve_compile(m, device, max_new_tokens) is None:
             raise LitError(f"--compile takes explicit modes here (default, reduce-overhead, max-autotune), got {m!r}")
+    quantize = list(quantize or [])
+    # one decode_one_token / prefill, compiled for several models and modes in this process (a recompilation each)
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    if quantize and not modes:
+        raise LitError("--quantize times quantized copies in the compiled modes of --compile: give one")
+    for q in quantize:
+        check_quantize(q, dev, dtype)
     if threads is not None:
         torch.set_num_threads(threads)
 
@@ -164,6 +177,10 @@ def setup(
         ours, theirs = random_models(model_name, dev, dtype)
         ids = torch.randint(0, ours.config.vocab_size, (prompt_tokens,), generator=torch.Generator().manual_seed(0))
         what = f"{model_name} (random weights)"
+    qmodels = {}  # quantized copies of the model as loaded (before any CPU layout change)
+    for q in quantize:
+        qmodels[q] = copy.deepcopy(ours)
+        quantize_model(qmodels[q], q, dev)
     compiled_model = ours
     layout = "plain"
     if cpu_layout and device == "cpu" and dtype == torch.float32:  # as generate/base.py does on the CPU in 32-true
@@ -175,8 +192,8 @@ def setup(
     runtime = Runtime.on(dev)
     block_size = ours.config.block_size
 
-    def run_ours(steps: Steps) -> Run:
-        model = ours if steps.mode is None else compiled_model
+    def run_ours(steps: Steps, model: Optional[torch.nn.Module] = None) -> Run:
+        model = model if model is not None else ours if steps.mode is None else compiled_model
         # what generate/base.py does, minus the stop tokens (every contender generates max_new_tokens)
         pad_to, cache = steps.shapes(ids.numel(), max_new_tokens, block_size)
         synchronize(dev)
@@ -220,10 +237,16 @@ def setup(
         return Run(out[0, ids.numel():].tolist(), seconds, steady)
 
     contenders: Dict[str, Callable[[], Run]] = {"ours": lambda: run_ours(compile_steps(None))}
+    unquantized: Dict[str, str] = {}  # quantized contender -> our unquantized one in the same mode
     for m in modes:
         steps = compile_steps(m, compile_prefill=device == "cuda")  # as generate_samples compiles them
         name = "ours_compiled" if m == "default" else f"ours_compiled_{m}"
         contenders[name] = lambda steps=steps: run_ours(steps)
+    for q, qmodel in qmodels.items():
+        for m in modes:
+            steps = compile_steps(m, compile_prefill=device == "cuda")
+            contenders[f"ours_{q}_{m}"] = lambda steps=steps, qmodel=qmodel: run_ours(steps, qmodel)
+            unquantized[f"ours_{q}_{m}"] = "ours_compiled" if m == "default" else f"ours_compiled_{m}"
     contenders["transformers"] = lambda: run_theirs(False)
     if transformers_static:
         contenders["transformers_static"] = lambda: run_theirs(True)
@@ -242,6 +265,7 @@ def setup(
                 raise RuntimeError(f"{name} generated {len(r.tokens)} tokens instead of {max_new_tokens}")
             if i == 0:
                 first[name] = r
+                print(f"  warm-up {name}: {r.seconds:.1f} s", file=sys.stderr, flush=True)  # compilations can be long
             else:
                 timed[name].append(r)
         if i == 0:
@@ -276,6 +300,10 @@ def setup(
             result[f"{name}_decode_ratio{suffix}"] = statistics.median(decode) if decode else None
             median_ref = statistics.median(t.seconds for t in timed[ref])
             result[f"{name}_first_run_ratio{suffix}"] = median_ref / first[name].seconds
+    for name, ref in unquantized.items():
+        ratios = [q.decode_tokens_per_s / u.decode_tokens_per_s for q, u in zip(timed[name], timed[ref])
+                  if q.decode_tokens_per_s and u.decode_tokens_per_s]
+        result[f"{name}_decode_ratio_unquantized"] = statistics.median(ratios) if ratios else None
     for name in contenders:
         text = f"{name}: {result[name + '_tokens_per_s']:.2f} tokens/s"
         if result[name + "_decode_tokens_per_s"]:
@@ -288,9 +316,11 @@ def setup(
                 text += (f"; vs {ref}: {result[f'{name}_ratio{suffix}']:.2f}x whole call"
                          + (f", {dr:.2f}x steady decode" if dr else "")
                          + f", {result[f'{name}_first_run_ratio{suffix}']:.2f}x with our first run (compilation)")
+        if result.get(f"{name}_decode_ratio_unquantized"):
+            text += f"; {result[f'{name}_decode_ratio_unquantized']:.2f}x the steady decode of {unquantized[name]}"
         print(text)
     settings = {"checkpoint": what, "setting": setting, "prompt_tokens": ids.numel(), "max_new_tokens": max_new_tokens,
-                "runs": runs, "threads": torch.get_num_threads(), "compile": modes, "cpu_layout": layout,
+                "runs": runs, "threads": torch.get_num_threads(), "compile": modes, "quantize": quantize, "cpu_layout": layout,
                 "batch": 1, "decoding": "greedy", "precision": {"float32": "32-true"}.get(precision, precision),
                 "device": torch.cuda.get_device_name(dev) if device == "cuda" else "cpu"}
     runs_tokens_per_s = {name: [max_new_tokens / r.seconds for r in v] for name, v in timed.items()}
