@@ -23,6 +23,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Union
 
 import pytest
 import torch
+from conftest import python_path
 
 ROOT = Path(__file__).resolve().parents[1]
 PARALLEL = max(2, min(4, (os.cpu_count() or 2) + 1))
@@ -681,7 +682,7 @@ def run_case(case: Case, fx: Fixtures, zygote: Optional[Zygote]) -> Outcome:
     d.mkdir(parents=True)
     argv = case.make(d, fx)
     before = tree_hashes(d)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), **case.env}
+    env = {**os.environ, "PYTHONPATH": python_path(), **case.env}
     io_dir = fx.root / "io" / case.id  # the case's stdin/stdout/stderr files, outside its hashed folder
     io_dir.mkdir(parents=True)
     (io_dir / "stdin").write_bytes(case.stdin or b"")
@@ -707,7 +708,7 @@ class Runner:
 
     def __init__(self, fx: Fixtures, selected: List[str]) -> None:
         fresh = os.environ.get("BAD_INPUTS_FRESH") == "1"
-        self.zygote = None if fresh or not selected else Zygote({**os.environ, "PYTHONPATH": str(ROOT)})
+        self.zygote = None if fresh or not selected else Zygote({**os.environ, "PYTHONPATH": python_path()})
         self.pool = ThreadPoolExecutor(PARALLEL)
         self.futures: Dict[str, Future] = {}
         self.lock = threading.Lock()
@@ -777,3 +778,12 @@ def test_shared_inputs_were_not_changed(fx, runner):
 
 def test_table_is_large_enough():
     assert len(CASES) >= 40 and len({c.id for c in CASES}) == len(CASES)
+
+
+def test_child_processes_keep_the_parents_python_path(monkeypatch):
+    """The cases' processes find the packages the parent finds through PYTHONPATH (installed with `pip install
+    --target`, as on a machine whose site-packages is read-only), with the repository first."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(["/opt/carried", "/opt/more"]))
+    assert python_path().split(os.pathsep) == [str(ROOT), "/opt/carried", "/opt/more"]
+    monkeypatch.delenv("PYTHONPATH")
+    assert python_path() == str(ROOT)

@@ -167,12 +167,13 @@ def test_merge_killed_mid_write_leaves_no_file_behind(tmp_path, named):
     import subprocess
     import sys
 
+    from conftest import python_path
     from variants import ROOT
 
     _, base_dir, lora_path = lora_checkpoint(tmp_path, "Llama-2-7b-hf", lora_r=2)
     out = tmp_path / "merged"
     args = ["--checkpoint_dir", str(base_dir), "--lora_path", str(lora_path), "--out_dir", str(out)]
-    env = {**os.environ, "NAMED": "1" if named else "0", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "NAMED": "1" if named else "0", "PYTHONPATH": python_path()}
     proc = subprocess.run([sys.executable, "-c", _KILLED_MERGE, str(ROOT / "scripts/merge_lora.py"), *args],
                           env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == -signal.SIGKILL, proc.stderr
