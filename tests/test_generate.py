@@ -422,22 +422,37 @@ def test_column_major_weights_change_layout_only():
     assert use_column_major_weights(model) == 0  # idempotent
     assert torch.equal(generate(model, prompt, 16), expected)
 
+    untied = tiny_model(n_embd=32, intermediate_size=96, tie_embeddings=False)
+    assert use_column_major_weights(untied) == 1 + 2 * 4  # the head and the blocks' tall matrices
+    assert untied.lm_head.weight.stride() == (1, 320)
+    assert untied.transformer.wte.weight.is_contiguous()  # an embedding of its own: lookups read rows
+
 
 @pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN (mkldnn) to pack weights for")
-@pytest.mark.parametrize("tied", [True, False])
-def test_packed_linear_weights_generate_the_same(tied):
+@pytest.mark.parametrize(("tied", "memory"), [(False, "plenty"), (True, "plenty"), (True, "short"), (True, "unknown")])
+def test_packed_linear_weights_generate_the_same(tied, memory, monkeypatch):
+    import lit_gpt.utils
+
     model = tiny_model(n_embd=32, intermediate_size=96, tie_embeddings=tied)
+    head_bytes = model.lm_head.weight.numel() * 4
+    available = {"plenty": 100 * head_bytes, "short": 4 * head_bytes, "unknown": None}[memory]
+    monkeypatch.setattr(lit_gpt.utils, "available_memory_bytes", lambda: available)
     prompt = torch.randint(0, 320, (7,), generator=torch.Generator().manual_seed(1))
     expected = naive_greedy(model, prompt, 16)
     with torch.no_grad():
         reference_logits = model(prompt.unsqueeze(0))
     n_layer = model.config.n_layer
+    embedding = model.transformer.wte.weight
     use_cpu_inference_layout(model, packed=True)
     packed = [m for m in model.modules() if type(m).__name__ == "PackedLinear"]
-    # qkv, attn.proj, fc_1, fc_2 and mlp.proj of every block; the head too unless it is the embedding
-    assert len(packed) == 5 * n_layer + (0 if tied else 1)
+    # qkv, attn.proj, fc_1, fc_2 and mlp.proj of every block; the head too unless it is the embedding and a second
+    # copy of it would take more than 1/8 of the available memory (or that is unknown)
+    head_packed = not tied or memory == "plenty"
+    assert len(packed) == 5 * n_layer + head_packed
     assert not any(type(m) is torch.nn.Linear for m in model.transformer.h.modules())
-    if tied:
+    if head_packed:
+        assert model.transformer.wte.weight is embedding and embedding.is_contiguous()  # untouched: no copy
+    else:
         assert type(model.lm_head) is torch.nn.Linear and model.lm_head.weight is model.transformer.wte.weight
         assert model.lm_head.weight.stride() == (1, 320)  # column-major instead: no second copy of the matrix
     assert pack_linear_weights(model) == 0  # idempotent
@@ -459,13 +474,14 @@ def test_merged_lora_layers_are_packed_and_unmerged_ones_are_not():
         for name, p in model.named_parameters():
             p.normal_(std=0.4 if p.dim() > 1 and "lora" not in name else 0.1)
     prompt = torch.randint(0, 320, (7,), generator=torch.Generator().manual_seed(1))
-    assert pack_linear_weights(model) == 2  # unmerged: only the plain attn.proj layers
+    assert pack_linear_weights(model, tied_head=False) == 2  # unmerged: only the plain attn.proj layers
     lora.merge_lora_weights(model)
     expected = naive_greedy(model, prompt, 16)
     with torch.no_grad():
         reference_logits = model(prompt.unsqueeze(0))
-    # merged qkv, fc_1, fc_2, mlp.proj of both layers (the tied head stays)
-    assert pack_linear_weights(model) == 4 * config.n_layer
+    # merged qkv, fc_1, fc_2, mlp.proj of both layers; the tied head only with tied_head=True
+    assert pack_linear_weights(model, tied_head=False) == 4 * config.n_layer
+    assert pack_linear_weights(model, tied_head=True) == 1
     with torch.no_grad():
         torch.testing.assert_close(model(prompt.unsqueeze(0)), reference_logits, rtol=1e-4, atol=1e-4)
     assert torch.equal(generate(model, prompt, 16), expected)
@@ -477,7 +493,7 @@ def test_packing_skips_what_it_must_not_touch():
     model = tiny_model(n_embd=32, intermediate_size=96, tie_embeddings=False)
     model.transformer.h[0].mlp.fc_2.weight = model.transformer.h[0].mlp.fc_1.weight  # shared: not copied
     if onednn_available():
-        assert pack_linear_weights(model) == 5 * model.config.n_layer + 1 - 2
+        assert pack_linear_weights(model, tied_head=True) == 5 * model.config.n_layer + 1 - 2
 
 
 # ---------------------------------------------------------------------------------------------------------------
