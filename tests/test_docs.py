@@ -456,9 +456,14 @@ if "pytest" in sys.modules:
             "checkpoint": "SmolLM2-1.7B (random weights)", "device": "NVIDIA H100", "precision": "bfloat16",
             "prompt_tokens": 28, "max_new_tokens": 256, "runs": 3}, "results": {
             "ours_decode_tokens_per_s": 600.0, "ours_decode_ratio_static": 2.0, "ours_first_run_s": 25.0,
-            "transformers_static_decode_tokens_per_s": 300.0, "transformers_static_first_run_s": 22.0}}))
+            "transformers_static_decode_tokens_per_s": 300.0, "transformers_static_first_run_s": 22.0,
+            "ours_torchao.int8wo_reduce-overhead_decode_tokens_per_s": 960.0,
+            "ours_torchao.int8wo_reduce-overhead_decode_ratio_static": 3.2,
+            "ours_torchao.int8wo_reduce-overhead_decode_ratio_unquantized": 1.6,
+            "ours_torchao.int8wo_reduce-overhead_first_run_s": 40.0}}))
         text = tables.gpu()
-        assert "| ours | 600.0 | 2.00x | 25.0 s |" in text and "| transformers_static | 300.0 | - |" in text
+        assert "| ours | 600.0 | 2.00x | - | 25.0 s |" in text and "| transformers_static | 300.0 | - | - |" in text
+        assert "| ours_torchao.int8wo_reduce-overhead | 960.0 | 3.20x | 1.60x | 40.0 s |" in text
         assert "Not measured yet" in text and "finetune.py --setting gpu" in text
         run = {"padded_tokens_per_s": 1.0, "s_per_iteration": 1.0, "peak_rss_gib": 1.0}
         (tmp_path / "finetune_gpu.json").write_text(json.dumps({**common, "settings": {
