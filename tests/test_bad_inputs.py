@@ -23,7 +23,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Union
 
 import pytest
 import torch
-from conftest import python_path
+from child_env import python_path
 
 ROOT = Path(__file__).resolve().parents[1]
 PARALLEL = max(2, min(4, (os.cpu_count() or 2) + 1))

@@ -167,7 +167,7 @@ def test_merge_killed_mid_write_leaves_no_file_behind(tmp_path, named):
     import subprocess
     import sys
 
-    from conftest import python_path
+    from child_env import python_path
     from variants import ROOT
 
     _, base_dir, lora_path = lora_checkpoint(tmp_path, "Llama-2-7b-hf", lora_r=2)
