@@ -22,6 +22,8 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, Optional
 
+from lit_gpt.utils import meminfo_bytes
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("torch", "torch_xla", "lightning", "transformers", "jsonargparse", "tokenizers")
 _START_LOAD = os.getloadavg()  # taken when a bench imports this module, before it starts working
@@ -39,14 +41,8 @@ def _cpu_model() -> Optional[str]:
 
 
 def _memory_gib() -> Optional[float]:
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    return round(int(line.split()[1]) / 2**20, 1)
-    except OSError:
-        pass
-    return None
+    total = meminfo_bytes("MemTotal")
+    return None if total is None else round(total / 2**30, 1)
 
 
 def machine() -> Dict[str, Any]:

@@ -335,13 +335,13 @@ def refuse_overwrite(directory: Union[str, Path], names: Any, overwrite: bool, f
         raise LitError(f"{str(directory)!r} already holds {shown}: refusing to overwrite. {fix}")
 
 
-def available_memory_bytes() -> Optional[int]:
-    """Host memory the kernel says can still be allocated without swapping (`MemAvailable` of /proc/meminfo), or
-    None where that is unknown (not Linux)."""
+def meminfo_bytes(field: str) -> Optional[int]:
+    """A field of /proc/meminfo in bytes ("MemTotal", "MemAvailable": what can still be allocated without
+    swapping), or None where that is unknown (not Linux)."""
     try:
         with open("/proc/meminfo", encoding="ascii") as f:
             for line in f:
-                if line.startswith("MemAvailable:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass

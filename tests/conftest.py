@@ -70,4 +70,3 @@ def make_tiny_checkpoint(directory: Path, tokenizer_dir: Path, seed: int = 0, **
 @pytest.fixture(scope="session")
 def tiny_dir(smollm2_dir, tmp_path_factory) -> Path:
     return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "tiny-llama", smollm2_dir)
-

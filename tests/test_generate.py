@@ -436,7 +436,7 @@ def test_packed_linear_weights_generate_the_same(tied, memory, monkeypatch):
     model = tiny_model(n_embd=32, intermediate_size=96, tie_embeddings=tied)
     head_bytes = model.lm_head.weight.numel() * 4
     available = {"plenty": 100 * head_bytes, "short": 4 * head_bytes, "unknown": None}[memory]
-    monkeypatch.setattr(lit_gpt.utils, "available_memory_bytes", lambda: available)
+    monkeypatch.setattr(lit_gpt.utils, "meminfo_bytes", lambda field: available if field == "MemAvailable" else None)
     prompt = torch.randint(0, 320, (7,), generator=torch.Generator().manual_seed(1))
     expected = naive_greedy(model, prompt, 16)
     with torch.no_grad():
