@@ -26,7 +26,7 @@ from lit_gpt.generate import (
     generation_fabric,
     load_model,
     resolve_compile,
-    use_fast_layout,
+    prepare_for_generation,
 )
 from lit_gpt.prompts import PromptStyle
 from lit_gpt.quantize import check_quantize, loader
@@ -86,7 +86,7 @@ def setup(
 
     t0 = time.perf_counter()
     model = loader(partial(load_model, checkpoint_dir), quantize, fabric.device, dtype)()
-    use_fast_layout(model, fabric.device.type, fabric.strategy.precision.precision, mode)  # the CPU's (see there)
+    prepare_for_generation(model, fabric.device.type, fabric.strategy.precision.precision, mode)  # dtype, CPU layout
     model = fabric.setup_module(model)
     print(f"Loaded {checkpoint_dir} in {time.perf_counter() - t0:.2f} s ({style.name} prompt style)", file=sys.stderr)
     fabric.seed_everything(seed)

@@ -19,8 +19,8 @@ import torch
 
 from lit_gpt.config import Config, load_config, next_power_of_two
 from lit_gpt.model import GPT
-from lit_gpt.runtime import Runtime
-from lit_gpt.utils import LitError, check_checkpoint_dir, download_command, load_checkpoint
+from lit_gpt.runtime import Runtime, param_dtype
+from lit_gpt.utils import LitError, cast_floating, check_checkpoint_dir, download_command, load_checkpoint
 
 StopIds = Optional[Union[int, Sequence[int]]]
 
@@ -530,9 +530,13 @@ def pack_linear_weights(model: torch.nn.Module, tied_head: Optional[bool] = None
     return replaced
 
 
-def use_fast_layout(model: torch.nn.Module, device_type: str, precision: str, mode: Optional[str]) -> None:
-    """What the generation recipes (generate/*.py, chat) do to the loaded model before Fabric's setup: on the CPU in
-    32-true, `use_cpu_inference_layout` (packed weights for the eager loop, column-major for compiled steps)."""
+def prepare_for_generation(model: torch.nn.Module, device_type: str, precision: str, mode: Optional[str]) -> None:
+    """What the generation recipes (generate/*.py, chat) do to the loaded model before Fabric's setup: its floating
+    weights in the precision's dtype, whatever the file stored (`cast_floating`: Fabric's "32-true" casts nothing,
+    so a bf16 Hub checkpoint would otherwise run in bf16 under the CPU's default 32-true, and miss the fp32 layout
+    below); then, on the CPU in 32-true, `use_cpu_inference_layout` (packed weights for the eager loop,
+    column-major for compiled steps)."""
+    cast_floating(model, param_dtype(precision))
     if device_type == "cpu" and precision == "32-true":
         use_cpu_inference_layout(model, packed=mode is None)
 
@@ -747,7 +751,7 @@ def generate_samples(
 
     t0 = time.perf_counter()
     model = load_model().eval()
-    use_fast_layout(model, fabric.device.type, fabric.strategy.precision.precision, mode)
+    prepare_for_generation(model, fabric.device.type, fabric.strategy.precision.precision, mode)
     model = fabric.setup_module(model)
     fabric.print(f"Loaded {checkpoint_dir} in {time.perf_counter() - t0:.2f} s", file=sys.stderr)
 

@@ -42,7 +42,9 @@ from lit_gpt.config import load_config  # noqa: F401  (the recipes' `training.lo
 from lit_gpt.data import IGNORE_INDEX, PreparedData, TrainBatches, count_cropped, load_prepared, val_batches
 from lit_gpt.runtime import FINAL_DIR, STEP_DIR, Runtime, param_dtype, resolve_accelerator
 from lit_gpt.storage import location, log_folder
-from lit_gpt.utils import LitError, load_error_detail, check_checkpoint_dir, load_state_dict, num_parameters
+from lit_gpt.utils import (
+    LitError, cast_floating, check_checkpoint_dir, load_error_detail, load_state_dict, num_parameters,
+)
 
 Precision = Literal["32-true", "bf16-true", "bf16-mixed", "16-true", "16-mixed"]
 COPIED_FILES = (
@@ -256,23 +258,6 @@ def _initialize_unloaded(model: nn.Module, missing: set) -> None:
         names = [f"{prefix}.{n}" if prefix else n for n, _ in module.named_parameters(recurse=False)]
         if names and all(n in missing for n in names) and hasattr(module, "reset_parameters"):
             module.reset_parameters()
-
-
-def cast_floating(model: nn.Module, dtype: torch.dtype) -> None:
-    """Every floating parameter and buffer in `dtype`, whatever the checkpoint stored (the Hub serves bf16, the GGUF
-    converter writes fp32, some files are fp16): the precision decides the dtype, not the file. Tensors already
-    in `dtype` are kept as they are (memory-mapped from the file on the CPU); tied parameters stay tied."""
-    converted: Dict[int, nn.Parameter] = {}
-    for module in model.modules():
-        for name, p in list(module._parameters.items()):
-            if p is None or not p.is_floating_point() or p.dtype == dtype:
-                continue
-            if id(p) not in converted:
-                converted[id(p)] = nn.Parameter(p.detach().to(dtype), requires_grad=p.requires_grad)
-            module._parameters[name] = converted[id(p)]
-        for name, b in list(module._buffers.items()):
-            if b is not None and b.is_floating_point() and b.dtype != dtype and name not in ("cos", "sin"):
-                module._buffers[name] = b.to(dtype)  # the RoPE tables stay float32 (they are cast where used)
 
 
 def setup_model(

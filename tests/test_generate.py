@@ -496,6 +496,37 @@ def test_packing_skips_what_it_must_not_touch():
         assert pack_linear_weights(model, tied_head=True) == 5 * model.config.n_layer + 1 - 2
 
 
+def test_a_bf16_hub_checkpoint_generates_in_fp32_with_the_cpu_layout(smollm2_bf16_dir, capsys, monkeypatch):
+    """What users bring (the Hub's bf16 SmolLM2) at the CPU's default precision (32-true): the weights are cast to
+    fp32 and laid out for the eager loop, as an fp32 checkpoint is, and the answer is what the cast model gives."""
+    import lit_gpt.utils
+    from lit_gpt.generate import load_model, prepare_for_generation
+    from lit_gpt.tokenizer import Tokenizer
+
+    monkeypatch.setattr(lit_gpt.utils, "meminfo_bytes", lambda field: 2**40)  # plenty: the tied head is packed
+    tokenizer = Tokenizer(smollm2_bf16_dir)
+    prompt = tokenizer.encode("The capital of France is")
+    reference = load_model(smollm2_bf16_dir).float()
+    expected = naive_greedy(reference, prompt, 4)
+    model = load_model(smollm2_bf16_dir)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    prepare_for_generation(model, "cpu", "32-true", None)
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    assert model.transformer.wte.weight.dtype == torch.float32
+    if onednn_available():
+        assert type(model.lm_head).__name__ == "PackedLinear"
+        assert type(model.transformer.h[0].mlp.fc_1).__name__ == "PackedLinear"
+    with torch.inference_mode():
+        assert torch.equal(generate(model, prompt, 4), expected)
+    assert tokenizer.decode(expected.tolist()).startswith(" Paris")
+
+    proc = run_in_process(capsys, monkeypatch, "--checkpoint_dir", str(smollm2_bf16_dir), "--prompt",
+                          "The capital of France is", "--prompt_style", "raw", "--temperature", "0",
+                          "--max_new_tokens", "2", "--accelerator", "cpu")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("The capital of France is Paris"), proc.stdout
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # loading and the recipe
 # ---------------------------------------------------------------------------------------------------------------

@@ -119,27 +119,6 @@ def test_every_method_on_every_stored_dtype_and_precision(method, dtype, precisi
     assert {t.dtype for t in saved.values() if t.is_floating_point()} == {expected}
 
 
-@pytest.fixture(scope="module")
-def smollm2_bf16_dir(smollm2_dir, tmp_path_factory) -> Path:
-    """SmolLM2-135M as the Hub serves it: an HF folder saved by transformers in bf16, converted to a lit checkpoint
-    (which keeps the file's dtype)."""
-    from transformers import AutoModelForCausalLM
-
-    from lit_gpt.convert import convert_hf_checkpoint, convert_lit_checkpoint
-
-    root = tmp_path_factory.mktemp("smollm2_bf16")
-    hf32 = root / "hf32"
-    convert_lit_checkpoint(smollm2_dir, hf32)
-    model = AutoModelForCausalLM.from_pretrained(hf32, torch_dtype=torch.bfloat16)
-    hub = root / "HuggingFaceTB" / "SmolLM2-135M-Instruct"
-    model.save_pretrained(hub)  # bf16 safetensors, like the Hub's
-    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json"):
-        if (smollm2_dir / name).is_file():
-            (hub / name).write_bytes((smollm2_dir / name).read_bytes())
-    convert_hf_checkpoint(hub)
-    return hub
-
-
 @pytest.mark.slow
 def test_lora_on_real_smollm2_from_a_bf16_hub_folder_at_the_cpu_default(smollm2_bf16_dir, tmp_path):
     """The user's first run: the Hub's bf16 weights, LoRA, the CPU's default precision (32-true)."""
