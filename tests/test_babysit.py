@@ -329,8 +329,11 @@ def test_ctrl_c_stops_watching_and_deletes_only_when_asked(tmp_path, delete):
     marker = tmp_path / "running"
     args = [sys.executable, str(BABYSIT), *TPU, *FAST, "--delete_on_interrupt", str(delete).lower(), "--",
             script(tmp_path / "run.sh", f"touch {marker} && sleep 60 && touch {tmp_path / 'finished'}")]
+    # Ctrl-C reaches a foreground process whose SIGINT is at its default; a suite started as a background job
+    # (`pytest ... &` in a script, CI runners) ignores SIGINT, and a child inherits that: reset it for the child
     proc = subprocess.Popen(args, cwd=REPO, env=fake.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, stdin=subprocess.DEVNULL)
+                            text=True, stdin=subprocess.DEVNULL,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 60
     while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.1)
