@@ -56,6 +56,21 @@ class Locked:
         self.lock.close()
 
 
+def happened(trigger):
+    """A trigger file exists; a JSON one (a checkpoint's marker) also holds its whole content: the fake preempts
+    after the commit, not while the marker is being written (file:// writes it in place)."""
+    path = Path(trigger)
+    if not path.exists():
+        return False
+    if path.suffix != ".json":
+        return True
+    try:
+        json.loads(path.read_text())
+        return True
+    except ValueError:
+        return False
+
+
 def fail(message, code=1):
     print(f"ERROR: (gcloud.compute.tpus.{'.'.join(cmd)}) {message}", file=sys.stderr)
     sys.exit(code)
@@ -142,7 +157,7 @@ elif cmd == ["tpu-vm", "ssh"]:
         time.sleep(0.05)
         with Locked() as s:
             triggers = s["preempt_when"]
-            if not (watched and triggers and Path(triggers[0]).exists()):
+            if not (watched and triggers and happened(triggers[0])):
                 continue
             os.killpg(proc.pid, signal.SIGKILL)  # the VM is gone, and its processes with it
             proc.wait()
