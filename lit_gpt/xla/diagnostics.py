@@ -187,34 +187,57 @@ def rss_anon_bytes() -> int:
     raise RuntimeError("RssAnon is not in /proc/self/status (Linux only)")
 
 
+# the sampler process: polls the parent's RssAnon until its stdin closes, then prints the peak
+_SAMPLER = """
+import select, sys
+pid, interval = sys.argv[1], float(sys.argv[2])
+def rss():
+    with open("/proc/%s/status" % pid) as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    return 0
+peak = 0
+print("ready", flush=True)
+while not select.select([sys.stdin], [], [], interval)[0]:
+    peak = max(peak, rss())
+print(max(peak, rss()), flush=True)
+"""
+
+
 class AnonMemorySampler:
-    """Samples `rss_anon_bytes()` in a background thread and keeps the peak (Linux).
+    """Samples this process's `rss_anon_bytes()` from a helper process and keeps the peak (Linux).
 
         with AnonMemorySampler() as mem:
             load()
         print(mem.peak - mem.start)
-    """
+
+    A sampling thread would need the GIL, and torch_xla's host-to-device transfers hold it while they copy
+    (`_global_tensor_from_cpu_shards` makes its own copy of every shard before it returns): a thread sees the
+    memory only after those calls return, so it can miss the peak. The helper process reads /proc/PID/status
+    every `interval` seconds whatever this process is doing."""
 
     def __init__(self, interval: float = 0.002) -> None:
-        import threading
-
         self.interval = interval
-        self.start = self.peak = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, rss_anon_bytes())
-            self._stop.wait(self.interval)
+        self.start = self.peak = self.end = 0
 
     def __enter__(self) -> "AnonMemorySampler":
+        import subprocess
+        import sys
+
+        self._proc = subprocess.Popen(
+            [sys.executable, "-S", "-c", _SAMPLER, str(os.getpid()), str(self.interval)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )
+        ready = self._proc.stdout.readline()  # it is running and samples from now on
+        if ready.strip() != "ready":
+            self._proc.kill()
+            raise RuntimeError(f"the memory sampler process did not start (it said {ready!r})")
         self.start = self.peak = rss_anon_bytes()
-        self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, rss_anon_bytes())
+        last = rss_anon_bytes()
+        out, _ = self._proc.communicate(input="", timeout=60)  # closing its stdin stops it
+        self.peak = max(int(out.split()[-1]), last, self.start)
         self.end = rss_anon_bytes()
