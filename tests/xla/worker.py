@@ -204,15 +204,33 @@ def scenario_cast_memory(out: Path, result: Dict[str, Any]) -> None:
     model_bytes = sum(p.numel() for p in params) * 2
     fabric = lx.make_fabric()  # 32-true: the bf16 comes from load_staged's dtype
     fabric.launch()
+    # what the loader hands torch_xla's direct sharded transfer: the host bytes of the shards (distinct tensors)
+    # and this process's anonymous memory at that moment, before torch_xla copies anything (deterministic, unlike
+    # the peak, which depends on how torch_xla's transfer threads overlap their copies)
+    handovers: List[Dict[str, int]] = []
+    direct = torch_xla._XLAC._global_tensor_from_cpu_shards
+
+    def recording(shards, *args, **kwargs):
+        distinct = {id(t): t for t in shards}.values()
+        handovers.append({"shard_bytes": sum(t.numel() * t.element_size() for t in distinct),
+                          "rss_anon": rss_anon_bytes()})
+        return direct(shards, *args, **kwargs)
+
     torch_xla.sync(wait=True)
     _release_host_memory()
-    with AnonMemorySampler(interval=0.001) as mem:
-        model = lx.load_staged(config, path, fabric, progress=False, dtype=torch.bfloat16)
+    torch_xla._XLAC._global_tensor_from_cpu_shards = recording
+    try:
+        with AnonMemorySampler(interval=0.001) as mem:
+            model = lx.load_staged(config, path, fabric, progress=False, dtype=torch.bfloat16)
+    finally:
+        torch_xla._XLAC._global_tensor_from_cpu_shards = direct
     final = rss_anon_bytes()
+    largest = max(handovers, key=lambda h: h["shard_bytes"], default={"shard_bytes": 0, "rss_anon": mem.start})
     source = torch.load(path, mmap=True, weights_only=True)
     equal = all(torch.equal(p.cpu(), source[n if n in source else "transformer.wte.weight"].to(torch.bfloat16))
                 for n, p in model.named_parameters(remove_duplicate=False))
     result.update(block=block, tensor=tensor, model=model_bytes, peak_minus_final=mem.peak - final,
+                  handed_shard_bytes=largest["shard_bytes"], above_start_at_handover=largest["rss_anon"] - mem.start,
                   above_model=mem.peak - mem.start - model_bytes, resident_added=final - mem.start, bit_equal=equal,
                   dtypes=sorted({str(p.dtype) for p in model.parameters()}), tied=model.lm_head.weight is
                   model.transformer.wte.weight, spec=torch_xla._XLAC._get_xla_sharding_spec(model.lm_head.weight))
