@@ -260,8 +260,11 @@ def xla_load() -> str:
     text = "\n".join(lines) + "\n"
     text += ("\nHost anonymous memory (RssAnon, sampled every 1 ms) of loading a random checkpoint onto XLA:CPU, each load"
              " in a fresh process; staged = `load_staged`, naive = `torch.load` + `load_state_dict` + `fabric.setup`."
-             " \"x bound\" divides by the larger of the largest block and the largest tensor in the loaded dtype (the"
-             " loader places one tensor at a time); the target is 1.2x.\n")
+             " \"x bound\" divides by the larger of the largest block and the host copies of the largest tensor in the"
+             " loaded dtype: the loader places one tensor at a time, and torch_xla 2.9 copies every shard it is handed,"
+             " so that tensor is in host memory once without a cast and twice with one (the loader's cast shards and"
+             " torch_xla's copies); the target is 1.2x. Memory is sampled from a helper process, which also sees the"
+             " peaks inside torch_xla's transfer calls (they hold the GIL).\n")
     return text + _source(*records)
 
 
