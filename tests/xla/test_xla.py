@@ -92,10 +92,10 @@ def test_staged_loader_cast_host_memory(xla_workers):
     every shard it is handed once more (its AtenSource copies unconditionally), so the tensor is in host memory twice
     while the transfer starts; on XLA:CPU the device buffers are host memory too, and how far torch_xla's transfer
     threads overlap them with its copies varies run to run. The model is a SmolLM2-style tied 49152 x 1024 embedding
-    (96 MiB in bf16, 4x the block). Measured (anonymous memory sampled from a helper process, in units of that
-    tensor): peak above start + model 1.2-1.9x; casting the whole tensor first and sharding it with torch_xla's own
-    transfer added a third copy (2.0-2.6x with the in-process sampler, which misses peaks while torch_xla holds
-    the GIL). bench/load.py reports every file dtype x precision x devices x format."""
+    (96 MiB in bf16, 4x the block). Measured here (anonymous memory sampled from a helper process, in units of that
+    tensor): peak above start + model 1.2-2.0x; casting the whole tensor first and sharding it with torch_xla's own
+    transfer (the code before the fix) 2.1-2.6x, and it never reaches the direct transfer, which the deterministic
+    checks below catch every time. bench/load.py reports every file dtype x precision x devices x format."""
     r = xla_workers.result("train8")["cast_memory"]
     mib = 1024 * 1024
     summary = {k: round(v / mib, 1) if isinstance(v, int) and not isinstance(v, bool) else v for k, v in r.items()}
