@@ -114,7 +114,7 @@ def _file_tensors(checkpoint: Path) -> Dict[str, torch.Tensor]:
 def measure(mode: str, checkpoint: Path, precision: str) -> dict:
     """Runs inside the measuring process."""
     import lit_gpt.xla as lx
-    from lit_gpt.xla.diagnostics import AnonMemorySampler, rss_anon_bytes
+    from lit_gpt.xla.diagnostics import AnonMemorySampler
     from lit_gpt.xla.loader import _release_host_memory
 
     config = Config.from_file(checkpoint.parent / "lit_config.json")
@@ -137,7 +137,7 @@ def measure(mode: str, checkpoint: Path, precision: str) -> dict:
             model = fabric.setup(model)  # precision cast, .to(xla), FSDPv2 sharding
         torch_xla.sync(wait=True)
     seconds = time.perf_counter() - t0
-    final = rss_anon_bytes()
+    final = mem.end
     params = dict(model.named_parameters())
     spec = torch_xla._XLAC._get_xla_sharding_spec(max(params.values(), key=lambda p: p.numel()))
     result = {"mode": mode, "start": mem.start, "peak": mem.peak, "final": final, "seconds": seconds, "sharding": spec}

@@ -237,7 +237,6 @@ class AnonMemorySampler:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        last = rss_anon_bytes()
         out, _ = self._proc.communicate(input="", timeout=60)  # closing its stdin stops it
-        self.peak = max(int(out.split()[-1]), last, self.start)
-        self.end = rss_anon_bytes()
+        self.end = rss_anon_bytes()  # the resident size at the end of the block: a lower bound of its peak
+        self.peak = max(int(out.split()[-1]), self.start, self.end)

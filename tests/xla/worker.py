@@ -140,7 +140,7 @@ def scenario_memory(out: Path, result: Dict[str, Any], mode: str) -> None:
     """Host memory of loading the ~160 MB checkpoint conftest wrote: staged, or naive (bench/load.py: >= 1 GB)."""
     import torch_xla
 
-    from lit_gpt.xla.diagnostics import AnonMemorySampler, rss_anon_bytes
+    from lit_gpt.xla.diagnostics import AnonMemorySampler
     from lit_gpt.xla.loader import _release_host_memory
 
     config = Config(**MEMORY)
@@ -166,7 +166,7 @@ def scenario_memory(out: Path, result: Dict[str, Any], mode: str) -> None:
             model = fabric.setup(model)  # .to(xla) and FSDPv2 sharding
             torch_xla.sync(wait=True)
             _release_host_memory()
-    final = rss_anon_bytes()
+    final = mem.end
     spec = torch_xla._XLAC._get_xla_sharding_spec(next(iter(model.parameters())))
     result.update(block=block, model=model_bytes, spec=spec, peak_minus_final=mem.peak - final,
                   above_model=mem.peak - mem.start - model_bytes, resident_added=final - mem.start)
@@ -224,7 +224,7 @@ def scenario_cast_memory(out: Path, result: Dict[str, Any]) -> None:
             model = lx.load_staged(config, path, fabric, progress=False, dtype=torch.bfloat16)
     finally:
         torch_xla._XLAC._global_tensor_from_cpu_shards = direct
-    final = rss_anon_bytes()
+    final = mem.end
     largest = max(handovers, key=lambda h: h["shard_bytes"], default={"shard_bytes": 0, "rss_anon": mem.start})
     source = torch.load(path, mmap=True, weights_only=True)
     equal = all(torch.equal(p.cpu(), source[n if n in source else "transformer.wte.weight"].to(torch.bfloat16))
