@@ -20,7 +20,9 @@ import torch
 from lit_gpt.config import Config, load_config, next_power_of_two
 from lit_gpt.model import GPT
 from lit_gpt.runtime import Runtime, param_dtype
-from lit_gpt.utils import LitError, cast_floating, check_checkpoint_dir, download_command, load_checkpoint
+from lit_gpt.utils import (
+    LitError, cast_floating, check_checkpoint_dir, download_command, load_checkpoint, meminfo_bytes,
+)
 
 StopIds = Optional[Union[int, Sequence[int]]]
 
@@ -498,8 +500,6 @@ def pack_linear_weights(model: torch.nn.Module, tied_head: Optional[bool] = None
     looked-up rows are ever read, so the copy costs no memory over the column-major one it replaces; a model cast to
     float32 on loading holds both. bench/generate.py, SmolLM2-135M fp32, 2 cores, 2026-11-24: eager decode 2.10x
     transformers with the tied head column-major, 2.51x packed (52.7 -> 63.1 tokens/s)."""
-    from lit_gpt.utils import meminfo_bytes
-
     uses: dict = {}  # weight -> (modules using it, embeddings among them)
     for module in model.modules():
         weight = getattr(module, "weight", None)

@@ -431,12 +431,13 @@ def test_column_major_weights_change_layout_only():
 @pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN (mkldnn) to pack weights for")
 @pytest.mark.parametrize(("tied", "memory"), [(False, "plenty"), (True, "plenty"), (True, "short"), (True, "unknown")])
 def test_packed_linear_weights_generate_the_same(tied, memory, monkeypatch):
-    import lit_gpt.utils
+    import lit_gpt.generate
 
     model = tiny_model(n_embd=32, intermediate_size=96, tie_embeddings=tied)
     head_bytes = model.lm_head.weight.numel() * 4
     available = {"plenty": 100 * head_bytes, "short": 4 * head_bytes, "unknown": None}[memory]
-    monkeypatch.setattr(lit_gpt.utils, "meminfo_bytes", lambda field: available if field == "MemAvailable" else None)
+    monkeypatch.setattr(lit_gpt.generate, "meminfo_bytes",
+                        lambda field: available if field == "MemAvailable" else None)
     prompt = torch.randint(0, 320, (7,), generator=torch.Generator().manual_seed(1))
     expected = naive_greedy(model, prompt, 16)
     with torch.no_grad():
@@ -499,11 +500,11 @@ def test_packing_skips_what_it_must_not_touch():
 def test_a_bf16_hub_checkpoint_generates_in_fp32_with_the_cpu_layout(smollm2_bf16_dir, capsys, monkeypatch):
     """What users bring (the Hub's bf16 SmolLM2) at the CPU's default precision (32-true): the weights are cast to
     fp32 and laid out for the eager loop, as an fp32 checkpoint is, and the answer is what the cast model gives."""
-    import lit_gpt.utils
+    import lit_gpt.generate
     from lit_gpt.generate import load_model, prepare_for_generation
     from lit_gpt.tokenizer import Tokenizer
 
-    monkeypatch.setattr(lit_gpt.utils, "meminfo_bytes", lambda field: 2**40)  # plenty: the tied head is packed
+    monkeypatch.setattr(lit_gpt.generate, "meminfo_bytes", lambda field: 2**40)  # plenty: the tied head is packed
     tokenizer = Tokenizer(smollm2_bf16_dir)
     prompt = tokenizer.encode("The capital of France is")
     reference = load_model(smollm2_bf16_dir).float()
