@@ -9,12 +9,13 @@ tensors are read from the checkpoint (`torch.load(..., mmap=True, weights_only=T
 "fsdp" axis, so no device ever holds a full copy): each device's shard is sliced from the mapped file and cast to
 the parameter dtype on the way (one host copy per shard, none for a contiguous shard that needs no cast), handed to
 torch_xla as that device's data (`_global_tensor_from_cpu_shards`), and dropped once transferred; then the
-embeddings, final norm and head. One tensor is in flight at a time. torch_xla 2.9 copies every host shard it is
-handed once more before transferring it, so a tensor is in host memory once while it is placed (no cast) or twice
-(cast: the loader's shards and torch_xla's copies). Host memory above the final resident size therefore stays
-within about the larger of one block and one (no cast) or two (cast) copies of the largest tensor; only models
-whose embedding outweighs a block (SmolLM2, Llama 3, Gemma) reach the tensor term (bench/load.py measures every
-combination).
+embeddings, final norm and head. The loader waits for each large transfer before the next (under SPMD; on one
+device torch_xla's wait can return before the copy ends, so two can overlap). torch_xla 2.9 copies every host
+shard it is handed once more before transferring it, so a tensor is in host memory once while it is placed (no
+cast) or twice (cast: the loader's shards and torch_xla's copies). Host memory above the final resident size
+therefore stays within about the larger of one block and one (no cast) or two (cast) copies of the largest
+tensor; only models whose embedding outweighs a block (SmolLM2, Llama 3, Gemma) reach the tensor term
+(bench/load.py measures every combination).
 
 Parameters that are not in any checkpoint (new adapter or LoRA weights) are initialised by their module's
 `reset_parameters()`; tied parameters (`lm_head.weight` / `transformer.wte.weight`) stay one tensor.
@@ -333,7 +334,7 @@ def _to_device(cpu: torch.Tensor, device: torch.device, mesh: Any, dtype: torch.
     contiguous view of the mapped file. torch_xla 2.9 adds one copy of its own to either (its AtenSource copies
     every shard, `copy=true`, before the transfer starts), which no caller can avoid."""
     if mesh is None or cpu.dim() == 0:
-        return cpu.to(dtype).to(device)  # one device: the cast copy is the buffer torch_xla transfers from
+        return cpu.to(dtype).to(device)  # one device: torch_xla copies what it is given (the cast, or the file's view)
     import torch_xla.core.xla_model as xm
     import torch_xla.distributed.spmd as xs
 
