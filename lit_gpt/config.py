@@ -11,9 +11,23 @@ import math
 from copy import deepcopy
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Dict, List, Literal, Optional
+from typing import Any, Dict, List, Literal, Optional, Tuple
 
 CONFIG_FILE = "lit_config.json"
+# the HF model types `Config.from_hf_config` reads
+HF_MODEL_TYPES = (
+    "llama", "mistral", "qwen2", "qwen3", "smollm3", "olmo2", "phi3", "gemma", "gemma2", "gemma3_text", "gemma3",
+    "gpt_neox", "falcon", "phi", "stablelm",
+)
+LAYER_TYPES = ("full_attention", "sliding_attention")
+# the keys each rope_scaling type needs (the others are optional: yarn's beta_fast, beta_slow, attention_factor,
+# truncate; longrope's attention_factor)
+ROPE_SCALING_KEYS: Dict[str, Tuple[str, ...]] = {
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_seq_len"),
+    "linear": ("factor",),
+    "yarn": ("factor", "original_max_seq_len"),
+    "longrope": ("short_factor", "long_factor", "original_max_seq_len"),
+}
 
 
 @dataclass
@@ -29,7 +43,12 @@ class Config:
     n_query_groups: Optional[int] = None  # KV heads: n_head = MHA, 1 = MQA, otherwise GQA
     rotary_percentage: float = 1.0  # fraction of each head's dims that get RoPE
     rope_base: float = 10000.0
-    rope_scaling: Optional[Dict[str, Any]] = None  # llama3 style: factor, low/high_freq_factor, original_max_...
+    # frequency scaling of the full-attention layers' RoPE, a dict with "type" (`ROPE_SCALING_KEYS` lists each
+    # type's keys): llama3 (Llama 3.1+; the default type, for configs written before types existed), linear
+    # (Gemma 3 4B+), yarn, longrope (Phi-3.5 / Phi-4-mini)
+    rope_scaling: Optional[Dict[str, Any]] = None
+    rope_local_base: Optional[float] = None  # RoPE base of the sliding-window layers (Gemma 3: 10k); None: rope_base
+    layers_without_rope: List[int] = field(default_factory=list)  # indices of layers without RoPE (SmolLM3's NoPE)
     parallel_residual: bool = False  # x + attn(norm_1(x)) + mlp(norm_2(x))
     shared_attention_norm: bool = False  # parallel residual with a single norm (Falcon-7B, Phi)
     bias: bool = False  # bias on every linear layer
@@ -44,6 +63,18 @@ class Config:
     scale_embeddings: bool = False  # Gemma: embeddings * sqrt(n_embd)
     tie_embeddings: bool = False  # lm_head shares the embedding matrix
     sliding_window_size: Optional[int] = None  # Mistral v0.1: a query sees the last `sliding_window_size` keys
+    # per layer "full_attention" or "sliding_attention" (Gemma 2 alternates, Gemma 3 has five local to one
+    # global); None: every layer slides when sliding_window_size is set (Mistral, Phi-3), else none does
+    layer_types: Optional[List[str]] = None
+    # RMSNorm of the queries and keys before RoPE: over each head (Qwen3, Gemma 3) or over the whole projection
+    # (OLMo 2)
+    norm_qk: Optional[Literal["per_head", "all_heads"]] = None
+    pre_norm: bool = True  # norm_1 / norm_2 before attention and MLP (OLMo 2 has post norms only)
+    post_attention_norm: bool = False  # a norm on the attention output before the residual add (Gemma 2/3, OLMo 2)
+    post_mlp_norm: bool = False  # the same after the MLP
+    attention_scores_scalar: Optional[float] = None  # Gemma 2/3 query_pre_attn_scalar: scores * scalar**-0.5
+    attention_logit_softcapping: Optional[float] = None  # Gemma 2: scores = cap * tanh(scores / cap)
+    final_logit_softcapping: Optional[float] = None  # Gemma 2: logits = cap * tanh(logits / cap)
     # HF `model_type` the weights came from (llama, mistral, ...): picks the HF layout when exporting back.
     # None for configs not read from a config.json; `lit_gpt.convert.hf_model_type` derives it then.
     hf_model_type: Optional[str] = None
@@ -66,6 +97,72 @@ class Config:
         self.rope_n_elem = int(self.rotary_percentage * self.head_size)
         if self.rope_n_elem % 2:
             raise ValueError(f"rotary dims ({self.rope_n_elem}) must be even")
+        self._check_layer_features()
+
+    def _check_layer_features(self) -> None:
+        """Refuse what the model does not implement, naming the field (never a silent wrong answer)."""
+        if self.rope_scaling:
+            kind = self.rope_scaling.get("type", "llama3")
+            if kind not in ROPE_SCALING_KEYS:
+                raise ValueError(
+                    f"rope_scaling type {kind!r} is not implemented; implemented: {', '.join(ROPE_SCALING_KEYS)}"
+                )
+            missing = [k for k in ROPE_SCALING_KEYS[kind] if k not in self.rope_scaling]
+            if missing:
+                raise ValueError(f"rope_scaling of type {kind!r} needs {', '.join(missing)}")
+            if kind == "longrope":
+                for key in ("short_factor", "long_factor"):
+                    if len(self.rope_scaling[key]) != self.rope_n_elem // 2:
+                        raise ValueError(
+                            f"rope_scaling {key} has {len(self.rope_scaling[key])} values, the model's RoPE"
+                            f" needs {self.rope_n_elem // 2} (rotary dims / 2)"
+                        )
+            if kind == "longrope" and self.rope_local_base is not None:
+                raise ValueError("rope_scaling of type 'longrope' with rope_local_base is not implemented")
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.n_layer:
+                raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.n_layer} layers")
+            unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
+            if unknown:
+                raise ValueError(
+                    f"layer_types value(s) {', '.join(map(repr, unknown))} not implemented; use {', '.join(LAYER_TYPES)}"
+                )
+            if "sliding_attention" in self.layer_types and not self.sliding_window_size:
+                raise ValueError("layer_types has sliding_attention layers but sliding_window_size is not set")
+        if self.sliding_window_size is not None and self.sliding_window_size < 1:
+            raise ValueError(f"sliding_window_size must be positive, got {self.sliding_window_size}")
+        bad = [i for i in self.layers_without_rope if not 0 <= i < self.n_layer]
+        if bad:
+            raise ValueError(f"layers_without_rope names layers {bad} outside 0..{self.n_layer - 1}")
+        if self.norm_qk not in (None, "per_head", "all_heads"):
+            raise ValueError(f"norm_qk {self.norm_qk!r} is not implemented; use 'per_head' or 'all_heads'")
+        if not self.pre_norm and (self.parallel_residual or self.shared_attention_norm):
+            raise ValueError("pre_norm=false (post norms only) needs a sequential residual")
+        for key in ("attention_scores_scalar", "attention_logit_softcapping", "final_logit_softcapping"):
+            value = getattr(self, key)
+            if value is not None and not value > 0:
+                raise ValueError(f"{key} must be positive, got {value}")
+
+    # ------------------------------------------------------------------ per-layer features
+    def sliding_window(self, layer: int) -> Optional[int]:
+        """The attention window of `layer` (None: it sees every earlier position)."""
+        if self.layer_types is None or self.layer_types[layer] == "sliding_attention":
+            return self.sliding_window_size
+        return None
+
+    def rope_kind(self, layer: int) -> Optional[int]:
+        """Which RoPE table `layer` uses: 0 the global one, 1 the local one of sliding layers (`rope_local_base`),
+        None for a layer without RoPE."""
+        if layer in self.layers_without_rope:
+            return None
+        if self.rope_local_base is not None and self.sliding_window(layer) is not None:
+            return 1
+        return 0
+
+    @property
+    def rope_kinds(self) -> int:
+        """How many RoPE tables the model needs (1, or 2 with a local base for the sliding layers)."""
+        return 1 + any(self.rope_kind(i) == 1 for i in range(self.n_layer))
 
     # ------------------------------------------------------------------ constructors
     @classmethod
@@ -76,6 +173,13 @@ class Config:
             hint = f" Did you mean: {', '.join(close)}?" if close else ""
             raise ValueError(f"Unknown model name {name!r}.{hint} (`Config.names()` lists all {len(_NAME_TO_CONFIG)}.)")
         conf = deepcopy(conf)
+        n_layer = overrides.get("n_layer")
+        if n_layer is not None and n_layer != conf.get("n_layer"):
+            # a shallower (or deeper) copy keeps the per-layer pattern: Gemma's layer types repeat from layer 0
+            if conf.get("layer_types") and "layer_types" not in overrides:
+                conf["layer_types"] = [conf["layer_types"][i % len(conf["layer_types"])] for i in range(n_layer)]
+            if conf.get("layers_without_rope") and "layers_without_rope" not in overrides:
+                conf["layers_without_rope"] = [i for i in conf["layers_without_rope"] if i < n_layer]
         conf.update(overrides)
         return cls(**conf)
 
@@ -147,24 +251,102 @@ class Config:
 # ---------------------------------------------------------------------------------------------------------------
 # HF config.json -> Config
 # ---------------------------------------------------------------------------------------------------------------
+def _scaling(hf: Dict[str, Any], scaling: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
+    """An HF rope scaling dict -> ours ("type" plus the keys `ROPE_SCALING_KEYS` names); unknown types refused."""
+    if not scaling:
+        return None
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind in (None, "default"):
+        return None
+    # Phi-3 keeps the pretraining length at the top level, and transformers gives that one priority
+    old_ctx = hf.get("original_max_position_embeddings") or scaling.get("original_max_position_embeddings")
+    old_ctx = old_ctx or hf.get("max_position_embeddings")
+    if kind in ("yarn", "longrope") and not old_ctx:
+        raise ValueError(f"rope scaling {kind!r} needs original_max_position_embeddings (or max_position_embeddings)")
+    if kind == "llama3":  # the default type: written without "type", as configs were before other types
+        return {
+            "factor": float(scaling["factor"]),
+            "low_freq_factor": float(scaling["low_freq_factor"]),
+            "high_freq_factor": float(scaling["high_freq_factor"]),
+            "original_max_seq_len": int(scaling["original_max_position_embeddings"]),
+        }
+    if kind == "linear":
+        return {"type": "linear", "factor": float(scaling["factor"])}
+    if kind == "yarn":
+        out = {"type": "yarn", "factor": float(scaling["factor"]), "original_max_seq_len": int(old_ctx)}
+        for key in ("beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim", "truncate"):
+            if scaling.get(key) is not None:
+                out[key] = scaling[key]
+        return out
+    if kind == "longrope":
+        out = {
+            "type": "longrope",
+            "short_factor": [float(f) for f in scaling["short_factor"]],
+            "long_factor": [float(f) for f in scaling["long_factor"]],
+            "original_max_seq_len": int(old_ctx),
+        }
+        for key in ("factor", "attention_factor"):
+            if scaling.get(key) is not None:
+                out[key] = float(scaling[key])
+        return out
+    raise ValueError(
+        f"Unsupported rope scaling {kind!r} (rope_scaling / rope_parameters.rope_type): implemented are"
+        f" {', '.join(ROPE_SCALING_KEYS)}"
+    )
+
+
 def _rope_params(hf: Dict[str, Any]) -> Dict[str, Any]:
-    """Rope theta and scaling, whether stored at the top level (transformers 4.x) or under rope_parameters (5.x)."""
+    """Rope theta and scaling, whether stored at the top level (transformers 4.x), under rope_parameters (5.x),
+    or per layer type under rope_parameters (5.x Gemma 3: full_attention / sliding_attention)."""
     params = hf.get("rope_parameters") or {}
+    if set(params) & set(LAYER_TYPES):
+        full = params.get("full_attention") or {}
+        local = params.get("sliding_attention") or {}
+        if _scaling(hf, local):
+            raise ValueError("RoPE scaling on the sliding_attention layers is not implemented")
+        theta = full.get("rope_theta", hf.get("rope_theta", 10000.0))
+        out: Dict[str, Any] = {"rope_base": float(theta), "rope_scaling": _scaling(hf, full)}
+        if local.get("rope_theta", theta) != theta:
+            out["rope_local_base"] = float(local["rope_theta"])
+        return out
     theta = params.get("rope_theta", hf.get("rope_theta", hf.get("rotary_emb_base", 10000.0)))
     scaling = hf.get("rope_scaling") or (params if params.get("rope_type", "default") != "default" else None)
-    out: Dict[str, Any] = {"rope_base": float(theta)}
-    if scaling:
-        kind = scaling.get("rope_type", scaling.get("type"))
-        if kind == "llama3":
-            out["rope_scaling"] = {
-                "factor": float(scaling["factor"]),
-                "low_freq_factor": float(scaling["low_freq_factor"]),
-                "high_freq_factor": float(scaling["high_freq_factor"]),
-                "original_max_seq_len": int(scaling["original_max_position_embeddings"]),
-            }
-        elif kind not in (None, "default"):
-            raise ValueError(f"Unsupported rope scaling {kind!r}: only 'llama3' is implemented")
+    out = {"rope_base": float(theta)}
+    scaled = _scaling(hf, scaling)
+    if scaled:
+        out["rope_scaling"] = scaled
+    if hf.get("rope_local_base_freq") is not None and float(hf["rope_local_base_freq"]) != float(theta):
+        out["rope_local_base"] = float(hf["rope_local_base_freq"])  # Gemma 3 configs of transformers 4.x
     return out
+
+
+def _layer_types(hf: Dict[str, Any], default_pattern: Optional[int] = None) -> Dict[str, Any]:
+    """`layer_types` and `sliding_window_size` from a config.json: its own `layer_types` (transformers 5), else the
+    family's pattern (`default_pattern`: every n-th layer is global, Gemma 2: 2, Gemma 3: 6), else Qwen's
+    `max_window_layers`, else the window on every layer.
+    Collapsed where the window changes nothing (all layers alike, or a window no position can exceed)."""
+    window = hf.get("sliding_window")
+    n_layer = hf["num_hidden_layers"]
+    types = hf.get("layer_types")
+    if types is None:
+        pattern = hf.get("sliding_window_pattern", hf.get("_sliding_window_pattern", default_pattern))
+        if pattern:
+            types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n_layer)]
+        elif hf.get("use_sliding_window"):  # Qwen2/3 spelling of transformers 4.x: layers from max_window_layers
+            first = hf.get("max_window_layers", 0)
+            types = ["sliding_attention" if i >= first else "full_attention" for i in range(n_layer)]
+        else:  # Mistral, Phi-3: the window, if any, on every layer
+            types = ["sliding_attention" if window else "full_attention"] * n_layer
+    types = list(types)
+    if window is None or window >= hf.get("max_position_embeddings", float("inf")):
+        if window is None and "sliding_attention" in types:
+            raise ValueError("layer_types has sliding_attention layers but sliding_window is not set")
+        types = ["full_attention" if t == "sliding_attention" else t for t in types]
+    if all(t == "full_attention" for t in types):
+        return {}
+    if all(t == "sliding_attention" for t in types):
+        return {"sliding_window_size": int(window)}
+    return {"sliding_window_size": int(window), "layer_types": types}
 
 
 def _partial_rotary(hf: Dict[str, Any], legacy_key: str, default: float) -> float:
@@ -184,6 +366,15 @@ def _from_hf_config(hf: Dict[str, Any]) -> Dict[str, Any]:
         n_embd=hidden,
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
     )
+    if mt == "gemma3":  # the multimodal folder: its text tower (the converter says the vision tower is left out)
+        text = dict(hf.get("text_config") or {})
+        text.setdefault("vocab_size", hf.get("vocab_size", 262208))
+        text["model_type"] = "gemma3_text"
+        return _from_hf_config(text)
+    if mt in ("qwen3", "smollm3", "olmo2", "phi3"):
+        return _llama_family(hf, common)
+    if mt in ("gemma2", "gemma3_text"):
+        return _gemma_family(hf, common)
     if mt in ("llama", "mistral", "qwen2"):
         conf = dict(
             common,
@@ -311,8 +502,84 @@ def _from_hf_config(hf: Dict[str, Any]) -> Dict[str, Any]:
             **_rope_params(hf),
         )
     raise ValueError(
-        f"Unsupported model_type {mt!r}. Supported: llama, mistral, qwen2, gemma, gpt_neox, falcon, phi, stablelm"
+        f"Unsupported model_type {mt!r}. Supported: {', '.join(HF_MODEL_TYPES)}"
     )
+
+
+def _llama_family(hf: Dict[str, Any], common: Dict[str, Any]) -> Dict[str, Any]:
+    """Qwen3, SmolLM3, OLMo 2 and Phi-3/4: Llama's layout with one or two features switched on."""
+    mt = hf["model_type"]
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"Unsupported hidden_act {hf.get('hidden_act')!r} for {mt}")
+    if hf.get("attention_bias") or hf.get("mlp_bias"):
+        raise ValueError(f"{mt} with attention_bias/mlp_bias is not supported")
+    n_head = hf["num_attention_heads"]
+    conf = dict(
+        common,
+        n_query_groups=hf.get("num_key_value_heads") or n_head,
+        head_size=hf.get("head_dim") or common["n_embd"] // n_head,
+        norm_class_name="RMSNorm",
+        norm_eps=hf.get("rms_norm_eps", 1e-6),
+        mlp_class_name="LLaMAMLP",
+        intermediate_size=hf["intermediate_size"],
+        **_rope_params(hf),
+    )
+    if mt == "qwen3":
+        conf["norm_qk"] = "per_head"
+        if hf.get("use_sliding_window") or "layer_types" in hf:
+            conf.update(_layer_types(hf))
+    elif mt == "smollm3":
+        # HF's no_rope_layers has one entry per layer: 1 = RoPE, 0 = none
+        flags = hf.get("no_rope_layers")
+        if flags is None:
+            interval = hf.get("no_rope_layer_interval", 4)
+            flags = [int((i + 1) % interval != 0) for i in range(hf["num_hidden_layers"])]
+        conf["layers_without_rope"] = [i for i, use_rope in enumerate(flags) if not use_rope]
+        if hf.get("use_sliding_window") or "layer_types" in hf:
+            conf.update(_layer_types(hf))
+    elif mt == "olmo2":
+        conf.update(norm_qk="all_heads", pre_norm=False, post_attention_norm=True, post_mlp_norm=True)
+    elif mt == "phi3":
+        conf["rotary_percentage"] = _partial_rotary(hf, "partial_rotary_factor", 1.0)
+        conf.update(_layer_types(hf))
+    return conf
+
+
+def _gemma_family(hf: Dict[str, Any], common: Dict[str, Any]) -> Dict[str, Any]:
+    """Gemma 2 and Gemma 3 (text): Gemma's layout plus post norms, a per-layer sliding window, soft-capping (2),
+    query-key norms and a local RoPE base (3)."""
+    mt = hf["model_type"]
+    act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
+    if act != "gelu_pytorch_tanh":
+        raise ValueError(f"Unsupported hidden_activation {act!r} for {mt}")
+    if hf.get("attention_bias"):
+        raise ValueError(f"{mt} with attention_bias is not supported")
+    if hf.get("use_bidirectional_attention"):
+        raise ValueError(f"{mt} with use_bidirectional_attention is not supported (a causal language model only)")
+    gemma3 = mt == "gemma3_text"
+    conf = dict(
+        common,
+        tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
+        n_query_groups=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+        head_size=hf["head_dim"],
+        norm_class_name="RMSNorm",
+        norm_eps=hf.get("rms_norm_eps", 1e-6),
+        norm_unit_offset=True,
+        mlp_class_name="GemmaMLP",
+        gelu_approximate="tanh",
+        intermediate_size=hf["intermediate_size"],
+        scale_embeddings=True,
+        post_attention_norm=True,
+        post_mlp_norm=True,
+        attention_scores_scalar=hf.get("query_pre_attn_scalar"),
+        attention_logit_softcapping=hf.get("attn_logit_softcapping", None if gemma3 else 50.0),
+        final_logit_softcapping=hf.get("final_logit_softcapping", None if gemma3 else 30.0),
+        **_rope_params(hf),
+        **_layer_types(hf, default_pattern=6 if gemma3 else 2),
+    )
+    if gemma3:
+        conf["norm_qk"] = "per_head"
+    return conf
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -681,6 +948,243 @@ for size, (n_layer, n_head, n_embd, groups, inter, vocab, tie) in {
                 tie_embeddings=tie,
             )
         )
+
+# ------------------------------------------------------------------ Qwen3
+# https://huggingface.co/Qwen/Qwen3-0.6B/blob/main/config.json (1.7B, 4B, 8B, 14B, 32B alike; no 32B base model)
+for size, (n_layer, n_head, n_embd, inter, tie) in {
+    "0.6B": (28, 16, 1024, 3072, True),
+    "1.7B": (28, 16, 2048, 6144, True),
+    "4B": (36, 32, 2560, 9728, True),
+    "8B": (36, 32, 4096, 12288, False),
+    "14B": (40, 40, 5120, 17408, False),
+    "32B": (64, 64, 5120, 25600, False),
+}.items():
+    for suffix in ("", "-Base") if size != "32B" else ("",):
+        configs.append(
+            _llama(
+                "Qwen",
+                f"Qwen3-{size}{suffix}",
+                hf_model_type="qwen3",
+                block_size=40960,
+                vocab_size=151936,
+                n_layer=n_layer,
+                n_head=n_head,
+                n_embd=n_embd,
+                head_size=128,
+                n_query_groups=8,
+                intermediate_size=inter,
+                norm_eps=1e-6,
+                rope_base=1000000.0,
+                norm_qk="per_head",
+                tie_embeddings=tie,
+            )
+        )
+
+
+def _every_nth_global(n_layer: int, n: int) -> List[str]:
+    """Gemma's layer pattern: each n-th layer attends globally, the others through the sliding window."""
+    return ["sliding_attention" if (i + 1) % n else "full_attention" for i in range(n_layer)]
+
+
+def _gemma2(org: str, name: str, n_layer: int, pattern: int, **kw: Any) -> Dict[str, Any]:
+    return dict(
+        name=name,
+        hf_config=dict(org=org, name=name),
+        norm_class_name="RMSNorm",
+        norm_eps=1e-6,
+        norm_unit_offset=True,
+        mlp_class_name="GemmaMLP",
+        gelu_approximate="tanh",
+        scale_embeddings=True,
+        tie_embeddings=True,
+        post_attention_norm=True,
+        post_mlp_norm=True,
+        n_layer=n_layer,
+        layer_types=_every_nth_global(n_layer, pattern),
+        **kw,
+    )
+
+
+# ------------------------------------------------------------------ Gemma 2
+# https://huggingface.co/google/gemma-2-2b/blob/main/config.json (9b, 27b alike)
+for size, (n_layer, n_head, n_embd, groups, head, inter, scalar) in {
+    "2b": (26, 8, 2304, 4, 256, 9216, 256),
+    "9b": (42, 16, 3584, 8, 256, 14336, 256),
+    "27b": (46, 32, 4608, 16, 128, 36864, 144),
+}.items():
+    for it in ("", "-it"):
+        configs.append(
+            _gemma2(
+                "google",
+                f"gemma-2-{size}{it}",
+                n_layer,
+                2,
+                hf_model_type="gemma2",
+                block_size=8192,
+                vocab_size=256000,
+                n_head=n_head,
+                n_embd=n_embd,
+                head_size=head,
+                n_query_groups=groups,
+                intermediate_size=inter,
+                attention_scores_scalar=scalar,
+                attention_logit_softcapping=50.0,
+                final_logit_softcapping=30.0,
+                sliding_window_size=4096,
+            )
+        )
+
+# ------------------------------------------------------------------ Gemma 3
+# https://huggingface.co/google/gemma-3-1b-it/blob/main/config.json (text only)
+# https://huggingface.co/google/gemma-3-4b-it/blob/main/config.json (12b, 27b alike: the text_config of a
+# multimodal model, whose vision tower the converter leaves out)
+for size, (n_layer, n_head, n_embd, groups, head, inter, scalar, vocab, block, window, scaling) in {
+    "1b": (26, 4, 1152, 1, 256, 6912, 256, 262144, 32768, 512, None),
+    "4b": (34, 8, 2560, 4, 256, 10240, 256, 262208, 131072, 1024, {"type": "linear", "factor": 8.0}),
+    "12b": (48, 16, 3840, 8, 256, 15360, 256, 262208, 131072, 1024, {"type": "linear", "factor": 8.0}),
+    "27b": (62, 32, 5376, 16, 128, 21504, 168, 262208, 131072, 1024, {"type": "linear", "factor": 8.0}),
+}.items():
+    for it in ("-pt", "-it"):
+        configs.append(
+            _gemma2(
+                "google",
+                f"gemma-3-{size}{it}",
+                n_layer,
+                6,
+                hf_model_type="gemma3_text",
+                block_size=block,
+                vocab_size=vocab,
+                n_head=n_head,
+                n_embd=n_embd,
+                head_size=head,
+                n_query_groups=groups,
+                intermediate_size=inter,
+                attention_scores_scalar=scalar,
+                sliding_window_size=window,
+                norm_qk="per_head",
+                rope_base=1000000.0,
+                rope_local_base=10000.0,
+                rope_scaling=deepcopy(scaling),
+            )
+        )
+
+# ------------------------------------------------------------------ Phi-3.5 / Phi-4
+# https://huggingface.co/microsoft/Phi-3.5-mini-instruct/blob/main/config.json
+# https://huggingface.co/microsoft/Phi-4-mini-instruct/blob/main/config.json
+# https://huggingface.co/microsoft/phi-4/blob/main/config.json
+# (Phi-3.5 and Phi-4-mini's sliding_window 262144 exceeds their context: no window)
+_PHI35_LONG = [
+    1.0800000429153442, 1.1100000143051147, 1.1399999856948853, 1.340000033378601, 1.5899999141693115,
+    1.600000023841858, 1.6200000047683716, 2.620000123977661, 3.2300000190734863, 3.2300000190734863,
+    4.789999961853027, 7.400000095367432, 7.700000286102295, 9.09000015258789, 12.199999809265137,
+    17.670000076293945, 24.46000099182129, 28.57000160217285, 30.420001983642578, 30.840002059936523,
+    32.590003967285156, 32.93000411987305, 42.320003509521484, 44.96000289916992, 50.340003967285156,
+    50.45000457763672, 57.55000305175781, 57.93000411987305, 58.21000289916992, 60.1400032043457,
+    62.61000442504883, 62.62000274658203, 62.71000289916992, 63.1400032043457, 63.1400032043457,
+    63.77000427246094, 63.93000411987305, 63.96000289916992, 63.970001220703125, 64.02999877929688,
+    64.06999969482422, 64.08000183105469, 64.12000274658203, 64.41000366210938, 64.4800033569336,
+    64.51000213623047, 64.52999877929688, 64.83999633789062,
+]
+_PHI35_SHORT = [
+    1.0, 1.0199999809265137, 1.0299999713897705, 1.0299999713897705, 1.0499999523162842, 1.0499999523162842,
+    1.0499999523162842, 1.0499999523162842, 1.0499999523162842, 1.0699999332427979, 1.0999999046325684,
+    1.1099998950958252, 1.1599998474121094, 1.1599998474121094, 1.1699998378753662, 1.2899998426437378,
+    1.339999794960022, 1.679999828338623, 1.7899998426437378, 1.8199998140335083, 1.8499997854232788,
+    1.8799997568130493, 1.9099997282028198, 1.9399996995925903, 1.9899996519088745, 2.0199997425079346,
+    2.0199997425079346, 2.0199997425079346, 2.0199997425079346, 2.0199997425079346, 2.0199997425079346,
+    2.0299997329711914, 2.0299997329711914, 2.0299997329711914, 2.0299997329711914, 2.0299997329711914,
+    2.0299997329711914, 2.0299997329711914, 2.0299997329711914, 2.0299997329711914, 2.0799996852874756,
+    2.0899996757507324, 2.189999580383301, 2.2199995517730713, 2.5899994373321533, 2.729999542236328,
+    2.749999523162842, 2.8399994373321533,
+]
+_PHI4_MINI_LONG = [
+    1.0, 1.118320672, 1.250641126, 1.398617824, 1.564103225, 1.74916897, 1.956131817, 2.187582649, 2.446418898,
+    2.735880826, 3.059592084, 3.421605075, 3.826451687, 4.279200023, 4.785517845, 5.351743533, 5.984965424,
+    6.693110555, 7.485043894, 8.370679318, 9.36110372, 10.4687158, 11.70738129, 13.09260651, 14.64173252,
+    16.37415215, 18.31155283, 20.47818807, 22.90118105, 25.61086418, 28.64115884, 32.03, 32.1, 32.13, 32.23,
+    32.6, 32.61, 32.64, 32.66, 32.7, 32.71, 32.93, 32.97, 33.28, 33.49, 33.5, 44.16, 47.77,
+]
+for name, (n_layer, n_head, n_embd, groups, inter, vocab, block, theta, partial, tie, scaling) in {
+    "Phi-3.5-mini-instruct": (
+        32, 32, 3072, 32, 8192, 32064, 131072, 10000.0, 1.0, False,
+        dict(type="longrope", short_factor=_PHI35_SHORT, long_factor=_PHI35_LONG, original_max_seq_len=4096),
+    ),
+    "Phi-4-mini-instruct": (
+        32, 24, 3072, 8, 8192, 200064, 131072, 10000.0, 0.75, True,
+        dict(type="longrope", short_factor=[1.0] * 48, long_factor=_PHI4_MINI_LONG, original_max_seq_len=4096),
+    ),
+    "phi-4": (40, 40, 5120, 10, 17920, 100352, 16384, 250000.0, 1.0, False, None),
+}.items():
+    configs.append(
+        _llama(
+            "microsoft",
+            name,
+            hf_model_type="phi3",
+            block_size=block,
+            vocab_size=vocab,
+            n_layer=n_layer,
+            n_head=n_head,
+            n_embd=n_embd,
+            n_query_groups=groups,
+            intermediate_size=inter,
+            norm_eps=1e-5,
+            rope_base=theta,
+            rotary_percentage=partial,
+            rope_scaling=deepcopy(scaling),
+            tie_embeddings=tie,
+        )
+    )
+
+# ------------------------------------------------------------------ OLMo 2
+# https://huggingface.co/allenai/OLMo-2-0425-1B/blob/main/config.json
+# https://huggingface.co/allenai/OLMo-2-1124-7B/blob/main/config.json (13B alike)
+for name, (n_layer, n_head, n_embd, inter, variants) in {
+    "OLMo-2-0425-1B": (16, 16, 2048, 8192, ("", "-SFT", "-DPO", "-Instruct")),
+    "OLMo-2-1124-7B": (32, 32, 4096, 11008, ("", "-SFT", "-DPO", "-Instruct")),
+    "OLMo-2-1124-13B": (40, 40, 5120, 13824, ("", "-SFT", "-DPO", "-Instruct")),
+}.items():
+    for variant in variants:
+        configs.append(
+            _llama(
+                "allenai",
+                f"{name}{variant}",
+                hf_model_type="olmo2",
+                block_size=4096,
+                vocab_size=100352,
+                n_layer=n_layer,
+                n_head=n_head,
+                n_embd=n_embd,
+                intermediate_size=inter,
+                norm_eps=1e-6,
+                rope_base=500000.0,
+                norm_qk="all_heads",
+                pre_norm=False,
+                post_attention_norm=True,
+                post_mlp_norm=True,
+            )
+        )
+
+# ------------------------------------------------------------------ SmolLM3
+# https://huggingface.co/HuggingFaceTB/SmolLM3-3B/blob/main/config.json (every 4th layer without RoPE)
+for name in ("SmolLM3-3B", "SmolLM3-3B-Base"):
+    configs.append(
+        _llama(
+            "HuggingFaceTB",
+            name,
+            hf_model_type="smollm3",
+            block_size=65536,
+            vocab_size=128256,
+            n_layer=36,
+            n_head=16,
+            n_embd=2048,
+            n_query_groups=4,
+            intermediate_size=11008,
+            norm_eps=1e-6,
+            rope_base=5000000.0,
+            layers_without_rope=[i for i in range(36) if (i + 1) % 4 == 0],
+            tie_embeddings=True,
+        )
+    )
 
 _NAME_TO_CONFIG: Dict[str, Dict[str, Any]] = {c["name"]: c for c in configs}
 

@@ -24,6 +24,7 @@ import torch
 from tqdm import tqdm
 
 from lit_gpt.config import Config
+from lit_gpt.hf_config import SUPPORTED_MODEL_TYPES, _falcon_arch, hf_config_dict, hf_model_type
 from lit_gpt.model import GPT
 from lit_gpt.utils import (
     LitError,
@@ -37,7 +38,6 @@ from lit_gpt.utils import (
     write_text_atomic,
 )
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "gemma", "stablelm", "phi", "gpt_neox", "falcon")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # files copied next to exported weights so that the output folder is a complete HF model
 HF_SIDE_FILES = (
@@ -50,18 +50,6 @@ HF_SIDE_FILES = (
     "merges.txt",
     "generation_config.json",
 )
-_ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "gemma": "GemmaForCausalLM",
-    "stablelm": "StableLmForCausalLM",
-    "phi": "PhiForCausalLM",
-    "gpt_neox": "GPTNeoXForCausalLM",
-    "falcon": "FalconForCausalLM",
-}
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # Name layouts
 # ---------------------------------------------------------------------------------------------------------------
@@ -72,6 +60,7 @@ class _Layout:
     layer: Dict[str, str]  # HF sub-module -> lit sub-module inside a layer
     qkv: Tuple[str, ...]  # HF q, k, v projections (three names) or the fused projection (one name)
     skip: Tuple[str, ...] = ()  # regexes of HF tensors that hold no weights (buffers some checkpoints carry)
+    rename: Tuple[Tuple[str, str], ...] = ()  # (regex, replacement) applied to HF names before mapping (import)
 
 
 _LLAMA_LAYER = {
@@ -89,6 +78,62 @@ _LLAMA = _Layout(
     qkv=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     skip=(r"\.rotary_emb\.inv_freq$",),
 )
+_QK_NORMS = {"self_attn.q_norm": "attn.norm_q", "self_attn.k_norm": "attn.norm_k"}
+_QWEN3 = _Layout(
+    top=_LLAMA.top, layers=_LLAMA.layers, layer={**_LLAMA_LAYER, **_QK_NORMS}, qkv=_LLAMA.qkv, skip=_LLAMA.skip
+)
+_OLMO2 = _Layout(
+    top=_LLAMA.top,
+    layers=_LLAMA.layers,
+    layer={
+        "post_attention_layernorm": "post_attention_norm",
+        "post_feedforward_layernorm": "post_mlp_norm",
+        "self_attn.o_proj": "attn.proj",
+        "mlp.gate_proj": "mlp.fc_1",
+        "mlp.up_proj": "mlp.fc_2",
+        "mlp.down_proj": "mlp.proj",
+        **_QK_NORMS,
+    },
+    qkv=_LLAMA.qkv,
+    skip=_LLAMA.skip,
+)
+_GEMMA2_LAYER = {
+    "input_layernorm": "norm_1",
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "norm_2",
+    "post_feedforward_layernorm": "post_mlp_norm",
+    "self_attn.o_proj": "attn.proj",
+    "mlp.gate_proj": "mlp.fc_1",
+    "mlp.up_proj": "mlp.fc_2",
+    "mlp.down_proj": "mlp.proj",
+}
+_GEMMA2 = _Layout(top=_LLAMA.top, layers=_LLAMA.layers, layer=_GEMMA2_LAYER, qkv=_LLAMA.qkv, skip=_LLAMA.skip)
+_GEMMA3 = _Layout(
+    top=_LLAMA.top,
+    layers=_LLAMA.layers,
+    layer={**_GEMMA2_LAYER, **_QK_NORMS},
+    qkv=_LLAMA.qkv,
+    # the multimodal checkpoint (model_type gemma3): its text tower under `language_model.model.` (Hub files) or
+    # `model.language_model.` (transformers 5), and the vision tower and projector, which are left out
+    skip=_LLAMA.skip + (r"(^|\.)vision_tower\.", r"(^|\.)multi_modal_projector\."),
+    rename=((r"^language_model\.model\.", "model."), (r"^model\.language_model\.", "model."),
+            (r"^language_model\.lm_head\.", "lm_head.")),
+)
+# Phi-3's fused qkv_proj already holds [q heads | k heads | v heads]; gate_up_proj is [gate | up] (`_FUSED_MLP`)
+_PHI3 = _Layout(
+    top=_LLAMA.top,
+    layers=_LLAMA.layers,
+    layer={
+        "input_layernorm": "norm_1",
+        "post_attention_layernorm": "norm_2",
+        "self_attn.qkv_proj": "attn.qkv",
+        "self_attn.o_proj": "attn.proj",
+        "mlp.down_proj": "mlp.proj",
+    },
+    qkv=(),
+    skip=_LLAMA.skip,
+)
+_FUSED_MLP = {"phi3": ("mlp.gate_up_proj", ("mlp.fc_1", "mlp.fc_2"))}
 _PHI = _Layout(
     top={"model.embed_tokens": "transformer.wte", "model.final_layernorm": "transformer.ln_f", "lm_head": "lm_head"},
     layers="model.layers",
@@ -140,40 +185,14 @@ _LAYOUTS = {
     "phi": _PHI,
     "gpt_neox": _GPT_NEOX,
     "falcon": _FALCON,
+    "qwen3": _QWEN3,
+    "smollm3": _LLAMA,
+    "olmo2": _OLMO2,
+    "phi3": _PHI3,
+    "gemma2": _GEMMA2,
+    "gemma3_text": _GEMMA3,
+    "gemma3": _GEMMA3,
 }
-
-
-def hf_model_type(config: Config) -> str:
-    """The HF `model_type` of a config: the one it was read from, else derived from the architecture fields."""
-    if config.hf_model_type:
-        if config.hf_model_type not in SUPPORTED_MODEL_TYPES:
-            raise LitError(
-                f"unsupported model_type {config.hf_model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
-            )
-        return config.hf_model_type
-    if config.mlp_class_name == "GemmaMLP":
-        return "gemma"
-    if config.mlp_class_name == "LLaMAMLP":
-        if config.norm_class_name == "LayerNorm":
-            return "stablelm"
-        if config.attn_bias:
-            return "qwen2"
-        if config.sliding_window_size is not None or config.name.lower().startswith("mistral"):
-            return "mistral"
-        return "llama"
-    if config.lm_head_bias:
-        return "phi"
-    if config.bias and not config.shared_attention_norm:
-        return "gpt_neox"
-    return "falcon"
-
-
-def _falcon_arch(config: Config) -> Tuple[bool, bool]:
-    """(new_decoder_architecture, multi_query) of a Falcon config. Where two HF variants fit the same config
-    (e.g. one shared norm), their weight layouts coincide, so the choice does not change the tensors."""
-    groups = config.n_query_groups
-    new_arch = 1 < groups < config.n_head or (config.parallel_residual and not config.shared_attention_norm)
-    return new_arch, groups == 1
 
 
 def _layer_map(model_type: str, config: Config) -> Dict[str, str]:
@@ -333,31 +352,39 @@ class _HFToLit:
         self.layer_re = re.compile(rf"^{re.escape(self.layout.layers)}\.(\d+)\.(.+)\.(weight|bias)$")
         self.pending: Dict[Tuple[int, str], Dict[str, torch.Tensor]] = {}
 
-    def __call__(self, name: str, tensor: torch.Tensor) -> Optional[Tuple[str, torch.Tensor]]:
+    def __call__(self, name: str, tensor: torch.Tensor) -> List[Tuple[str, torch.Tensor]]:
+        """The lit tensors one HF tensor gives: none (skipped, or q/k/v waiting for the rest), one, or two (a
+        fused gate/up projection)."""
         if any(p.search(name) for p in self.skip):
-            return None
+            return []
+        for pattern, replacement in self.layout.rename:
+            name = re.sub(pattern, replacement, name)
         module, _, param = name.rpartition(".")
         if module in self.layout.top:
-            return f"{self.layout.top[module]}.{param}", tensor
+            return [(f"{self.layout.top[module]}.{param}", tensor)]
         m = self.layer_re.match(name)
         if m is None:
             raise self._unexpected(name)
         i, sub, param = int(m.group(1)), m.group(2), m.group(3)
         lit_prefix = f"transformer.h.{i}"
         if sub in self.layout.layer:
-            return f"{lit_prefix}.{self.layout.layer[sub]}.{param}", tensor
+            return [(f"{lit_prefix}.{self.layout.layer[sub]}.{param}", tensor)]
+        fused = _FUSED_MLP.get(self.model_type)
+        if fused is not None and sub == fused[0]:
+            gate, up = tensor.chunk(2, dim=0)
+            return [(f"{lit_prefix}.{fused[1][0]}.{param}", gate), (f"{lit_prefix}.{fused[1][1]}.{param}", up)]
         if sub not in self.layout.qkv:
             raise self._unexpected(name)
         target = f"{lit_prefix}.attn.qkv.{param}"
         c = self.config
         if len(self.layout.qkv) == 1:
-            return target, _ungroup_qkv(tensor, *_qkv_grouping(self.model_type, c), c.head_size)
+            return [(target, _ungroup_qkv(tensor, *_qkv_grouping(self.model_type, c), c.head_size))]
         parts = self.pending.setdefault((i, param), {})
         parts[sub] = tensor
         if len(parts) < 3:
-            return None
+            return []
         del self.pending[(i, param)]
-        return target, torch.cat([parts[p] for p in self.layout.qkv])
+        return [(target, torch.cat([parts[p] for p in self.layout.qkv]))]
 
     def _unexpected(self, name: str) -> LitError:
         return LitError(
@@ -414,7 +441,10 @@ def convert_hf_checkpoint(
     model_type = hf.get("model_type") if hf is not None else hf_model_type(config)
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise LitError(f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
-    config.hf_model_type = model_type
+    if model_type == "gemma3":
+        print("Gemma 3 multimodal checkpoint: converting its text model; the vision tower is left out", file=sys.stderr)
+    # the text tower exports as a text-only model
+    config.hf_model_type = "gemma3_text" if model_type == "gemma3" else model_type
 
     files = _weight_files(checkpoint_dir)
     expected = _expected_state(config)
@@ -435,12 +465,12 @@ def convert_hf_checkpoint(
                             f" {_mismatch_hint(model_name)}"
                         ) from e
                     bar.update()
-                    if out is None:
-                        continue
-                    lit_name, tensor = out
-                    if target_dtype is not None and tensor.is_floating_point():
-                        tensor = tensor.to(target_dtype)
-                    state[lit_name] = tensor
+                    for lit_name, tensor in out:
+                        if target_dtype is not None and tensor.is_floating_point():
+                            tensor = tensor.to(target_dtype)
+                        elif tensor.untyped_storage().nbytes() != tensor.nbytes:
+                            tensor = tensor.clone()  # half of a fused tensor: save only its own bytes
+                        state[lit_name] = tensor
     mapper.finish()
     if config.tie_embeddings and "transformer.wte.weight" in state:
         # one tensor for both names, as in the model (torch.save stores shared storage once)
@@ -457,164 +487,39 @@ def convert_hf_checkpoint(
 # ---------------------------------------------------------------------------------------------------------------
 # lit -> HF
 # ---------------------------------------------------------------------------------------------------------------
-def _require(ok: bool, model_type: str, what: str) -> None:
-    if not ok:
-        raise LitError(f"this config cannot be exported as HF {model_type!r}: {what}")
-
-
-def _rope_fields(config: Config, partial_key: Optional[str], model_type: str) -> Dict[str, Any]:
-    """RoPE settings in both spellings: top-level keys (transformers 4.x) and `rope_parameters` (5.x)."""
-    params: Dict[str, Any] = {"rope_type": "default", "rope_theta": config.rope_base}
-    out: Dict[str, Any] = {"rope_theta": config.rope_base, "rope_scaling": None}
-    if config.rope_scaling:
-        _require(model_type in ("llama", "mistral", "qwen2"), model_type, "llama3 rope scaling needs a llama config")
-        s = config.rope_scaling
-        scaling = {
-            "rope_type": "llama3",
-            "factor": s["factor"],
-            "low_freq_factor": s["low_freq_factor"],
-            "high_freq_factor": s["high_freq_factor"],
-            "original_max_position_embeddings": s["original_max_seq_len"],
-        }
-        params.update(scaling)
-        out["rope_scaling"] = scaling
-    if partial_key is not None:
-        params["partial_rotary_factor"] = config.rotary_percentage
-        out[partial_key] = config.rotary_percentage
-    else:
-        _require(config.rotary_percentage == 1.0, model_type, "partial rotary embeddings")
-    out["rope_parameters"] = params
-    return out
-
-
-def hf_config_dict(config: Config, model_type: Optional[str] = None) -> Dict[str, Any]:
-    """The HF `config.json` contents for `config` (raises a LitError where the HF family cannot express it)."""
-    mt = model_type or hf_model_type(config)
-    c = config
-    req = lambda ok, what: _require(ok, mt, what)  # noqa: E731
-    hf: Dict[str, Any] = {
-        "architectures": [_ARCHITECTURES[mt]],
-        "model_type": mt,
-        "vocab_size": c.vocab_size,
-        "hidden_size": c.n_embd,
-        "num_hidden_layers": c.n_layer,
-        "num_attention_heads": c.n_head,
-        "max_position_embeddings": c.block_size,
-        "tie_word_embeddings": c.tie_embeddings,
-    }
-    req(c.sliding_window_size is None or mt == "mistral", "sliding window attention needs mistral")
-    if mt in ("llama", "mistral", "qwen2", "gemma"):
-        req(c.norm_class_name == "RMSNorm", "needs RMSNorm")
-        req(not c.bias and not c.lm_head_bias and not c.parallel_residual, "no biases, sequential residual")
-        req(c.attn_bias == (mt == "qwen2"), "qkv bias exactly for qwen2")
-        gemma = mt == "gemma"
-        req(c.norm_unit_offset == c.scale_embeddings == gemma, "unit-offset norm, scaled embeddings exactly for gemma")
-        req(c.mlp_class_name == ("GemmaMLP" if mt == "gemma" else "LLaMAMLP"), "wrong MLP class")
-        hf.update(
-            num_key_value_heads=c.n_query_groups,
-            head_dim=c.head_size,
-            intermediate_size=c.intermediate_size,
-            rms_norm_eps=c.norm_eps,
-            hidden_act="gelu_pytorch_tanh" if mt == "gemma" else "silu",
-            attention_bias=False,
-            **_rope_fields(c, None, mt),
-        )
-        if mt in ("llama", "mistral"):
-            hf["mlp_bias"] = False
-        if mt == "gemma":
-            req(c.tie_embeddings and c.gelu_approximate == "tanh", "gemma ties embeddings and uses tanh gelu")
-            hf["hidden_activation"] = "gelu_pytorch_tanh"
-        if mt == "mistral":
-            hf["sliding_window"] = c.sliding_window_size
-        if mt == "qwen2":
-            hf.update(use_sliding_window=False, sliding_window=None, max_window_layers=c.n_layer)
-        return hf
-    req(c.head_size * c.n_head == c.n_embd, "head_size must be n_embd // n_head")
-    req(c.norm_class_name == "LayerNorm", "needs LayerNorm")
-    if mt == "stablelm":
-        req(c.mlp_class_name == "LLaMAMLP" and not c.bias and not c.lm_head_bias, "LLaMAMLP without biases")
-        req(c.shared_attention_norm == c.parallel_residual, "parallel residual shares one norm")
-        hf.update(
-            num_key_value_heads=c.n_query_groups,
-            intermediate_size=c.intermediate_size,
-            layer_norm_eps=c.norm_eps,
-            hidden_act="silu",
-            use_qkv_bias=c.attn_bias,
-            use_parallel_residual=c.parallel_residual,
-            qk_layernorm=False,
-            **_rope_fields(c, "partial_rotary_factor", mt),
-        )
-        return hf
-    req(c.mlp_class_name == "GptNeoxMLP", "needs GptNeoxMLP")
-    if mt == "phi":
-        req(c.bias and c.lm_head_bias and c.parallel_residual and c.shared_attention_norm, "phi layout")
-        req(c.gelu_approximate == "tanh" and not c.tie_embeddings, "tanh gelu, untied embeddings")
-        hf.update(
-            num_key_value_heads=c.n_query_groups,
-            intermediate_size=c.intermediate_size,
-            layer_norm_eps=c.norm_eps,
-            hidden_act="gelu_new",
-            qk_layernorm=False,
-            **_rope_fields(c, "partial_rotary_factor", mt),
-        )
-        return hf
-    if mt == "gpt_neox":
-        req(c.bias and not c.lm_head_bias and not c.shared_attention_norm and not c.tie_embeddings, "gpt_neox layout")
-        req(c.n_query_groups == c.n_head, "multi-head attention only")
-        rope = _rope_fields(c, "rotary_pct", mt)
-        rope["rotary_emb_base"] = rope.pop("rope_theta")
-        hf.update(
-            intermediate_size=c.intermediate_size,
-            layer_norm_eps=c.norm_eps,
-            hidden_act="gelu" if c.gelu_approximate == "none" else "gelu_pytorch_tanh",
-            use_parallel_residual=c.parallel_residual,
-            attention_bias=True,
-            **rope,
-        )
-        return hf
-    # falcon
-    new_arch, multi_query = _falcon_arch(c)
-    req(not c.lm_head_bias and not c.attn_bias and c.gelu_approximate == "none", "falcon layout")
-    req(c.parallel_residual or not new_arch, "the new decoder architecture is parallel")
-    hf.update(
-        num_kv_heads=c.n_query_groups,
-        multi_query=multi_query,
-        new_decoder_architecture=new_arch,
-        parallel_attn=c.parallel_residual,
-        num_ln_in_parallel_attn=(1 if c.shared_attention_norm else 2) if new_arch else None,
-        bias=c.bias,
-        alibi=False,
-        activation="gelu",
-        ffn_hidden_size=c.intermediate_size,
-        layer_norm_epsilon=c.norm_eps,
-        **_rope_fields(c, None, mt),
-    )
-    return hf
-
-
-def _lit_to_hf(name: str, config: Config, model_type: str, layer_map: Dict[str, str]) -> List[Tuple[str, Callable]]:
-    """HF names for one lit tensor, each with a function that makes the HF tensor from the lit one."""
+def _lit_to_hf(
+    name: str, config: Config, model_type: str, layer_map: Dict[str, str], state: Dict[str, torch.Tensor]
+) -> List[Tuple[str, Callable, float]]:
+    """HF names for one lit tensor, each with a function that makes the HF tensor from the lit one and the size of
+    that HF tensor as a multiple of the lit one's (a third of a fused qkv, twice a gate that takes its up along)."""
     layout = _LAYOUTS[model_type]
     module, _, param = name.rpartition(".")
     ident = lambda t: t  # noqa: E731
     for hf_module, lit_module in layout.top.items():
         if module == lit_module:
-            return [(f"{hf_module}.{param}", ident)]
+            return [(f"{hf_module}.{param}", ident, 1.0)]
     m = re.match(r"^transformer\.h\.(\d+)\.(.+)$", module)
     if m is None:
         raise LitError(f"unexpected tensor {name!r} in the lit checkpoint")
     i, sub = m.group(1), m.group(2)
     prefix = f"{layout.layers}.{i}"
-    if sub == "attn.qkv":
+    if sub == "attn.qkv" and layout.qkv:
         if len(layout.qkv) == 1:
             groups = _qkv_grouping(model_type, config)
-            return [(f"{prefix}.{layout.qkv[0]}.{param}", lambda t: _group_qkv(t, *groups, config.head_size))]
+            return [(f"{prefix}.{layout.qkv[0]}.{param}", lambda t: _group_qkv(t, *groups, config.head_size), 1.0)]
         return [
-            (f"{prefix}.{hf_sub}.{param}", lambda t, j=j: _split_qkv(t, config)[j]) for j, hf_sub in enumerate(layout.qkv)
+            (f"{prefix}.{hf_sub}.{param}", lambda t, j=j: _split_qkv(t, config)[j], 1 / 3)
+            for j, hf_sub in enumerate(layout.qkv)
         ]
+    fused = _FUSED_MLP.get(model_type)
+    if fused is not None and sub in fused[1]:
+        if sub == fused[1][1]:
+            return []  # written with the gate, below
+        up = state[f"transformer.h.{i}.{fused[1][1]}.{param}"]
+        return [(f"{prefix}.{fused[0]}.{param}", lambda t: torch.cat((t, up.to(t.dtype))), 2.0)]
     for hf_sub, lit_sub in layer_map.items():
         if sub == lit_sub:
-            return [(f"{prefix}.{hf_sub}.{param}", ident)]
+            return [(f"{prefix}.{hf_sub}.{param}", ident, 1.0)]
     raise LitError(f"unexpected tensor {name!r} in the lit checkpoint")
 
 
@@ -679,10 +584,10 @@ def convert_lit_checkpoint(
     for name, tensor in state.items():
         if name == "lm_head.weight" and config.tie_embeddings:
             continue  # transformers ties lm_head to the embeddings itself
-        items = _lit_to_hf(name, config, model_type, layer_map)
+        items = _lit_to_hf(name, config, model_type, layer_map, state)
         itemsize = (target_dtype or tensor.dtype).itemsize if tensor.is_floating_point() else tensor.element_size()
-        for hf_name, fn in items:
-            plan.append((hf_name, name, fn, tensor.numel() * itemsize // len(items)))
+        for hf_name, fn, fraction in items:
+            plan.append((hf_name, name, fn, int(tensor.numel() * itemsize * fraction)))
     shards: List[List[Tuple[str, str, Callable, int]]] = [[]]
     size = 0
     for item in plan:

@@ -6,7 +6,9 @@ indexed by that tensor instead of sliced with Python ints.
 
 State-dict layout (what the converters read and write):
   transformer.wte.weight, transformer.ln_f.{weight,bias}, lm_head.{weight,bias}
-  transformer.h.{i}.norm_1 / norm_2            (norm_2 absent with shared_attention_norm)
+  transformer.h.{i}.norm_1 / norm_2            (norm_2 absent with shared_attention_norm, both with pre_norm=False)
+  transformer.h.{i}.post_attention_norm / post_mlp_norm   (with post_attention_norm / post_mlp_norm)
+  transformer.h.{i}.attn.norm_q / attn.norm_k  (with norm_qk)
   transformer.h.{i}.attn.qkv.{weight,bias}     rows: [all q heads | all k heads | all v heads]
   transformer.h.{i}.attn.proj.{weight,bias}
   transformer.h.{i}.mlp.fc / mlp.proj          (GptNeoxMLP)
@@ -15,7 +17,7 @@ With tied embeddings `lm_head.weight` is the same Parameter as `transformer.wte.
 """
 
 import math
-from typing import Any, Callable, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -99,6 +101,20 @@ class GPT(nn.Module):
         if device is None:
             device = self.transformer.wte.weight.device
         cos, sin = build_rope_cache(self._max_seq_length, self.config, device=device)
+        scaling = self.config.rope_scaling or {}
+        if scaling.get("type") == "longrope":
+            # LongRoPE has two sets of factors: beside the table that switches to the long ones past the original
+            # context, one that uses them at every position (for a forward longer than that context: `forward`)
+            long = {**scaling, "short_factor": scaling["long_factor"]}
+            long_cos, long_sin = build_rope_cache(self._max_seq_length, self.config, device=device, scaling=long)
+            cos, sin = torch.cat((cos, long_cos), dim=-1), torch.cat((sin, long_sin), dim=-1)
+        elif self.config.rope_kinds > 1:
+            # the sliding layers' tables beside the global ones, in one tensor: every block still gets one (cos,
+            # sin) pair, the signature the compiled and scanned block runners call, and takes its columns
+            local_cos, local_sin = build_rope_cache(
+                self._max_seq_length, self.config, device=device, base=self.config.rope_local_base, scaling=None
+            )
+            cos, sin = torch.cat((cos, local_cos), dim=-1), torch.cat((sin, local_sin), dim=-1)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
         self.rope_cache_length = self._max_seq_length
@@ -165,14 +181,21 @@ class GPT(nn.Module):
             if T > self._max_seq_length:
                 raise ValueError(f"Cannot forward a sequence of length {T}: max_seq_length is {self._max_seq_length}")
             cos, sin = self.cos[:T], self.sin[:T]
+        if (self.config.rope_scaling or {}).get("type") == "longrope":
+            # like transformers: a forward of more tokens than the original context uses the long factors
+            # throughout; a shorter one the factors of each position's own length (T is static: no recompiles)
+            n = self.config.rope_n_elem
+            long = T > self.config.rope_scaling["original_max_seq_len"]
+            cos, sin = (cos[..., n:], sin[..., n:]) if long else (cos[..., :n], sin[..., :n])
 
-        mask = None
+        masks: Dict[Optional[int], torch.Tensor] = {}
         if input_pos is not None:
             cache = self.transformer.h[0].attn.kv_cache
             if cache is None:
                 raise TypeError("input_pos was given but no KV cache is set: call model.set_kv_cache(...) first")
-            # once per forward, not per layer: small ops like these are a good part of a one-token decode step
-            mask = cache_mask(input_pos, cache.k.size(2), self.config.sliding_window_size)
+            # once per forward and window, not per layer: small ops like these are a good part of a decode step
+            for window in {block.attn.sliding_window for block in self.transformer.h}:
+                masks[window] = cache_mask(input_pos, cache.k.size(2), window)
 
         x = self.transformer.wte(idx)
         if self.config.scale_embeddings:
@@ -181,22 +204,31 @@ class GPT(nn.Module):
             x = self.block_runner(self.transformer.h, x, cos, sin)
         else:
             for block in self.transformer.h:
-                x = block(x, cos, sin, input_pos, mask)
+                x = block(x, cos, sin, input_pos, masks.get(block.attn.sliding_window))
         if last_only is not None:
             x = x.index_select(1, last_only)
         if head_rows is not None:
             x = x.reshape(-1, x.size(-1)).index_select(0, head_rows)
         x = self.transformer.ln_f(x)
-        return self.lm_head(x)
+        logits = self.lm_head(x)
+        if self.config.final_logit_softcapping is not None:
+            logits = softcap(logits, self.config.final_logit_softcapping)
+        return logits
 
 
 class Block(nn.Module):
     def __init__(self, config: Config, block_idx: int = 0) -> None:
         super().__init__()
-        self.norm_1 = build_norm(config)
+        # absent norms are Identity (no parameters, no branches in forward)
+        self.norm_1 = build_norm(config) if config.pre_norm else nn.Identity()
         self.attn = CausalSelfAttention(config, block_idx)
-        self.norm_2 = None if config.shared_attention_norm else build_norm(config)
+        self.post_attention_norm = build_norm(config) if config.post_attention_norm else nn.Identity()
+        if config.shared_attention_norm:
+            self.norm_2 = None
+        else:
+            self.norm_2 = build_norm(config) if config.pre_norm else nn.Identity()
         self.mlp = build_mlp(config)
+        self.post_mlp_norm = build_norm(config) if config.post_mlp_norm else nn.Identity()
         self.config = config
 
     def forward(
@@ -208,12 +240,18 @@ class Block(nn.Module):
         mask: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         n_1 = self.norm_1(x)
-        h = self.attn(n_1, cos, sin, input_pos, mask)
+        h = self.post_attention_norm(self.attn(n_1, cos, sin, input_pos, mask))
         if self.config.parallel_residual:
             n_2 = n_1 if self.norm_2 is None else self.norm_2(x)
-            return x + h + self.mlp(n_2)
+            return x + h + self.post_mlp_norm(self.mlp(n_2))
         x = x + h
-        return x + self.mlp(self.norm_2(x))
+        return x + self.post_mlp_norm(self.mlp(self.norm_2(x)))
+
+    @property
+    def layer_kind(self) -> Tuple[Optional[int], Optional[int]]:
+        """What differs between blocks of equal parameters: the attention window and the RoPE table. Blocks of
+        different kinds cannot share one scanned or compiled body."""
+        return self.attn.sliding_window, self.attn.rope_kind
 
 
 class CausalSelfAttention(nn.Module):
@@ -222,9 +260,24 @@ class CausalSelfAttention(nn.Module):
         shape = (config.n_head + 2 * config.n_query_groups) * config.head_size
         self.qkv = nn.Linear(config.n_embd, shape, bias=config.bias or config.attn_bias)
         self.proj = nn.Linear(config.n_head * config.head_size, config.n_embd, bias=config.bias)
+        if config.norm_qk == "per_head":
+            self.norm_q = build_norm(config, config.head_size)
+            self.norm_k = build_norm(config, config.head_size)
+        elif config.norm_qk == "all_heads":
+            self.norm_q = build_norm(config, config.n_head * config.head_size)
+            self.norm_k = build_norm(config, config.n_query_groups * config.head_size)
+        else:
+            self.norm_q = self.norm_k = None
         self.kv_cache: Optional[KVCache] = None
         self.block_idx = block_idx
         self.config = config
+        # per-layer features, fixed at construction (Python values, so each traced graph has them baked in)
+        self.sliding_window = config.sliding_window(block_idx)
+        self.rope_kind = config.rope_kind(block_idx)
+        if config.attention_scores_scalar is not None:
+            self.scale = config.attention_scores_scalar**-0.5
+        else:
+            self.scale = 1.0 / math.sqrt(config.head_size)
 
     def forward(
         self,
@@ -238,22 +291,34 @@ class CausalSelfAttention(nn.Module):
         B, T, _ = x.size()
         c = self.config
         n_qk = c.n_head + c.n_query_groups
-        qkv = self.qkv(x).view(B, T, n_qk + c.n_query_groups, c.head_size).transpose(1, 2)  # (B, heads, T, hs)
-        # RoPE on the q and k heads in one call: half the small ops, which dominate a one-token decode step
-        qk = apply_rope(qkv[:, :n_qk], cos, sin, c.rope_n_elem)
+        qkv = self.qkv(x)
+        if self.norm_q is not None and c.norm_qk == "all_heads":  # OLMo 2: over the whole q and k projections
+            q, k, v = qkv.split((c.n_head * c.head_size, c.n_query_groups * c.head_size, c.n_query_groups * c.head_size), -1)
+            qkv = torch.cat((self.norm_q(q), self.norm_k(k), v), dim=-1)
+        qkv = qkv.view(B, T, n_qk + c.n_query_groups, c.head_size).transpose(1, 2)  # (B, heads, T, hs)
+        qk, v = qkv[:, :n_qk], qkv[:, n_qk:]
+        if self.norm_q is not None and c.norm_qk == "per_head":  # Qwen3, Gemma 3: each head on its own
+            q, k = qk.split((c.n_head, c.n_query_groups), dim=1)
+            qk = torch.cat((self.norm_q(q), self.norm_k(k)), dim=1)
+        if self.rope_kind is not None:
+            if c.rope_kinds > 1:  # the tables of all kinds side by side: this layer's columns
+                cos = cos[..., self.rope_kind * c.rope_n_elem : (self.rope_kind + 1) * c.rope_n_elem]
+                sin = sin[..., self.rope_kind * c.rope_n_elem : (self.rope_kind + 1) * c.rope_n_elem]
+            # RoPE on the q and k heads in one call: half the small ops, which dominate a one-token decode step
+            qk = apply_rope(qk, cos, sin, c.rope_n_elem)
         q, k = qk.split((c.n_head, c.n_query_groups), dim=1)  # (B, nh, T, hs), (B, ng, T, hs)
-        v = qkv[:, n_qk:]
 
+        window = self.sliding_window
         if input_pos is not None:
             if self.kv_cache is None:
                 raise TypeError("input_pos was given but no KV cache is set: call model.set_kv_cache(...) first")
             k, v = self.kv_cache(input_pos, k, v)
             if mask is None:
-                mask = cache_mask(input_pos, k.size(2), c.sliding_window_size)
-        elif c.sliding_window_size is not None and T > c.sliding_window_size:
+                mask = cache_mask(input_pos, k.size(2), window)
+        elif window is not None and T > window:
             pos = torch.arange(T, device=x.device)
             diff = pos.unsqueeze(-1) - pos
-            mask = (diff >= 0) & (diff < c.sliding_window_size)
+            mask = (diff >= 0) & (diff < window)
 
         y = self.scaled_dot_product_attention(q, k, v, mask)
         y = y.transpose(1, 2).reshape(B, T, c.n_head * c.head_size)
@@ -265,13 +330,36 @@ class CausalSelfAttention(nn.Module):
         """q: (B, n_head, T, hs) after RoPE, k/v: (B, n_query_groups, S, hs) -> (B, n_head, T, hs). A method of its
         own so that the adapter variants (lit_gpt/adapter.py) add their gated prefix attention here instead of
         copying `forward`."""
-        scale = 1.0 / math.sqrt(self.config.head_size)
+        scale = self.scale
+        if self.config.attention_logit_softcapping is not None:
+            return softcapped_attention(q, k, v, mask, scale, self.config.attention_logit_softcapping)
         # GQA/MQA inside SDPA instead of repeat_interleave-ing the whole KV cache every step (same result, bit for
         # bit on the CPU, and about 2x faster attention there)
         gqa = self.config.n_query_groups != self.config.n_head
         if mask is None:
             return F.scaled_dot_product_attention(q, k, v, is_causal=q.size(2) > 1, scale=scale, enable_gqa=gqa)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+
+
+def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """cap * tanh(x / cap): Gemma 2's bound on attention scores and logits."""
+    return torch.tanh(x / cap) * cap
+
+
+def softcapped_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], scale: float, cap: float
+) -> torch.Tensor:
+    """Attention with soft-capped scores, which SDPA cannot do: the eager computation of the reference (scores in
+    the input dtype, softmax in float32). mask: (T, S) booleans, True = attend; None = causal."""
+    if k.size(1) != q.size(1):
+        k = k.repeat_interleave(q.size(1) // k.size(1), dim=1)
+        v = v.repeat_interleave(q.size(1) // v.size(1), dim=1)
+    scores = softcap(q @ k.transpose(-2, -1) * scale, cap)
+    if mask is None:
+        T, S = q.size(2), k.size(2)
+        mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v
 
 
 def cache_mask(input_pos: torch.Tensor, cache_length: int, sliding_window_size: Optional[int] = None) -> torch.Tensor:
@@ -362,10 +450,11 @@ class RMSNorm(nn.Module):
         nn.init.zeros_(self.weight) if self.unit_offset else nn.init.ones_(self.weight)
 
 
-def build_norm(config: Config) -> nn.Module:
+def build_norm(config: Config, size: Optional[int] = None) -> nn.Module:
+    size = size or config.n_embd
     if config.norm_class_name == "RMSNorm":
-        return RMSNorm(config.n_embd, eps=config.norm_eps, unit_offset=config.norm_unit_offset)
-    return nn.LayerNorm(config.n_embd, eps=config.norm_eps)
+        return RMSNorm(size, eps=config.norm_eps, unit_offset=config.norm_unit_offset)
+    return nn.LayerNorm(size, eps=config.norm_eps)
 
 
 def build_mlp(config: Config) -> nn.Module:
@@ -375,20 +464,101 @@ def build_mlp(config: Config) -> nn.Module:
 # ---------------------------------------------------------------------------------------------------------------
 # RoPE
 # ---------------------------------------------------------------------------------------------------------------
+_NO_SCALING: Dict[str, Any] = {}
+
+
 def build_rope_cache(
-    seq_len: int, config: Config, device: Optional[torch.device] = None
+    seq_len: int,
+    config: Config,
+    device: Optional[torch.device] = None,
+    base: Optional[float] = None,
+    scaling: Optional[Mapping[str, Any]] = _NO_SCALING,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin of shape (seq_len, rope_n_elem), in float32, with the llama3 frequency scaling if configured."""
+    """cos/sin of shape (seq_len, rope_n_elem), in float32, with the frequency scaling of `config.rope_scaling`
+    (or of `scaling`; None: unscaled) and the base `config.rope_base` (or `base`)."""
     n_elem = config.rope_n_elem
-    inv_freq = 1.0 / (
-        config.rope_base ** (torch.arange(0, n_elem, 2, device=device, dtype=torch.int64).float() / n_elem)
-    )
-    if config.rope_scaling:
-        inv_freq = _llama3_scale(inv_freq, config.rope_scaling)
+    base = config.rope_base if base is None else base
+    scaling = config.rope_scaling if scaling is _NO_SCALING else scaling
+    exponents = torch.arange(0, n_elem, 2, device=device, dtype=torch.int64).float() / n_elem
+    inv_freq = 1.0 / (base**exponents)
+    attention_factor = 1.0
+    if scaling:
+        kind = scaling.get("type", "llama3")
+        if kind == "llama3":
+            inv_freq = _llama3_scale(inv_freq, scaling)
+        elif kind == "linear":
+            inv_freq = inv_freq / scaling["factor"]
+        elif kind == "yarn":
+            inv_freq, attention_factor = _yarn_scale(base, n_elem, scaling, device)
+        elif kind == "longrope":
+            short, long, attention_factor = _longrope_scale(base, exponents, seq_len, config, scaling, device)
+            pos = torch.arange(seq_len, device=device, dtype=torch.int64)
+            beyond = (pos >= scaling["original_max_seq_len"]).unsqueeze(-1)
+            freqs = torch.where(beyond, torch.outer(pos.float(), long), torch.outer(pos.float(), short))
+            emb = torch.cat((freqs, freqs), dim=-1)
+            return emb.cos() * attention_factor, emb.sin() * attention_factor
+        else:  # Config refuses unknown types; a hand-made dict must not pass silently either
+            raise ValueError(f"rope_scaling type {kind!r} is not implemented")
     pos = torch.arange(seq_len, device=device, dtype=torch.int64).float()
     freqs = torch.outer(pos, inv_freq)
     emb = torch.cat((freqs, freqs), dim=-1)
+    if attention_factor != 1.0:
+        return emb.cos() * attention_factor, emb.sin() * attention_factor
     return emb.cos(), emb.sin()
+
+
+def _yarn_scale(
+    base: float, dim: int, s: Mapping[str, Any], device: Optional[torch.device]
+) -> Tuple[torch.Tensor, float]:
+    """YaRN (arXiv:2309.00071) as transformers computes it: interpolated low frequencies, extrapolated high ones,
+    a linear ramp between, and cos/sin scaled by the attention factor."""
+    factor, old_ctx = float(s["factor"]), s["original_max_seq_len"]
+
+    def get_mscale(scale: float, mscale: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+    attention_factor = s.get("attention_factor")
+    if attention_factor is None:
+        if s.get("mscale") and s.get("mscale_all_dim"):
+            attention_factor = get_mscale(factor, s["mscale"]) / get_mscale(factor, s["mscale_all_dim"])
+        else:
+            attention_factor = get_mscale(factor)
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(old_ctx / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(s.get("beta_fast") or 32), correction_dim(s.get("beta_slow") or 1)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # no division by zero
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device=device) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2, device=device).float() / dim)
+    extrapolation = 1 - ramp
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, float(attention_factor)
+
+
+def _longrope_scale(
+    base: float,
+    exponents: torch.Tensor,
+    seq_len: int,
+    config: Config,
+    s: Mapping[str, Any],
+    device: Optional[torch.device],
+) -> Tuple[torch.Tensor, torch.Tensor, float]:
+    """LongRoPE (Phi-3.5, Phi-4-mini): per-dimension rescaling factors, short ones within the pretraining context
+    and long ones beyond. transformers picks them per forward by its longest position (p + 1 > original: long);
+    the inverse frequencies of both are returned, and `build_rope_cache` gives each position its own."""
+    old_ctx = s["original_max_seq_len"]
+    factor = s.get("factor") or config.block_size / old_ctx
+    attention_factor = s.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(old_ctx))
+    short = 1.0 / (torch.tensor(s["short_factor"], dtype=torch.float32, device=device) * base**exponents)
+    long = 1.0 / (torch.tensor(s["long_factor"], dtype=torch.float32, device=device) * base**exponents)
+    return short, long, float(attention_factor)
 
 
 def _llama3_scale(inv_freq: torch.Tensor, s: Mapping[str, Any]) -> torch.Tensor:

@@ -16,7 +16,15 @@ FAMILY_BY_PREFIX = [
     ("Meta-Llama-", "llama"),
     ("TinyLlama-", "llama"),
     ("SmolLM2-", "llama"),
+    ("SmolLM3-", "smollm3"),
     ("Mistral-", "mistral"),
+    ("Qwen3-", "qwen3"),
+    ("OLMo-2-", "olmo2"),
+    ("Phi-3.5-", "phi3"),
+    ("Phi-4-", "phi3"),
+    ("phi-4", "phi3"),
+    ("gemma-2-", "gemma2"),
+    ("gemma-3-", "gemma3_text"),
     ("pythia-", "gpt_neox"),
     ("stablelm-base-alpha-", "gpt_neox"),
     ("stablelm-", "stablelm"),
@@ -77,9 +85,8 @@ def test_named_configs_match_transformers_model_shapes():
         mapper = _HFToLit(hf["model_type"], config)
         state = {}
         for k, v in model.state_dict().items():
-            out = mapper(k, v)
-            if out is not None:
-                state[out[0]] = out[1]
+            for lit_name, t in mapper(k, v):  # one HF tensor gives none (q/k/v waiting), one or two lit tensors
+                state[lit_name] = t
         mapper.finish()
         if config.tie_embeddings:
             state["lm_head.weight"] = state["transformer.wte.weight"]
@@ -205,8 +212,31 @@ def test_from_hf_config_reads_transformers_5_configs():
         (dict(model_type="gpt2", vocab_size=8), "Unsupported model_type 'gpt2'"),
         (
             dict(model_type="llama", vocab_size=8, hidden_size=8, num_attention_heads=2, intermediate_size=8,
-                 rope_scaling=dict(rope_type="yarn", factor=2.0)),
-            "Unsupported rope scaling 'yarn'",
+                 rope_scaling=dict(rope_type="dynamic", factor=2.0)),
+            "Unsupported rope scaling 'dynamic'",
+        ),
+        (
+            dict(model_type="gemma2", vocab_size=8, hidden_size=8, num_attention_heads=2, intermediate_size=8,
+                 head_dim=4, num_hidden_layers=2, sliding_window=4, layer_types=["sliding_attention", "chunked_attention"]),
+            r"layer_types value\(s\) 'chunked_attention' not implemented",
+        ),
+        (
+            dict(model_type="gemma3_text", vocab_size=8, hidden_size=8, num_attention_heads=2, intermediate_size=8,
+                 head_dim=4, num_hidden_layers=1, rope_parameters=dict(
+                     full_attention=dict(rope_type="default", rope_theta=1e6),
+                     sliding_attention=dict(rope_type="linear", factor=2.0, rope_theta=1e4))),
+            "RoPE scaling on the sliding_attention layers",
+        ),
+        (
+            dict(model_type="phi3", vocab_size=8, hidden_size=8, num_attention_heads=2, intermediate_size=8,
+                 num_hidden_layers=1, max_position_embeddings=64, original_max_position_embeddings=16,
+                 rope_scaling=dict(type="longrope", short_factor=[1.0], long_factor=[2.0])),
+            r"short_factor has 1 values, the model's RoPE needs 2",
+        ),
+        (
+            dict(model_type="qwen3", vocab_size=8, hidden_size=8, num_attention_heads=2, intermediate_size=8,
+                 num_hidden_layers=1, attention_bias=True),
+            "attention_bias",
         ),
         (
             dict(model_type="qwen2", vocab_size=8, hidden_size=8, num_attention_heads=2, intermediate_size=8,

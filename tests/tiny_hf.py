@@ -100,6 +100,94 @@ FAMILIES = {
         "Qwen2Config",
         dict(_SMALL, intermediate_size=96, num_key_value_heads=2, tie_word_embeddings=True, rope_theta=1e6),
     ),
+    # head_dim 32 != hidden / heads (16), as in Qwen3 (128 with 1024 / 16 at 0.6B); per-head q/k norms
+    "qwen3": (
+        "Qwen3Config",
+        dict(_SMALL, intermediate_size=96, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True, rope_theta=1e6),
+    ),
+    # Qwen3's long-context recipe: YaRN scaling of RoPE; and a window on the upper layer (max_window_layers)
+    "qwen3-yarn-window": (
+        "Qwen3Config",
+        dict(
+            _SMALL,
+            intermediate_size=96,
+            num_key_value_heads=2,
+            head_dim=16,
+            rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=8),
+            use_sliding_window=True,
+            sliding_window=4,
+            max_window_layers=1,
+        ),
+    ),
+    # soft-capping low enough to bend these random scores and logits; query_pre_attn_scalar != head_dim;
+    # layer 0 slides (window 4 < SEQ), layer 1 is global
+    "gemma2": (
+        "Gemma2Config",
+        dict(
+            _SMALL,
+            intermediate_size=128,
+            num_key_value_heads=2,
+            head_dim=32,
+            sliding_window=4,
+            query_pre_attn_scalar=24,
+            attn_logit_softcapping=2.0,
+            final_logit_softcapping=5.0,
+        ),
+    ),
+    # five local layers to one global (7 layers: the pattern restarts), local RoPE base 10k, global 1M with
+    # linear scaling 8 (Gemma 3 4B and up), q/k norms
+    "gemma3": (
+        "Gemma3TextConfig",
+        dict(
+            _SMALL,
+            num_hidden_layers=7,
+            intermediate_size=128,
+            num_key_value_heads=2,
+            head_dim=32,
+            sliding_window=4,
+            query_pre_attn_scalar=32,
+            rope_scaling=dict(rope_type="linear", factor=8.0),
+        ),
+    ),
+    "phi3": ("Phi3Config", dict(_SMALL, intermediate_size=96, num_key_value_heads=2, pad_token_id=0)),
+    # Phi-3.5-mini: LongRoPE factors and a sliding window; 6 factors for the 12 rotary dims
+    "phi3.5-longrope": (
+        "Phi3Config",
+        dict(
+            _SMALL,
+            intermediate_size=96,
+            pad_token_id=0,
+            sliding_window=5,
+            max_position_embeddings=256,
+            original_max_position_embeddings=64,
+            rope_scaling=dict(
+                type="longrope", short_factor=[1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.0, 4.0],
+                long_factor=[1.0, 2.0, 4.0, 8.0, 16.0, 24.0, 32.0, 40.0],
+            ),
+        ),
+    ),
+    # Phi-4-mini: GQA, partial rotary 0.75 (12 of 16 dims), tied embeddings
+    "phi4-mini": (
+        "Phi3Config",
+        dict(
+            _SMALL,
+            intermediate_size=96,
+            num_key_value_heads=2,
+            pad_token_id=0,
+            partial_rotary_factor=0.75,
+            tie_word_embeddings=True,
+            max_position_embeddings=256,
+            original_max_position_embeddings=64,
+            rope_scaling=dict(type="longrope", short_factor=[1.0] * 6, long_factor=[1.0, 2.0, 3.0, 5.0, 8.0, 13.0]),
+        ),
+    ),
+    "olmo2": ("Olmo2Config", dict(_SMALL, intermediate_size=96, num_key_value_heads=2, pad_token_id=0)),
+    # every 4th layer without RoPE (layer 3)
+    "smollm3": (
+        "SmolLM3Config",
+        dict(_SMALL, num_hidden_layers=4, intermediate_size=96, num_key_value_heads=2, pad_token_id=0,
+             tie_word_embeddings=True),
+    ),
 }
 
 
