@@ -357,6 +357,12 @@ def _partial_rotary(hf: Dict[str, Any], legacy_key: str, default: float) -> floa
 
 def _from_hf_config(hf: Dict[str, Any]) -> Dict[str, Any]:
     mt = hf.get("model_type")
+    if mt == "gemma3":  # the multimodal folder: its text tower (the converter says the vision tower is left out)
+        text = dict(hf.get("text_config") or {})
+        text.setdefault("vocab_size", hf.get("vocab_size", 262208))
+        text.setdefault("tie_word_embeddings", hf.get("tie_word_embeddings", True))
+        text["model_type"] = "gemma3_text"
+        return _from_hf_config(text)
     hidden = hf.get("hidden_size")
     common = dict(
         block_size=hf.get("max_position_embeddings", 4096),
@@ -366,11 +372,6 @@ def _from_hf_config(hf: Dict[str, Any]) -> Dict[str, Any]:
         n_embd=hidden,
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
     )
-    if mt == "gemma3":  # the multimodal folder: its text tower (the converter says the vision tower is left out)
-        text = dict(hf.get("text_config") or {})
-        text.setdefault("vocab_size", hf.get("vocab_size", 262208))
-        text["model_type"] = "gemma3_text"
-        return _from_hf_config(text)
     if mt in ("qwen3", "smollm3", "olmo2", "phi3"):
         return _llama_family(hf, common)
     if mt in ("gemma2", "gemma3_text"):

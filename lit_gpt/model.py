@@ -103,8 +103,7 @@ class GPT(nn.Module):
         cos, sin = build_rope_cache(self._max_seq_length, self.config, device=device)
         scaling = self.config.rope_scaling or {}
         if scaling.get("type") == "longrope":
-            # LongRoPE has two sets of factors: beside the table that switches to the long ones past the original
-            # context, one that uses them at every position (for a forward longer than that context: `forward`)
+            # LongRoPE has two sets of factors: the long ones' table beside the short ones' (`forward` picks)
             long = {**scaling, "short_factor": scaling["long_factor"]}
             long_cos, long_sin = build_rope_cache(self._max_seq_length, self.config, device=device, scaling=long)
             cos, sin = torch.cat((cos, long_cos), dim=-1), torch.cat((sin, long_sin), dim=-1)
@@ -182,10 +181,14 @@ class GPT(nn.Module):
                 raise ValueError(f"Cannot forward a sequence of length {T}: max_seq_length is {self._max_seq_length}")
             cos, sin = self.cos[:T], self.sin[:T]
         if (self.config.rope_scaling or {}).get("type") == "longrope":
-            # like transformers: a forward of more tokens than the original context uses the long factors
-            # throughout; a shorter one the factors of each position's own length (T is static: no recompiles)
+            # LongRoPE's short factors within the original context, the long ones for a sequence that may exceed
+            # it: without a cache, this forward's length; with one, the cache's (static: no recompiles). That is
+            # transformers' choice, which on crossing the original context recomputes its cache with the long
+            # factors: from there on the two compute the same (before it, a run that will cross uses the long
+            # factors here already)
             n = self.config.rope_n_elem
-            long = T > self.config.rope_scaling["original_max_seq_len"]
+            span = T if input_pos is None else self.transformer.h[0].attn.kv_cache.k.size(2)
+            long = span > self.config.rope_scaling["original_max_seq_len"]
             cos, sin = (cos[..., n:], sin[..., n:]) if long else (cos[..., :n], sin[..., :n])
 
         masks: Dict[Optional[int], torch.Tensor] = {}
@@ -490,13 +493,8 @@ def build_rope_cache(
             inv_freq = inv_freq / scaling["factor"]
         elif kind == "yarn":
             inv_freq, attention_factor = _yarn_scale(base, n_elem, scaling, device)
-        elif kind == "longrope":
-            short, long, attention_factor = _longrope_scale(base, exponents, seq_len, config, scaling, device)
-            pos = torch.arange(seq_len, device=device, dtype=torch.int64)
-            beyond = (pos >= scaling["original_max_seq_len"]).unsqueeze(-1)
-            freqs = torch.where(beyond, torch.outer(pos.float(), long), torch.outer(pos.float(), short))
-            emb = torch.cat((freqs, freqs), dim=-1)
-            return emb.cos() * attention_factor, emb.sin() * attention_factor
+        elif kind == "longrope":  # the short factors' table (GPT.reset_rope_cache builds the long one beside it)
+            inv_freq, attention_factor = _longrope_scale(base, exponents, config, scaling, device)
         else:  # Config refuses unknown types; a hand-made dict must not pass silently either
             raise ValueError(f"rope_scaling type {kind!r} is not implemented")
     pos = torch.arange(seq_len, device=device, dtype=torch.int64).float()
@@ -541,24 +539,17 @@ def _yarn_scale(
 
 
 def _longrope_scale(
-    base: float,
-    exponents: torch.Tensor,
-    seq_len: int,
-    config: Config,
-    s: Mapping[str, Any],
-    device: Optional[torch.device],
-) -> Tuple[torch.Tensor, torch.Tensor, float]:
-    """LongRoPE (Phi-3.5, Phi-4-mini): per-dimension rescaling factors, short ones within the pretraining context
-    and long ones beyond. transformers picks them per forward by its longest position (p + 1 > original: long);
-    the inverse frequencies of both are returned, and `build_rope_cache` gives each position its own."""
+    base: float, exponents: torch.Tensor, config: Config, s: Mapping[str, Any], device: Optional[torch.device]
+) -> Tuple[torch.Tensor, float]:
+    """LongRoPE (Phi-3.5, Phi-4-mini): per-dimension rescaling factors, short ones for sequences within the
+    pretraining context, long ones beyond it (`GPT.forward` chooses), and cos/sin scaled by the attention factor."""
     old_ctx = s["original_max_seq_len"]
     factor = s.get("factor") or config.block_size / old_ctx
     attention_factor = s.get("attention_factor")
     if attention_factor is None:
         attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(old_ctx))
-    short = 1.0 / (torch.tensor(s["short_factor"], dtype=torch.float32, device=device) * base**exponents)
-    long = 1.0 / (torch.tensor(s["long_factor"], dtype=torch.float32, device=device) * base**exponents)
-    return short, long, float(attention_factor)
+    factors = torch.tensor(s["short_factor"], dtype=torch.float32, device=device)
+    return 1.0 / (factors * base**exponents), float(attention_factor)
 
 
 def _llama3_scale(inv_freq: torch.Tensor, s: Mapping[str, Any]) -> torch.Tensor:

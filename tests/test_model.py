@@ -4,15 +4,19 @@ Each case builds a tiny random HF model in float32 with eager attention, saves i
 it with the production converter and compares logits (the tiny configs: tests/tiny_hf.py).
 """
 
+import json
+
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
 
-from tiny_hf import FAMILIES, SEQ, VOCAB, hf_to_lit  # noqa: E402  (the tiny HF model of each family)
+from tiny_hf import FAMILIES, NEW_FAMILIES, SEQ, VOCAB, build_hf_model, hf_to_lit  # noqa: E402  (tiny HF models)
 
 from lit_gpt import GPT, Config  # noqa: E402
+from lit_gpt.convert import convert_hf_checkpoint  # noqa: E402
 from lit_gpt.model import build_rope_cache  # noqa: E402
+from tiny_hf import randomize_  # noqa: E402
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 @torch.no_grad()
@@ -36,12 +40,14 @@ def test_logits_match_transformers(family, tmp_path):
     torch.testing.assert_close(last[:, 0], expected[:, -1], atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("family", ["mistral-v0.1", "llama-3.1"])
+@pytest.mark.parametrize("family", ["mistral-v0.1", "llama-3.1", *NEW_FAMILIES, "phi3.5-longrope-beyond"])
 @torch.no_grad()
 def test_kv_cache_after_a_longer_prompt_matches_transformers_generation(family, tmp_path):
-    """Greedy decoding with our cache gives the tokens HF's own cached `generate` gives."""
+    """Greedy decoding with our cache gives the tokens HF's own cached `generate` gives: a 7-token prompt, longer
+    than the sliding windows (4, 5) of the families that have one, and 8 new tokens. LongRoPE: within the original
+    context (64) the short factors; past it (8, a 9-token prompt), the long ones."""
     hf_model, model = hf_to_lit(family, tmp_path, seed=3)
-    prompt = torch.randint(0, VOCAB, (1, 7), generator=torch.Generator().manual_seed(2))
+    prompt = torch.randint(0, VOCAB, (1, 9 if "beyond" in family else 7), generator=torch.Generator().manual_seed(2))
     new = 8
     hf_out = hf_model.generate(prompt, max_new_tokens=new, do_sample=False, min_new_tokens=new, pad_token_id=0)
 
@@ -104,3 +110,62 @@ def test_kv_cache_batch_size_mismatch_is_an_error():
     model.clear_kv_cache()
     with pytest.raises(TypeError, match="set_kv_cache"):
         model(torch.zeros(1, 3, dtype=torch.long), input_pos=torch.arange(3))
+
+
+@pytest.mark.parametrize("family", ["llama-3.2", *NEW_FAMILIES])
+@torch.no_grad()
+def test_bf16_checkpoint_is_within_bf16_error_of_transformers(family, tmp_path):
+    """A bf16 checkpoint (what the Hub serves) run in bf16: its logits are as close to the float32 reference as
+    transformers' own bf16 run of the same weights, prefill and cached decode alike."""
+    reference = build_hf_model(family)
+    idx = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    expected = reference(idx).logits
+    hf16 = reference.to(torch.bfloat16)
+    hf16.save_pretrained(tmp_path / family)
+    hf_error = (hf16(idx).logits.float() - expected).abs().max()
+
+    convert_hf_checkpoint(tmp_path / family)
+    state = torch.load(tmp_path / family / "lit_model.pth", weights_only=True)
+    assert all(t.dtype == torch.bfloat16 for t in state.values())  # the converter keeps the file's dtype
+    with torch.device("meta"):
+        model = GPT(Config.from_checkpoint(tmp_path / family))
+    model.load_state_dict(state, assign=True)  # bf16 parameters, float32 RoPE tables rebuilt on the CPU
+    model.eval()
+    ours = model(idx).float()
+    error = (ours - expected).abs().max()
+    # bf16 has 8 bits of mantissa: both runs round differently, but neither may be far worse than the other
+    assert error <= 2 * hf_error + 0.02, (error, hf_error)
+    assert (ours.argmax(-1) == expected.argmax(-1)).float().mean() > 0.9
+
+    model.set_kv_cache(batch_size=2, max_seq_length=SEQ)
+    steps = [model(idx[:, :5], input_pos=torch.arange(5))]
+    for t in range(5, SEQ):
+        steps.append(model(idx[:, t : t + 1], input_pos=torch.tensor([t])))
+    cached_error = (torch.cat(steps, dim=1).float() - expected).abs().max()
+    assert cached_error <= 2 * hf_error + 0.02, (cached_error, hf_error)
+
+
+@torch.no_grad()
+def test_gemma3_multimodal_folder_converts_its_text_tower(tmp_path, capsys):
+    """A Gemma 3 folder with a vision tower (model_type gemma3, as 4B-27B ship): the text model is converted, one
+    line says the vision tower is left out, and the logits equal transformers' on text input."""
+    text = transformers.Gemma3TextConfig(**FAMILIES["gemma3"][1])
+    vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                             num_attention_heads=2, image_size=28, patch_size=14)
+    config = transformers.Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4,
+                                       image_token_index=VOCAB - 1, boi_token_index=VOCAB - 3, eoi_token_index=VOCAB - 2)
+    torch.manual_seed(0)
+    hf_model = transformers.Gemma3ForConditionalGeneration(config).eval()
+    randomize_(hf_model)
+    hf_model.save_pretrained(tmp_path / "gemma3-mm")
+    assert json.loads((tmp_path / "gemma3-mm" / "config.json").read_text())["model_type"] == "gemma3"
+
+    convert_hf_checkpoint(tmp_path / "gemma3-mm")
+    err = capsys.readouterr().err
+    assert "vision tower is left out" in err
+    lit_config = Config.from_checkpoint(tmp_path / "gemma3-mm")
+    assert lit_config.hf_model_type == "gemma3_text" and lit_config.rope_local_base == 10000.0
+    model = GPT(lit_config)
+    model.load_state_dict(torch.load(tmp_path / "gemma3-mm" / "lit_model.pth", weights_only=True))
+    idx = torch.randint(0, VOCAB - 4, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(model.eval()(idx), hf_model(input_ids=idx).logits, atol=1e-4, rtol=0)

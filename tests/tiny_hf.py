@@ -191,6 +191,23 @@ FAMILIES = {
 }
 
 
+# families used by the generation test only: Phi-3.5-style LongRoPE with an original context (8) shorter than the
+# prompt, so the long factors apply throughout (as in transformers for such a prompt)
+GENERATION_FAMILIES = {
+    "phi3.5-longrope-beyond": (
+        "Phi3Config",
+        dict(
+            FAMILIES["phi3.5-longrope"][1], sliding_window=None, max_position_embeddings=32,
+            original_max_position_embeddings=8,
+        ),
+    ),
+}
+# the families added with their layer features (the parity tests of each run in the default suite)
+NEW_FAMILIES = [
+    "qwen3", "qwen3-yarn-window", "gemma2", "gemma3", "phi3", "phi3.5-longrope", "phi4-mini", "olmo2", "smollm3",
+]
+
+
 def randomize_(model: torch.nn.Module, seed: int = 0) -> None:
     """Re-draw every parameter: norms around 1, everything else N(0, 1/fan_in)-ish, biases small but nonzero."""
     gen = torch.Generator().manual_seed(seed)
@@ -210,7 +227,7 @@ def randomize_(model: torch.nn.Module, seed: int = 0) -> None:
 
 
 def build_hf_model(family: str, seed: int = 0):
-    cls_name, kwargs = FAMILIES[family]
+    cls_name, kwargs = FAMILIES[family] if family in FAMILIES else GENERATION_FAMILIES[family]
     hf_config = getattr(transformers, cls_name)(**kwargs)
     hf_config._attn_implementation = "eager"
     torch.manual_seed(seed)
