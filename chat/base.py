@@ -183,7 +183,7 @@ def fit_prompt(
     """The encoded conversation plus `message`, dropping the oldest exchanges until it has at most `budget`
     tokens. Returns (None, history) when even the message alone is too long."""
     while True:
-        ids = tokenizer.encode(style.apply(message, history=history, system=system_prompt))
+        ids = tokenizer.encode(style.apply(message, history=history, system=system_prompt), bos=style.bos)
         if ids.numel() <= budget:
             return ids, history
         if not history:

@@ -338,7 +338,7 @@ def tokenize_row(
         prompt = prompt_style.apply(row.instruction, history=history, input=row.input)
     else:  # styles without an input block (chat templates, raw) get it as a second paragraph of the message
         prompt = prompt_style.apply(row.instruction + (f"\n\n{row.input}" if row.input else ""), history=history)
-    prompt_ids = _ids(tokenizer.encode(prompt))
+    prompt_ids = _ids(tokenizer.encode(prompt, bos=getattr(prompt_style, "bos", None)))
     response_ids = _ids(tokenizer.encode(row.output, bos=False, eos=True))
     ids = torch.cat([prompt_ids, response_ids])
     truncated = ids.numel() > max_seq_length

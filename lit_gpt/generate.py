@@ -657,7 +657,7 @@ def check_request(
     config = load_config(checkpoint_dir)
     tokenizer = Tokenizer(checkpoint_dir)
     style = PromptStyle.from_checkpoint(checkpoint_dir, prompt_style)
-    encoded = tokenizer.encode(style.apply(prompt), device=device)
+    encoded = tokenizer.encode(style.apply(prompt), bos=style.bos, device=device)
     check_lengths(encoded.numel(), max_new_tokens, config.block_size)
     # the styles here have single-token stop sequences only
     stop_ids = [ids[0] for ids in style.stop_tokens(tokenizer) if len(ids) == 1]

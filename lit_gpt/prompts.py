@@ -14,7 +14,7 @@ import json
 import re
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Type, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Type, Union
 
 from lit_gpt.tokenizer import Tokenizer, special_tokens_map
 from lit_gpt.utils import LitError
@@ -26,12 +26,18 @@ History = Sequence[Tuple[str, str]]  # (role, content) pairs; role is "system", 
 _END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>", "<|endoftext|>", "</s>", "<|eot|>")
 # Checkpoint names that mark a model tuned to follow a chat template.
 _CHAT_MODEL_RE = re.compile(r"instruct|chat|(^|[-_.])it($|[-_.])|sft|dpo|orpo|rlhf", re.IGNORECASE)
+# Families whose plain names are the chat models (Qwen3-0.6B, SmolLM3-3B, phi-4): their base checkpoints are the
+# ones that say so (Qwen3-0.6B-Base, SmolLM3-3B-Base).
+_CHAT_FAMILY_RE = re.compile(r"^(qwen3|smollm3|phi-4)($|[-_.])", re.IGNORECASE)
+_BASE_MODEL_RE = re.compile(r"(^|[-_.])base($|[-_.])", re.IGNORECASE)
 
 
 class PromptStyle:
     """Base class. `apply` returns the prompt text; `stop_tokens` the id sequences that end a reply."""
 
     name: str = ""
+    # `Tokenizer.encode(text, bos=style.bos)`: None follows the checkpoint's tokenizer settings
+    bos: Optional[bool] = None
 
     def apply(self, prompt: str, history: Optional[History] = None, **kwargs: Any) -> str:
         raise NotImplementedError
@@ -104,32 +110,42 @@ class ChatTemplate(PromptStyle):
     with the tokenizer's named special tokens (bos_token, eos_token, ...) as variables."""
 
     name = "chat"
+    # the template writes the BOS itself where the model wants one (Llama 3, Gemma): encoded as transformers'
+    # `apply_chat_template` encodes it, without the tokenizer's own special tokens (no second or unwanted BOS)
+    bos = False
 
     def __init__(self, template: str, special_tokens: Optional[Dict[str, str]] = None,
-                 system_prompt: Optional[str] = None) -> None:
+                 system_prompt: Optional[str] = None, template_kwargs: Optional[Mapping[str, Any]] = None) -> None:
         self.template_source = template
         self.special_tokens = dict(special_tokens or {})
         self.system_prompt = system_prompt
+        # Extra template variables for every rendering, e.g. {"enable_thinking": False} for Qwen3 / SmolLM3: what
+        # transformers users pass as `apply_chat_template(..., enable_thinking=False)`.
+        self.template_kwargs = dict(template_kwargs or {})
         self._template = _compile(template)
 
     @classmethod
-    def from_checkpoint(cls, checkpoint_dir: Union[str, Path], system_prompt: Optional[str] = None) -> "ChatTemplate":
+    def from_checkpoint(cls, checkpoint_dir: Union[str, Path], system_prompt: Optional[str] = None,
+                        template_kwargs: Optional[Mapping[str, Any]] = None) -> "ChatTemplate":
         template = load_chat_template(checkpoint_dir)
         if template is None:
             raise LitError(
                 f"{str(checkpoint_dir)!r} has no chat template (tokenizer_config.json 'chat_template' or"
                 " chat_template.jinja); use --prompt_style alpaca or --prompt_style raw"
             )
-        return cls(template, special_tokens_map(checkpoint_dir), system_prompt)
+        return cls(template, special_tokens_map(checkpoint_dir), system_prompt, template_kwargs)
 
-    def render(self, messages: Sequence[Dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any) -> str:
-        """The template applied to a list of {"role", "content"} messages (plus any extra template variables)."""
+    def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, **kwargs: Any) -> str:
+        """The template applied to a list of {"role", "content"} messages. `kwargs` are extra template variables
+        (over `template_kwargs`), like the keyword arguments of transformers' `apply_chat_template`."""
         import jinja2
 
-        variables = {**self.special_tokens, **kwargs}
+        variables = {**self.special_tokens, **self.template_kwargs, **kwargs}
         try:
             return self._template.render(
-                messages=[dict(m) for m in messages],
+                # transformers drops the keys whose value is None (OpenAI-style `content=None`, `tool_calls=None`):
+                # templates test `is defined`, and a None would render as "None".
+                messages=[{k: v for k, v in m.items() if v is not None} for m in messages],
                 add_generation_prompt=add_generation_prompt,
                 tools=variables.pop("tools", None),
                 documents=variables.pop("documents", None),
@@ -147,7 +163,8 @@ class ChatTemplate(PromptStyle):
         return messages
 
     def apply(self, prompt: str, history: Optional[History] = None, system: Optional[str] = None, **kwargs: Any) -> str:
-        return self.render(self.messages(prompt, history, system), add_generation_prompt=True)
+        """The conversation plus `prompt`, ready for the reply; `kwargs` are template variables (see `render`)."""
+        return self.render(self.messages(prompt, history, system), add_generation_prompt=True, **kwargs)
 
     def stop_tokens(self, tokenizer: Tokenizer) -> Tuple[List[int], ...]:
         stop = list(tokenizer.stop_ids)
@@ -196,7 +213,10 @@ def is_chat_model(checkpoint_dir: Union[str, Path]) -> bool:
                 value = None
             if isinstance(value, str):
                 names.append(Path(value).name)
-    return any(_CHAT_MODEL_RE.search(name) for name in names)
+    return any(
+        _CHAT_MODEL_RE.search(name) or (_CHAT_FAMILY_RE.search(name) and not _BASE_MODEL_RE.search(name))
+        for name in names
+    )
 
 
 def _compile(template: str) -> Any:
