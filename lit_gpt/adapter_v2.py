@@ -80,6 +80,10 @@ def adapter_v2_filter(key: str, value: Any = None) -> bool:
         or "adapter_bias" in key
         or ".norm_1." in key
         or ".norm_2." in key
+        or ".post_attention_norm." in key  # Gemma 2/3, OLMo 2 (whose only block norms these and the next are)
+        or ".post_mlp_norm." in key
+        or ".attn.norm_q." in key  # Qwen3, Gemma 3, OLMo 2
+        or ".attn.norm_k." in key
         or "transformer.ln_f." in key
     )
 

@@ -96,3 +96,14 @@ def test_generate_recipe_uses_the_adapter_v2(tiny_dir, tmp_path, capsys):
     out = capsys.readouterr().out.strip()
     assert out == greedy_text(model, tiny_dir, prompt, 8)
     assert out != greedy_text(load_model(tiny_dir), tiny_dir, prompt, 8)
+
+
+def test_newer_block_norms_train_too():
+    """Adapter v2 trains every norm of a block: OLMo 2 has only post norms and q/k norms, Gemma 3 four norms too."""
+    for name in ("OLMo-2-1124-7B", "gemma-3-4b-it"):
+        _, model = base_and_variant(name, adapter_v2, adapter_start_layer=1)
+        adapter_v2.mark_only_adapter_v2_as_trainable(model)
+        trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+        expected = {"transformer.h.1.post_attention_norm.weight", "transformer.h.1.post_mlp_norm.weight",
+                    "transformer.h.1.attn.norm_q.weight", "transformer.h.1.attn.norm_k.weight"}
+        assert expected <= trainable, (name, expected - trainable)

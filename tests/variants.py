@@ -30,6 +30,13 @@ FAMILIES = {
     "phi-2": "shared norm, lm_head bias, 0.4 rotary",
     "stablelm-2-1_6b": "qkv bias, LayerNorm + LLaMA MLP",
     "Qwen2.5-0.5B": "qkv bias, GQA, tied embeddings",
+    "Qwen3-0.6B": "per-head q/k norms, head_size != n_embd / n_head",
+    "gemma-2-2b": "post norms, soft-capping, query_pre_attn_scalar, alternating sliding/global layers",
+    "gemma-3-4b-it": "q/k norms, local RoPE base on sliding layers, linear scaling on global ones",
+    "Phi-3.5-mini-instruct": "LongRoPE (fused qkv / gate_up in HF)",
+    "Phi-4-mini-instruct": "LongRoPE, 0.75 rotary, GQA, tied embeddings",
+    "OLMo-2-1124-7B": "no pre-norms, post norms, q/k norms over all heads",
+    "SmolLM3-3B": "a layer without RoPE, GQA, tied embeddings",
 }
 
 
@@ -53,6 +60,14 @@ def tiny_config(name: str, config_cls: Type[Config] = Config, **variant: Any) ->
         overrides["sliding_window_size"] = 4
     if full.rope_scaling:
         overrides["rope_scaling"] = dict(full.rope_scaling, original_max_seq_len=16)
+        if full.rope_scaling.get("type") == "longrope":  # one factor per rotary frequency of the tiny head
+            n = int(full.rotary_percentage * overrides["head_size"]) // 2
+            for key in ("short_factor", "long_factor"):
+                overrides["rope_scaling"][key] = full.rope_scaling[key][-n:]
+    if full.layer_types:  # both kinds of layer
+        overrides["layer_types"] = ["sliding_attention", "full_attention"]
+    if full.layers_without_rope:
+        overrides["layers_without_rope"] = [1]
     return config_cls.from_name(name, **{**overrides, **variant})
 
 
