@@ -197,7 +197,7 @@ class GPT(nn.Module):
             if cache is None:
                 raise TypeError("input_pos was given but no KV cache is set: call model.set_kv_cache(...) first")
             # once per forward and window, not per layer: small ops like these are a good part of a decode step
-            for window in {block.attn.sliding_window for block in self.transformer.h}:
+            for window in dict.fromkeys(block.attn.sliding_window for block in self.transformer.h):  # in layer order
                 masks[window] = cache_mask(input_pos, cache.k.size(2), window)
 
         x = self.transformer.wte(idx)

@@ -236,6 +236,18 @@ CASES = [
                                               "num_attention_heads": 2, "vocab_size": 64,
                                               "intermediate_size": 32})).parent),
          r"no weights found in .*hf.*download\.py"),
+    # a feature the model does not implement is refused by name, before any weights are read (no silent wrong answer)
+    Case("hf-unknown-rope-type", lambda d, fx: py("scripts/convert_hf_checkpoint.py", "--checkpoint_dir", write(
+        d / "hf" / "config.json", json.dumps({"model_type": "qwen3", "hidden_size": 16, "num_hidden_layers": 1,
+                                              "num_attention_heads": 2, "vocab_size": 64, "intermediate_size": 32,
+                                              "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}})).parent),
+         r"Unsupported rope scaling 'dynamic' \(rope_scaling / rope_parameters\.rope_type\): implemented are llama3,"),
+    Case("hf-unknown-layer-type", lambda d, fx: py("scripts/convert_hf_checkpoint.py", "--checkpoint_dir", write(
+        d / "hf" / "config.json", json.dumps({"model_type": "gemma3_text", "hidden_size": 16, "num_hidden_layers": 2,
+                                              "num_attention_heads": 2, "head_dim": 8, "vocab_size": 64,
+                                              "intermediate_size": 32, "sliding_window": 4,
+                                              "layer_types": ["sliding_attention", "chunked_attention"]})).parent),
+         r"layer_types value\(s\) 'chunked_attention' not implemented; use full_attention, sliding_attention"),
     Case("hf-config-is-a-directory", lambda d, fx: py("scripts/convert_hf_checkpoint.py", "--checkpoint_dir", Path(
         (d / "hf" / "config.json").mkdir(parents=True) or d / "hf")), r"cannot read '.*config\.json': Is a directory$"),
     Case("hf-deeply-nested-config", lambda d, fx: py("scripts/convert_hf_checkpoint.py", "--checkpoint_dir", write(
