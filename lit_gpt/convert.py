@@ -49,6 +49,7 @@ HF_SIDE_FILES = (
     "vocab.json",
     "merges.txt",
     "generation_config.json",
+    "chat_template.jinja",  # transformers 5 and newer Hub repos (SmolLM3) keep the template in its own file
 )
 # ---------------------------------------------------------------------------------------------------------------
 # Name layouts

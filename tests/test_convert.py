@@ -312,3 +312,13 @@ def test_cli_scripts(llama_dir, tmp_path):
     assert res.returncode == 1
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and "does not exist" in lines[0], res.stderr
+
+
+def test_export_keeps_a_chat_template_file(tmp_path):
+    """SmolLM3 (and transformers 5 saves) keep the chat template in chat_template.jinja: the export copies it."""
+    src = tmp_path / "src"
+    build_hf_model("smollm3").save_pretrained(src)
+    (src / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    convert_hf_checkpoint(src)
+    out = convert_lit_checkpoint(src, tmp_path / "out")
+    assert (out / "chat_template.jinja").read_text() == (src / "chat_template.jinja").read_text()
