@@ -24,7 +24,7 @@ import torch
 from tqdm import tqdm
 
 from lit_gpt.config import Config
-from lit_gpt.hf_config import SUPPORTED_MODEL_TYPES, _falcon_arch, hf_config_dict, hf_model_type
+from lit_gpt.hf_write import SUPPORTED_MODEL_TYPES, _falcon_arch, hf_config_dict, hf_model_type
 from lit_gpt.model import GPT
 from lit_gpt.utils import (
     LitError,

@@ -1,5 +1,6 @@
-"""The Hugging Face side of a lit config: which HF `model_type` it is, and the `config.json` that `transformers`
-loads for it (`hf_config_dict`), refused in one line where the HF family cannot express the config."""
+"""A lit config -> Hugging Face: which HF `model_type` it is, and the `config.json` that `transformers` loads for
+it (`hf_config_dict`), refused in one line where the HF family cannot express the config. The way in is
+`lit_gpt.hf_read`."""
 
 from typing import Any, Dict, Optional, Tuple
 

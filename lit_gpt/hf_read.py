@@ -1,0 +1,353 @@
+"""Hugging Face `config.json` -> the fields of a lit `Config`, for every model type the model implements
+(`HF_MODEL_TYPES`); what it does not implement is refused with a ValueError that names the field. The way back,
+a config.json that transformers loads, is `lit_gpt.hf_write`."""
+
+from typing import Any, Dict, Optional, Tuple
+
+# the HF model types `from_hf_config` reads
+HF_MODEL_TYPES = (
+    "llama", "mistral", "qwen2", "qwen3", "smollm3", "olmo2", "phi3", "gemma", "gemma2", "gemma3_text", "gemma3",
+    "gpt_neox", "falcon", "phi", "stablelm",
+)
+LAYER_TYPES = ("full_attention", "sliding_attention")
+# the keys each rope_scaling type needs (the others are optional: yarn's beta_fast, beta_slow, attention_factor,
+# truncate; longrope's attention_factor)
+ROPE_SCALING_KEYS: Dict[str, Tuple[str, ...]] = {
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_seq_len"),
+    "linear": ("factor",),
+    "yarn": ("factor", "original_max_seq_len"),
+    "longrope": ("short_factor", "long_factor", "original_max_seq_len"),
+}
+
+
+def _scaling(hf: Dict[str, Any], scaling: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
+    """An HF rope scaling dict -> ours ("type" plus the keys `ROPE_SCALING_KEYS` names); unknown types refused."""
+    if not scaling:
+        return None
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind in (None, "default"):
+        return None
+    # Phi-3 keeps the pretraining length at the top level, and transformers gives that one priority
+    old_ctx = hf.get("original_max_position_embeddings") or scaling.get("original_max_position_embeddings")
+    old_ctx = old_ctx or hf.get("max_position_embeddings")
+    if kind in ("yarn", "longrope") and not old_ctx:
+        raise ValueError(f"rope scaling {kind!r} needs original_max_position_embeddings (or max_position_embeddings)")
+    if kind == "llama3":  # the default type: written without "type", as configs were before other types
+        return {
+            "factor": float(scaling["factor"]),
+            "low_freq_factor": float(scaling["low_freq_factor"]),
+            "high_freq_factor": float(scaling["high_freq_factor"]),
+            "original_max_seq_len": int(scaling["original_max_position_embeddings"]),
+        }
+    if kind == "linear":
+        return {"type": "linear", "factor": float(scaling["factor"])}
+    if kind == "yarn":
+        out = {"type": "yarn", "factor": float(scaling["factor"]), "original_max_seq_len": int(old_ctx)}
+        for key in ("beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim", "truncate"):
+            if scaling.get(key) is not None:
+                out[key] = scaling[key]
+        return out
+    if kind == "longrope":
+        out = {
+            "type": "longrope",
+            "short_factor": [float(f) for f in scaling["short_factor"]],
+            "long_factor": [float(f) for f in scaling["long_factor"]],
+            "original_max_seq_len": int(old_ctx),
+        }
+        for key in ("factor", "attention_factor"):
+            if scaling.get(key) is not None:
+                out[key] = float(scaling[key])
+        return out
+    raise ValueError(
+        f"Unsupported rope scaling {kind!r} (rope_scaling / rope_parameters.rope_type): implemented are"
+        f" {', '.join(ROPE_SCALING_KEYS)}"
+    )
+
+
+def _rope_params(hf: Dict[str, Any]) -> Dict[str, Any]:
+    """Rope theta and scaling, whether stored at the top level (transformers 4.x), under rope_parameters (5.x),
+    or per layer type under rope_parameters (5.x Gemma 3: full_attention / sliding_attention)."""
+    params = hf.get("rope_parameters") or {}
+    if set(params) & set(LAYER_TYPES):
+        full = params.get("full_attention") or {}
+        local = params.get("sliding_attention") or {}
+        if _scaling(hf, local):
+            raise ValueError("RoPE scaling on the sliding_attention layers is not implemented")
+        theta = full.get("rope_theta", hf.get("rope_theta", 10000.0))
+        out: Dict[str, Any] = {"rope_base": float(theta), "rope_scaling": _scaling(hf, full)}
+        if local.get("rope_theta", theta) != theta:
+            out["rope_local_base"] = float(local["rope_theta"])
+        return out
+    theta = params.get("rope_theta", hf.get("rope_theta", hf.get("rotary_emb_base", 10000.0)))
+    scaling = hf.get("rope_scaling") or (params if params.get("rope_type", "default") != "default" else None)
+    out = {"rope_base": float(theta)}
+    scaled = _scaling(hf, scaling)
+    if scaled:
+        out["rope_scaling"] = scaled
+    if hf.get("rope_local_base_freq") is not None and float(hf["rope_local_base_freq"]) != float(theta):
+        out["rope_local_base"] = float(hf["rope_local_base_freq"])  # Gemma 3 configs of transformers 4.x
+    return out
+
+
+def _layer_types(hf: Dict[str, Any], default_pattern: Optional[int] = None) -> Dict[str, Any]:
+    """`layer_types` and `sliding_window_size` from a config.json: its own `layer_types` (transformers 5), else the
+    family's pattern (`default_pattern`: every n-th layer is global, Gemma 2: 2, Gemma 3: 6), else Qwen's
+    `max_window_layers`, else the window on every layer.
+    Collapsed where the window changes nothing (all layers alike, or a window no position can exceed)."""
+    window = hf.get("sliding_window")
+    n_layer = hf["num_hidden_layers"]
+    types = hf.get("layer_types")
+    if types is None:
+        pattern = hf.get("sliding_window_pattern", hf.get("_sliding_window_pattern", default_pattern))
+        if pattern:
+            types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n_layer)]
+        elif hf.get("use_sliding_window"):  # Qwen2/3 spelling of transformers 4.x: layers from max_window_layers
+            first = hf.get("max_window_layers", 0)
+            types = ["sliding_attention" if i >= first else "full_attention" for i in range(n_layer)]
+        else:  # Mistral, Phi-3: the window, if any, on every layer
+            types = ["sliding_attention" if window else "full_attention"] * n_layer
+    types = list(types)
+    if window is None or window >= hf.get("max_position_embeddings", float("inf")):
+        if window is None and "sliding_attention" in types:
+            raise ValueError("layer_types has sliding_attention layers but sliding_window is not set")
+        types = ["full_attention" if t == "sliding_attention" else t for t in types]
+    if all(t == "full_attention" for t in types):
+        return {}
+    if all(t == "sliding_attention" for t in types):
+        return {"sliding_window_size": int(window)}
+    return {"sliding_window_size": int(window), "layer_types": types}
+
+
+def _partial_rotary(hf: Dict[str, Any], legacy_key: str, default: float) -> float:
+    """Fraction of head dims with RoPE: top level in transformers 4.x configs, under rope_parameters in 5.x."""
+    params = hf.get("rope_parameters") or {}
+    return float(hf.get(legacy_key, params.get("partial_rotary_factor", default)))
+
+
+def from_hf_config(hf: Dict[str, Any]) -> Dict[str, Any]:
+    """The `Config` fields of a config.json dict (ValueError, naming the field, for what the model cannot run)."""
+    mt = hf.get("model_type")
+    if mt == "gemma3":  # the multimodal folder: its text tower (the converter says the vision tower is left out)
+        text = dict(hf.get("text_config") or {})
+        text.setdefault("vocab_size", hf.get("vocab_size", 262208))
+        text.setdefault("tie_word_embeddings", hf.get("tie_word_embeddings", True))
+        text["model_type"] = "gemma3_text"
+        return from_hf_config(text)
+    hidden = hf.get("hidden_size")
+    common = dict(
+        block_size=hf.get("max_position_embeddings", 4096),
+        vocab_size=hf["vocab_size"],
+        n_layer=hf.get("num_hidden_layers"),
+        n_head=hf.get("num_attention_heads"),
+        n_embd=hidden,
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+    )
+    if mt in ("qwen3", "smollm3", "olmo2", "phi3"):
+        return _llama_family(hf, common)
+    if mt in ("gemma2", "gemma3_text"):
+        return _gemma_family(hf, common)
+    if mt in ("llama", "mistral", "qwen2"):
+        conf = dict(
+            common,
+            n_query_groups=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+            head_size=hf.get("head_dim") or hidden // hf["num_attention_heads"],
+            norm_class_name="RMSNorm",
+            norm_eps=hf.get("rms_norm_eps", 1e-6),
+            mlp_class_name="LLaMAMLP",
+            intermediate_size=hf["intermediate_size"],
+            attn_bias=mt == "qwen2",
+            **_rope_params(hf),
+        )
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"Unsupported hidden_act {hf.get('hidden_act')!r} for {mt}")
+        if hf.get("attention_bias") or hf.get("mlp_bias"):
+            raise ValueError(f"{mt} with attention_bias/mlp_bias is not supported")
+        if mt == "mistral" and hf.get("sliding_window"):
+            conf["sliding_window_size"] = hf["sliding_window"]
+        if mt == "qwen2" and hf.get("use_sliding_window"):
+            raise ValueError("Qwen2 with use_sliding_window=true is not supported")
+        return conf
+    if mt == "gemma":
+        return dict(
+            common,
+            tie_embeddings=True,
+            n_query_groups=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+            head_size=hf["head_dim"],
+            norm_class_name="RMSNorm",
+            norm_eps=hf.get("rms_norm_eps", 1e-6),
+            norm_unit_offset=True,
+            mlp_class_name="GemmaMLP",
+            gelu_approximate="tanh",
+            intermediate_size=hf["intermediate_size"],
+            scale_embeddings=True,
+            **_rope_params(hf),
+        )
+    if mt == "gpt_neox":
+        act = hf.get("hidden_act", "gelu")
+        if act not in ("gelu", "gelu_new", "gelu_pytorch_tanh"):
+            raise ValueError(f"Unsupported hidden_act {act!r} for gpt_neox")
+        if not hf.get("attention_bias", True):
+            # the MLP and norms keep their biases in HF, which one `bias` flag cannot express
+            raise ValueError("gpt_neox with attention_bias=false is not supported")
+        return dict(
+            common,
+            rotary_percentage=_partial_rotary(hf, "rotary_pct", 0.25),
+            parallel_residual=bool(hf.get("use_parallel_residual", True)),
+            bias=True,
+            lm_head_bias=False,
+            norm_class_name="LayerNorm",
+            norm_eps=hf.get("layer_norm_eps", 1e-5),
+            mlp_class_name="GptNeoxMLP",
+            gelu_approximate="none" if act == "gelu" else "tanh",
+            intermediate_size=hf.get("intermediate_size") or 4 * hidden,
+            **_rope_params(hf),
+        )
+    if mt == "falcon":
+        n_head = hf.get("num_attention_heads", hf.get("n_head"))
+        new_arch = bool(hf.get("new_decoder_architecture", False))
+        if new_arch:
+            groups = hf.get("num_kv_heads") or hf.get("n_head_kv") or n_head  # n_head_kv: pre-2023 Falcon configs
+        else:
+            groups = 1 if hf.get("multi_query", True) else n_head
+        if hf.get("alibi"):
+            raise ValueError("Falcon with alibi is not supported")
+        if hf.get("activation", "gelu") != "gelu":
+            raise ValueError(f"Unsupported activation {hf.get('activation')!r} for falcon")
+        parallel = bool(hf.get("parallel_attn", True))
+        # HF Falcon: the new architecture defaults to two norms (ln_attn, ln_mlp) unless num_ln_in_parallel_attn=1;
+        # the old one shares input_layernorm when parallel and has a post-attention norm when sequential
+        if new_arch:
+            shared_norm = hf.get("num_ln_in_parallel_attn") == 1
+        else:
+            shared_norm = parallel
+        return dict(
+            common,
+            n_layer=hf.get("num_hidden_layers", hf.get("n_layer")),
+            n_head=n_head,
+            block_size=hf.get("max_position_embeddings", 2048),
+            tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
+            n_query_groups=groups,
+            parallel_residual=parallel or new_arch,
+            shared_attention_norm=shared_norm,
+            bias=bool(hf.get("bias", False)),
+            norm_class_name="LayerNorm",
+            norm_eps=hf.get("layer_norm_epsilon", 1e-5),
+            mlp_class_name="GptNeoxMLP",
+            intermediate_size=hf.get("ffn_hidden_size") or 4 * hidden,
+            **_rope_params(hf),
+        )
+    if mt == "phi":
+        head = hidden // hf["num_attention_heads"]
+        if hf.get("qk_layernorm"):
+            raise ValueError("Phi with qk_layernorm=true is not supported")
+        return dict(
+            common,
+            n_query_groups=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+            rotary_percentage=_partial_rotary(hf, "partial_rotary_factor", 0.5),
+            parallel_residual=True,
+            shared_attention_norm=True,
+            bias=True,
+            lm_head_bias=True,
+            norm_class_name="LayerNorm",
+            norm_eps=hf.get("layer_norm_eps", 1e-5),
+            mlp_class_name="GptNeoxMLP",
+            gelu_approximate="tanh",
+            intermediate_size=hf["intermediate_size"],
+            head_size=head,
+            **_rope_params(hf),
+        )
+    if mt == "stablelm":
+        if hf.get("qk_layernorm"):
+            raise ValueError("StableLM with qk_layernorm=true is not supported")
+        return dict(
+            common,
+            n_query_groups=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+            rotary_percentage=_partial_rotary(hf, "partial_rotary_factor", 0.25),
+            parallel_residual=bool(hf.get("use_parallel_residual", False)),
+            shared_attention_norm=bool(hf.get("use_parallel_residual", False)),
+            attn_bias=bool(hf.get("use_qkv_bias", False)),
+            norm_class_name="LayerNorm",
+            norm_eps=hf.get("layer_norm_eps", 1e-5),
+            mlp_class_name="LLaMAMLP",
+            intermediate_size=hf["intermediate_size"],
+            **_rope_params(hf),
+        )
+    raise ValueError(
+        f"Unsupported model_type {mt!r}. Supported: {', '.join(HF_MODEL_TYPES)}"
+    )
+
+
+def _llama_family(hf: Dict[str, Any], common: Dict[str, Any]) -> Dict[str, Any]:
+    """Qwen3, SmolLM3, OLMo 2 and Phi-3/4: Llama's layout with one or two features switched on."""
+    mt = hf["model_type"]
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"Unsupported hidden_act {hf.get('hidden_act')!r} for {mt}")
+    if hf.get("attention_bias") or hf.get("mlp_bias"):
+        raise ValueError(f"{mt} with attention_bias/mlp_bias is not supported")
+    n_head = hf["num_attention_heads"]
+    conf = dict(
+        common,
+        n_query_groups=hf.get("num_key_value_heads") or n_head,
+        head_size=hf.get("head_dim") or common["n_embd"] // n_head,
+        norm_class_name="RMSNorm",
+        norm_eps=hf.get("rms_norm_eps", 1e-6),
+        mlp_class_name="LLaMAMLP",
+        intermediate_size=hf["intermediate_size"],
+        **_rope_params(hf),
+    )
+    if mt == "qwen3":
+        conf["norm_qk"] = "per_head"
+        if hf.get("use_sliding_window") or "layer_types" in hf:
+            conf.update(_layer_types(hf))
+    elif mt == "smollm3":
+        # HF's no_rope_layers has one entry per layer: 1 = RoPE, 0 = none
+        flags = hf.get("no_rope_layers")
+        if flags is None:
+            interval = hf.get("no_rope_layer_interval", 4)
+            flags = [int((i + 1) % interval != 0) for i in range(hf["num_hidden_layers"])]
+        conf["layers_without_rope"] = [i for i, use_rope in enumerate(flags) if not use_rope]
+        if hf.get("use_sliding_window") or "layer_types" in hf:
+            conf.update(_layer_types(hf))
+    elif mt == "olmo2":
+        conf.update(norm_qk="all_heads", pre_norm=False, post_attention_norm=True, post_mlp_norm=True)
+    elif mt == "phi3":
+        conf["rotary_percentage"] = _partial_rotary(hf, "partial_rotary_factor", 1.0)
+        conf.update(_layer_types(hf))
+    return conf
+
+
+def _gemma_family(hf: Dict[str, Any], common: Dict[str, Any]) -> Dict[str, Any]:
+    """Gemma 2 and Gemma 3 (text): Gemma's layout plus post norms, a per-layer sliding window, soft-capping (2),
+    query-key norms and a local RoPE base (3)."""
+    mt = hf["model_type"]
+    act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
+    if act != "gelu_pytorch_tanh":
+        raise ValueError(f"Unsupported hidden_activation {act!r} for {mt}")
+    if hf.get("attention_bias"):
+        raise ValueError(f"{mt} with attention_bias is not supported")
+    if hf.get("use_bidirectional_attention"):
+        raise ValueError(f"{mt} with use_bidirectional_attention is not supported (a causal language model only)")
+    gemma3 = mt == "gemma3_text"
+    conf = dict(
+        common,
+        tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
+        n_query_groups=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+        head_size=hf["head_dim"],
+        norm_class_name="RMSNorm",
+        norm_eps=hf.get("rms_norm_eps", 1e-6),
+        norm_unit_offset=True,
+        mlp_class_name="GemmaMLP",
+        gelu_approximate="tanh",
+        intermediate_size=hf["intermediate_size"],
+        scale_embeddings=True,
+        post_attention_norm=True,
+        post_mlp_norm=True,
+        attention_scores_scalar=hf.get("query_pre_attn_scalar"),
+        attention_logit_softcapping=hf.get("attn_logit_softcapping", None if gemma3 else 50.0),
+        final_logit_softcapping=hf.get("final_logit_softcapping", None if gemma3 else 30.0),
+        **_rope_params(hf),
+        **_layer_types(hf, default_pattern=6 if gemma3 else 2),
+    )
+    if gemma3:
+        conf["norm_qk"] = "per_head"
+    return conf
