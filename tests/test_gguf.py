@@ -1,4 +1,5 @@
-"""GGUF -> HF -> lit conversion: the real SmolLM2 GGUF (via the conftest fixture) and small synthetic GGUF files."""
+"""GGUF -> HF -> lit conversion: the real SmolLM2 GGUF (via the conftest fixture) and small synthetic GGUF files of
+every architecture `lit_gpt.gguf` reads (llama, qwen2, qwen3, gemma2, gemma3, phi3)."""
 
 import json
 import shutil
@@ -13,8 +14,11 @@ gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as Q  # noqa: E402
 from gguf.quants import dequantize, quantize  # noqa: E402
 
+# llama.cpp's converter, in small
+from gguf_writer import byte_level_vocab, gpt2_vocab, sentencepiece_vocab, write_gguf  # noqa: E402
 from lit_gpt import GPT, Config  # noqa: E402
-from lit_gpt.gguf import _unpermute_rows, convert_gguf  # noqa: E402
+from lit_gpt.gguf import ARCHITECTURES, _hf_config, _open_reader, _read_metadata, _unpermute_rows  # noqa: E402
+from lit_gpt.gguf import convert_gguf  # noqa: E402
 from lit_gpt.tokenizer import Tokenizer  # noqa: E402
 from lit_gpt.utils import LitError, load_checkpoint  # noqa: E402
 
@@ -47,12 +51,6 @@ def test_unpermute_rows_restores_hf_order():
 # ---------------------------------------------------------------------------------------------------------------
 # synthetic GGUF files
 # ---------------------------------------------------------------------------------------------------------------
-def byte_level_vocab() -> List[str]:
-    from tokenizers import pre_tokenizers
-
-    return sorted(pre_tokenizers.ByteLevel.alphabet())
-
-
 def k_quant_bytes(qtype: Q, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
     """Random K-quant blocks with small finite fp16 scales (`gguf` can dequantize but not produce K-quants)."""
     block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
@@ -276,10 +274,12 @@ def test_unsupported_gguf_files_give_clear_errors(tmp_path):
         hf[f"model.layers.0.{name}.weight"] = rng.standard_normal(shape).astype(np.float32)
 
     write_llama_gguf(tmp_path / "falcon.gguf", hf, {}, 2, 2, 1, tokens, [], arch="falcon")
-    with pytest.raises(LitError, match="architecture 'falcon'"):
+    supported = "'llama', 'qwen2', 'qwen3', 'gemma2', 'gemma3', 'phi3'"
+    with pytest.raises(LitError, match=f"architecture 'falcon'; supported GGUF architectures: {supported}") as e:
         convert_gguf(tmp_path / "falcon.gguf", tmp_path / "out1")
-    write_llama_gguf(tmp_path / "spm.gguf", hf, {}, 2, 2, 1, tokens, [], tokenizer_model="llama")
-    with pytest.raises(LitError, match="'llama' tokenizer"):
+    assert "\n" not in str(e.value)
+    write_llama_gguf(tmp_path / "spm.gguf", hf, {}, 2, 2, 1, tokens, [], tokenizer_model="t5")
+    with pytest.raises(LitError, match="'t5' tokenizer"):
         convert_gguf(tmp_path / "spm.gguf", tmp_path / "out2")
     (tmp_path / "junk.gguf").write_bytes(b"not a gguf file at all")
     with pytest.raises(LitError, match="cannot read"):
@@ -288,6 +288,285 @@ def test_unsupported_gguf_files_give_clear_errors(tmp_path):
         convert_gguf(tmp_path / "missing.gguf", tmp_path / "out4")
     with pytest.raises(LitError, match="dtype"):
         convert_gguf(tmp_path / "spm.gguf", tmp_path / "out5", dtype="int8")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# qwen2, qwen3, gemma2, gemma3, phi3: tiny HF models written as GGUF the way llama.cpp does (tests/gguf_writer.py)
+# ---------------------------------------------------------------------------------------------------------------
+_SMALL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96)
+# Gemma: llama.cpp scales attention by 1/sqrt(head_dim) (the GGUF has no query_pre_attn_scalar) and transformers'
+# loader keeps the config class's 256: the head size is 256 where the two are compared.
+_GEMMA = dict(_SMALL, num_attention_heads=2, num_key_value_heads=1, head_dim=256, intermediate_size=128)
+# Phi3Config's default ids (pad 32000) are outside these vocabularies
+_PHI = dict(_SMALL, max_position_embeddings=64, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+SEQ = 12  # longer than the sliding windows (4) below: the window really drops keys
+
+# name -> (GGUF architecture, HF config class, its kwargs, vocabulary, whether transformers' own GGUF loader reads
+# everything the model uses; f16 weights)
+ARCH_VARIANTS = {
+    "qwen2": ("qwen2", "Qwen2Config", dict(_SMALL, rope_theta=1e6, tie_word_embeddings=True), "gpt2", True, False),
+    # transformers' loader does not read qwen3's key_length: its Qwen3Config default head_dim (128) is used
+    "qwen3": ("qwen3", "Qwen3Config", dict(_SMALL, head_dim=128, rope_theta=1e6), "gpt2", True, True),
+    "gemma2": ("gemma2", "Gemma2Config", dict(_GEMMA, sliding_window=4), "spm-gemma", True, False),
+    # 6 layers: five sliding-window layers, then a global one
+    "gemma3": ("gemma3", "Gemma3TextConfig", dict(_GEMMA, num_hidden_layers=6, sliding_window=4), "spm-gemma", True,
+               True),
+    "phi3": ("phi3", "Phi3Config", dict(_PHI, original_max_position_embeddings=64), "spm", True, False),
+    # what transformers' loader does not read (it keeps the config class's defaults), checked against the HF model
+    # the file was written from: Gemma 3 4B-style linear RoPE scaling (global layers only) with a head size of 32,
+    # Phi-3-mini's sliding window, Phi-4-mini's partial rotary embeddings, long-context RoPE factors and tied head
+    "gemma3-scaled": ("gemma3", "Gemma3TextConfig",
+                      dict(_GEMMA, num_hidden_layers=6, head_dim=32, query_pre_attn_scalar=32, sliding_window=4,
+                           rope_scaling=dict(rope_type="linear", factor=8.0)), "spm-gemma", False, False),
+    "phi3-window": ("phi3", "Phi3Config", dict(_PHI, original_max_position_embeddings=64, sliding_window=4), "spm",
+                    False, False),
+    "phi4-mini": ("phi3", "Phi3Config",
+                  dict(_PHI, original_max_position_embeddings=8, tie_word_embeddings=True, partial_rotary_factor=0.5,
+                       rope_scaling=dict(rope_type="longrope", short_factor=[1.0, 1.1, 1.3, 2.0],
+                                         long_factor=[1.0, 1.5, 3.0, 6.0])), "gpt2", False, False),
+}
+
+
+@pytest.fixture(scope="module")
+def vocabularies():
+    """The vocabularies, made once: byte-level BPE (Qwen, Phi-4) and sentencepiece (Gemma, Phi-3) ones."""
+    pytest.importorskip("sentencepiece")
+    phi3 = sentencepiece_vocab(gemma=False)
+    phi3.pad = phi3.eos  # Phi-3's GGUF names a pad token; transformers' Phi3Config default (32000) is out of range
+    return {"gpt2": gpt2_vocab(), "spm": phi3, "spm-gemma": sentencepiece_vocab(gemma=True)}
+
+
+def build_hf(cls_name: str, kwargs: Dict, vocab_size: int, seed: int = 0):
+    from tiny_hf import randomize_
+
+    transformers = pytest.importorskip("transformers")
+    config = getattr(transformers, cls_name)(vocab_size=vocab_size, **kwargs)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
+    randomize_(model, seed)
+    return model.eval()
+
+
+def transformers_gguf_model(directory: Path, name: str):
+    """transformers' own GGUF loader on `directory / name`. `from_pretrained(directory, gguf_file=name)` needs
+    `accelerate`; without it, the same steps it takes for these (legacy-path) architectures: the config from the
+    metadata, then `load_gguf_checkpoint`'s renamed and processed tensors loaded into that model."""
+    import transformers
+    from transformers.utils import is_accelerate_available
+
+    kw = dict(dtype=torch.float32, attn_implementation="eager")
+    if is_accelerate_available():
+        return transformers.AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, **kw).eval()
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    config = transformers.AutoConfig.from_pretrained(directory, gguf_file=name)
+    model = transformers.AutoModelForCausalLM.from_config(config, **kw)
+    tensors = load_gguf_checkpoint(str(directory / name), return_tensors=True, model_to_load=model,
+                                   torch_dtype=torch.float32)["tensors"]
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    assert not unexpected and set(missing) <= ({"lm_head.weight"} if config.tie_word_embeddings else set())
+    model.tie_weights()
+    return model.eval()
+
+
+_converted: Dict[str, Dict] = {}
+
+
+@pytest.fixture
+def arch_case(request, vocabularies, tmp_path_factory):
+    """One ARCH_VARIANTS entry written as GGUF and converted (once per session): the HF model it came from, the
+    folder `convert_gguf` wrote, and the file."""
+    name = request.param
+    if name not in _converted:
+        arch, cls_name, kwargs, vocab_name, read_by_transformers, f16 = ARCH_VARIANTS[name]
+        vocab = vocabularies[vocab_name]
+        hf_model = build_hf(cls_name, kwargs, len(vocab))
+        root = tmp_path_factory.mktemp(f"gguf-{name}")
+        write_gguf(root / f"{name}.gguf", arch, hf_model, vocab, f16=f16)
+        out = convert_gguf(root / f"{name}.gguf", root / "converted")
+        _converted[name] = dict(name=name, arch=arch, hf=hf_model, dir=out, root=root, file=f"{name}.gguf",
+                                vocab=vocab, read_by_transformers=read_by_transformers, f16=f16)
+    return _converted[name]
+
+
+def _ids(vocab_size: int) -> torch.Tensor:
+    return torch.randint(0, vocab_size, (2, SEQ), generator=torch.Generator().manual_seed(0))
+
+
+def test_layer_tensor_names_follow_llama_cpp():
+    """Every GGUF <-> HF name pair of `ARCHITECTURES` is the one llama.cpp's own tensor map (gguf-py) makes."""
+    for arch_name, arch in ARCHITECTURES.items():
+        names = gguf.get_tensor_name_map({v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[arch_name], 3)
+        for gguf_name, hf_name in arch.layer.items():
+            got = names.get_name(f"model.layers.2.{hf_name}", try_suffixes=(".weight", ".bias"))
+            assert got == f"blk.2.{gguf_name}", (arch_name, hf_name)
+    assert [a.permute_qk for a in ARCHITECTURES.values()] == [True, False, False, False, False, False]
+    assert {n for n, a in ARCHITECTURES.items() if a.norm_offset} == {"gemma2", "gemma3"}
+
+
+@pytest.mark.parametrize("arch_case", list(ARCH_VARIANTS), indirect=True)
+def test_arch_config_matches_the_hf_model(arch_case):
+    """config.json holds what the model the file came from needs (transformers reads both the same way)."""
+    transformers = pytest.importorskip("transformers")
+    expected = arch_case["hf"].config
+    got = transformers.AutoConfig.from_pretrained(arch_case["dir"])
+    assert got.model_type == expected.model_type and got.architectures == [type(arch_case["hf"]).__name__]
+    keys = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "head_dim", "tie_word_embeddings", "rope_parameters", "sliding_window",
+            "layer_types", "query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
+            "original_max_position_embeddings", "max_position_embeddings", "hidden_activation", "hidden_act"]
+    for key in keys:
+        if hasattr(expected, key):
+            assert getattr(got, key) == getattr(expected, key), key
+    assert got.rms_norm_eps == pytest.approx(expected.rms_norm_eps, rel=1e-6)
+
+
+@pytest.mark.parametrize("arch_case", list(ARCH_VARIANTS), indirect=True)
+def test_arch_logits_match_transformers_gguf_loader(arch_case):
+    """The HF folder we write gives transformers' GGUF loader's logits on the same file; where that loader does not
+    read what the model uses (`read_by_transformers` False), the logits of the HF model the file was written from."""
+    transformers = pytest.importorskip("transformers")
+    ours = transformers.AutoModelForCausalLM.from_pretrained(
+        arch_case["dir"], dtype=torch.float32, attn_implementation="eager").eval()
+    if arch_case["read_by_transformers"]:
+        reference = transformers_gguf_model(arch_case["root"], arch_case["file"])
+    else:
+        reference = arch_case["hf"]
+    idx = _ids(len(arch_case["vocab"]))
+    with torch.no_grad():
+        expected = reference(idx).logits
+        actual = ours(idx).logits
+    assert (actual - expected).abs().max().item() <= 1e-4
+    if not arch_case["f16"]:  # float32 tensors: the model the file was written from, too
+        with torch.no_grad():
+            assert (actual - arch_case["hf"](idx).logits).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("arch_case", list(ARCH_VARIANTS), indirect=True)
+def test_arch_lit_logits_match_hf(arch_case):
+    """End to end: the lit checkpoint `convert_gguf` wrote gives the logits of the HF folder next to it."""
+    transformers = pytest.importorskip("transformers")
+    ours = transformers.AutoModelForCausalLM.from_pretrained(
+        arch_case["dir"], dtype=torch.float32, attn_implementation="eager").eval()
+    model = load_lit(arch_case["dir"])
+    idx = _ids(len(arch_case["vocab"]))
+    with torch.no_grad():
+        expected = ours(idx).logits
+        actual = model(idx)
+    assert (actual - expected).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("arch_case", ["gemma3", "phi3"], indirect=True)
+def test_sentencepiece_vocabulary_round_trips(arch_case):
+    """A sentencepiece ('llama') GGUF vocabulary becomes a tokenizer.model that lit and transformers read alike,
+    that encodes like the sentencepiece model the vocabulary came from and like transformers' GGUF tokenizer, and
+    decodes back to the text. Where a dummy prefix is added (Phi-3, not Gemma) the two conventions differ for a text
+    that starts with a space or follows a special or user-defined token: llama.cpp and transformers' GGUF tokenizer
+    prefix every text fragment; the folder keeps Llama 2's / Phi-3's own `legacy: false` (the start of the text
+    only). transformers' tokenizers (its GGUF one, and its GemmaTokenizer reading tokenizer.model) do not match a
+    user-defined piece made of spaces whole, where sentencepiece, llama.cpp and lit do."""
+    import sentencepiece as spm
+
+    transformers = pytest.importorskip("transformers")
+    d, vocab = arch_case["dir"], arch_case["vocab"]
+    assert (d / "tokenizer.model").is_file() and not (d / "tokenizer.json").exists()
+    tok = Tokenizer(d)
+    assert tok.backend == "sentencepiece" and tok.vocab_size == len(vocab)
+    gemma = arch_case["arch"] == "gemma3"
+    assert (tok.bos_id, tok.eos_id, tok.use_bos) == ((2, 1, True) if gemma else (1, 2, True))
+    original = spm.SentencePieceProcessor(model_proto=vocab.sp_model)
+    from_gguf = transformers.AutoTokenizer.from_pretrained(arch_case["root"], gguf_file=arch_case["file"])
+    from_folder = transformers.AutoTokenizer.from_pretrained(d)
+    turn = "<start_of_turn>" if gemma else "<|user|>"
+    texts = ("hello world", "the lazy fox: 1234 ünïcödé 🦙", " two  spaces\tand\nlines", f"{turn}hi there",
+             f"x {turn} y", "three   spaces")
+    for text in texts:
+        ids = tok.encode(text, bos=False).tolist()
+        user_defined = "   " in text  # transformers' tokenizers split the user-defined "▁▁▁" apart
+        if not (gemma and user_defined):
+            assert ids == from_folder(text, add_special_tokens=False).input_ids, text
+        prefix_differs = not gemma and (text.startswith(" ") or turn in text or user_defined)
+        if not prefix_differs and not user_defined:
+            assert ids == from_gguf(text, add_special_tokens=False).input_ids, text
+        if turn not in text and (gemma or not text.startswith(" ")):  # sentencepiece: no special tokens
+            assert ids == original.encode(text), text
+        assert tok.decode(ids) == from_folder.decode(ids)
+        # a decoder that adds a dummy prefix drops one leading space
+        assert tok.decode(ids) == (text[1:] if text.startswith(" ") and not gemma else text)
+    assert tok.encode(f"{turn}hi", bos=False).tolist()[0] == vocab.tokens.index(turn)  # a control token, whole
+    assert vocab.tokens.index("   ") in tok.encode("three   spaces").tolist()  # a user-defined one, whole
+
+
+def test_phi3_with_separate_q_k_v_is_fused(vocabularies, tmp_path):
+    """A Phi-3 file with attn_q/k/v instead of attn_qkv becomes HF's fused qkv_proj (rows q | k | v)."""
+    from safetensors.torch import load_file
+
+    vocab = vocabularies["spm"]
+    hf_model = build_hf("Phi3Config", ARCH_VARIANTS["phi3"][2], len(vocab))
+    write_gguf(tmp_path / "split.gguf", "phi3", hf_model, vocab, split_qkv=True)
+    names = {t.name for t in _open_reader(tmp_path / "split.gguf").tensors}
+    assert "blk.1.attn_k.weight" in names and "blk.1.attn_qkv.weight" not in names
+    converted = load_file(str(convert_gguf(tmp_path / "split.gguf", tmp_path / "out") / "model.safetensors"))
+    expected = hf_model.state_dict()
+    assert set(converted) == set(expected)  # qkv_proj, no q/k/v_proj
+    for name, tensor in converted.items():
+        torch.testing.assert_close(tensor, expected[name], rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("arch_case", ["gemma3"], indirect=True)
+def test_reconverting_a_sentencepiece_model(arch_case, synthetic, tmp_path, capsys):
+    """The same conversion again is a no-op; over another model's folder it is refused, and with --overwrite the
+    old tokenizer.json goes (it would shadow the new tokenizer.model)."""
+    gguf_path = arch_case["root"] / arch_case["file"]
+    again = tmp_path / "again"
+    shutil.copytree(arch_case["dir"], again)
+    before = {p.name: p.read_bytes() for p in again.iterdir()}
+    convert_gguf(gguf_path, again)
+    assert "nothing to do" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in again.iterdir()} == before
+    other = tmp_path / "other"
+    shutil.copytree(synthetic["dir"], other)  # a llama conversion: tokenizer.json
+    with pytest.raises(LitError, match="refusing to overwrite"):
+        convert_gguf(gguf_path, other)
+    convert_gguf(gguf_path, other, overwrite=True)
+    assert not (other / "tokenizer.json").exists() and Tokenizer(other).backend == "sentencepiece"
+    assert json.loads((other / "config.json").read_text())["model_type"] == "gemma3_text"
+
+
+def test_gemma_27b_attention_scale_and_defaults(tmp_path):
+    """llama.cpp's hard-coded Gemma rules: 1/sqrt(n_embd / n_head) for the 27B sizes (46 / 62 layers), else
+    1/sqrt(head_dim); Gemma 2's window and soft-caps when the file has none; Gemma 3 without a window: no sliding
+    layers and one RoPE base."""
+    cases = {("gemma2", 46): 4608 // 32, ("gemma2", 42): 256, ("gemma3", 62): 5376 // 32, ("gemma3", 34): 256}
+    for (arch, n_layer), scalar in cases.items():
+        n_embd = 4608 if n_layer == 46 else 5376 if n_layer == 62 else 2560
+        w = gguf.GGUFWriter(str(tmp_path / "m.gguf"), arch)
+        w.add_block_count(n_layer)
+        w.add_context_length(8192)
+        w.add_embedding_length(n_embd)
+        w.add_feed_forward_length(4 * n_embd)
+        w.add_head_count(32)
+        w.add_head_count_kv(16)
+        w.add_key_length(128 if n_layer in (46, 62) else 256)
+        w.add_value_length(128 if n_layer in (46, 62) else 256)
+        w.add_layer_norm_rms_eps(1e-6)
+        w.add_tensor("token_embd.weight", np.zeros((10, 8), np.float32))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        reader = _open_reader(tmp_path / "m.gguf")
+        config = _hf_config(arch, _read_metadata(reader), reader, torch.float32)
+        assert config["query_pre_attn_scalar"] == scalar, (arch, n_layer)
+        if arch == "gemma2":
+            assert (config["sliding_window"], config["attn_logit_softcapping"], config["final_logit_softcapping"]) == (
+                4096, 50.0, 30.0)
+            assert config["layer_types"][:3] == ["sliding_attention", "full_attention", "sliding_attention"]
+            assert config["rope_theta"] == 10000.0  # llama.cpp writes no rope theta for Gemma 2
+        else:
+            assert config["sliding_window"] is None and set(config["layer_types"]) == {"full_attention"}
+            assert config["rope_local_base_freq"] == config["rope_theta"] == 10000.0
+            assert config["final_logit_softcapping"] is None and config["model_type"] == "gemma3_text"
 
 
 # ---------------------------------------------------------------------------------------------------------------
