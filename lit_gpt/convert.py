@@ -64,13 +64,12 @@ class _Layout:
     rename: Tuple[Tuple[str, str], ...] = ()  # (regex, replacement) applied to HF names before mapping (import)
 
 
+_GATED_MLP = {"mlp.gate_proj": "mlp.fc_1", "mlp.up_proj": "mlp.fc_2", "mlp.down_proj": "mlp.proj"}
 _LLAMA_LAYER = {
     "input_layernorm": "norm_1",
     "post_attention_layernorm": "norm_2",
     "self_attn.o_proj": "attn.proj",
-    "mlp.gate_proj": "mlp.fc_1",
-    "mlp.up_proj": "mlp.fc_2",
-    "mlp.down_proj": "mlp.proj",
+    **_GATED_MLP,
 }
 _LLAMA = _Layout(
     top={"model.embed_tokens": "transformer.wte", "model.norm": "transformer.ln_f", "lm_head": "lm_head"},
@@ -90,9 +89,7 @@ _OLMO2 = _Layout(
         "post_attention_layernorm": "post_attention_norm",
         "post_feedforward_layernorm": "post_mlp_norm",
         "self_attn.o_proj": "attn.proj",
-        "mlp.gate_proj": "mlp.fc_1",
-        "mlp.up_proj": "mlp.fc_2",
-        "mlp.down_proj": "mlp.proj",
+        **_GATED_MLP,
         **_QK_NORMS,
     },
     qkv=_LLAMA.qkv,
@@ -104,9 +101,7 @@ _GEMMA2_LAYER = {
     "pre_feedforward_layernorm": "norm_2",
     "post_feedforward_layernorm": "post_mlp_norm",
     "self_attn.o_proj": "attn.proj",
-    "mlp.gate_proj": "mlp.fc_1",
-    "mlp.up_proj": "mlp.fc_2",
-    "mlp.down_proj": "mlp.proj",
+    **_GATED_MLP,
 }
 _GEMMA2 = _Layout(top=_LLAMA.top, layers=_LLAMA.layers, layer=_GEMMA2_LAYER, qkv=_LLAMA.qkv, skip=_LLAMA.skip)
 _GEMMA3 = _Layout(

@@ -144,7 +144,7 @@ def from_hf_config(hf: Dict[str, Any]) -> Dict[str, Any]:
     )
     if mt in ("qwen3", "smollm3", "olmo2", "phi3"):
         return _llama_family(hf, common)
-    if mt in ("gemma2", "gemma3_text"):
+    if mt in ("gemma", "gemma2", "gemma3_text"):
         return _gemma_family(hf, common)
     if mt in ("llama", "mistral", "qwen2"):
         conf = dict(
@@ -167,21 +167,6 @@ def from_hf_config(hf: Dict[str, Any]) -> Dict[str, Any]:
         if mt == "qwen2" and hf.get("use_sliding_window"):
             raise ValueError("Qwen2 with use_sliding_window=true is not supported")
         return conf
-    if mt == "gemma":
-        return dict(
-            common,
-            tie_embeddings=True,
-            n_query_groups=hf.get("num_key_value_heads") or hf["num_attention_heads"],
-            head_size=hf["head_dim"],
-            norm_class_name="RMSNorm",
-            norm_eps=hf.get("rms_norm_eps", 1e-6),
-            norm_unit_offset=True,
-            mlp_class_name="GemmaMLP",
-            gelu_approximate="tanh",
-            intermediate_size=hf["intermediate_size"],
-            scale_embeddings=True,
-            **_rope_params(hf),
-        )
     if mt == "gpt_neox":
         act = hf.get("hidden_act", "gelu")
         if act not in ("gelu", "gelu_new", "gelu_pytorch_tanh"):
@@ -317,20 +302,12 @@ def _llama_family(hf: Dict[str, Any], common: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def _gemma_family(hf: Dict[str, Any], common: Dict[str, Any]) -> Dict[str, Any]:
-    """Gemma 2 and Gemma 3 (text): Gemma's layout plus post norms, a per-layer sliding window, soft-capping (2),
-    query-key norms and a local RoPE base (3)."""
+    """Gemma, and Gemma 2 and Gemma 3 (text): Gemma's layout, plus post norms, a per-layer sliding window,
+    soft-capping (2), query-key norms and a local RoPE base (3)."""
     mt = hf["model_type"]
-    act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
-    if act != "gelu_pytorch_tanh":
-        raise ValueError(f"Unsupported hidden_activation {act!r} for {mt}")
-    if hf.get("attention_bias"):
-        raise ValueError(f"{mt} with attention_bias is not supported")
-    if hf.get("use_bidirectional_attention"):
-        raise ValueError(f"{mt} with use_bidirectional_attention is not supported (a causal language model only)")
-    gemma3 = mt == "gemma3_text"
     conf = dict(
         common,
-        tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
+        tie_embeddings=True if mt == "gemma" else bool(hf.get("tie_word_embeddings", True)),
         n_query_groups=hf.get("num_key_value_heads") or hf["num_attention_heads"],
         head_size=hf["head_dim"],
         norm_class_name="RMSNorm",
@@ -340,12 +317,24 @@ def _gemma_family(hf: Dict[str, Any], common: Dict[str, Any]) -> Dict[str, Any]:
         gelu_approximate="tanh",
         intermediate_size=hf["intermediate_size"],
         scale_embeddings=True,
+        **_rope_params(hf),
+    )
+    if mt == "gemma":  # transformers runs tanh GELU whatever `hidden_act` says (old configs say "gelu")
+        return conf
+    act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
+    if act != "gelu_pytorch_tanh":
+        raise ValueError(f"Unsupported hidden_activation {act!r} for {mt}")
+    if hf.get("attention_bias"):
+        raise ValueError(f"{mt} with attention_bias is not supported")
+    if hf.get("use_bidirectional_attention"):
+        raise ValueError(f"{mt} with use_bidirectional_attention is not supported (a causal language model only)")
+    gemma3 = mt == "gemma3_text"
+    conf.update(
         post_attention_norm=True,
         post_mlp_norm=True,
         attention_scores_scalar=hf.get("query_pre_attn_scalar"),
         attention_logit_softcapping=hf.get("attn_logit_softcapping", None if gemma3 else 50.0),
         final_logit_softcapping=hf.get("final_logit_softcapping", None if gemma3 else 30.0),
-        **_rope_params(hf),
         **_layer_types(hf, default_pattern=6 if gemma3 else 2),
     )
     if gemma3:
