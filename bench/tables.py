@@ -94,6 +94,62 @@ def cpu_generate() -> str:
     return text + _source(r)
 
 
+def cpu_generate_gemma3() -> str:
+    (r,) = _load_all("generate_gemma3_cpu")
+    lines = ["| implementation (CPU, fp32, batch 1, greedy) | steady decode tokens/s | decode vs transformers"
+             " | whole call tokens/s | whole call vs transformers | memory growth during generate | peak RSS"
+             " | KV cache | greedy tokens equal to transformers' |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    if r is None:
+        return "\n".join(lines + ["| not measured (run `python bench/generate.py --setting gemma3 --results_file"
+                                   " bench/results/generate_gemma3_cpu.json`) | | | | | | | | |"]) + "\n"
+    res, s, a = r["results"], r["settings"], r["settings"]["architecture"]
+    n = s["max_new_tokens"]
+    matching = res.get("tokens_matching_transformers", {})
+
+    def memory(name: str) -> List[str]:
+        if f"{name}_peak_growth_mib" not in res:
+            return ["not measured"] * 3
+        kv, file_backed = res.get(f"{name}_kv_cache_mib"), res.get(f"{name}_rss_file_backed_gib")
+        return [f"{_f(res[f'{name}_peak_growth_mib'], '.0f')} MiB",
+                f"{_f(res[f'{name}_peak_rss_gib'])} GiB"
+                + ("" if file_backed is None else f" ({_f(file_backed)} file-backed)"),
+                "n/a" if kv is None else f"{_f(kv, '.1f')} MiB"]
+
+    dyn, dyn_decode = res["transformers_tokens_per_s"], res["transformers_decode_tokens_per_s"]
+    rows = [("`generate/base.py` (eager)", "ours", _f(res["ours_decode_ratio"]) + "x", _f(res["ours_ratio"]) + "x"),
+            ("transformers `generate`", "transformers", "1.00x", "1.00x")]
+    if "transformers_static_tokens_per_s" in res:
+        st_decode = res["transformers_static_decode_tokens_per_s"]
+        rows.append(("transformers `generate`, static cache", "transformers_static",
+                     "n/a" if not (st_decode and dyn_decode) else _f(st_decode / dyn_decode) + "x",
+                     _f(res["transformers_static_tokens_per_s"] / dyn) + "x"))
+    for label, name, decode_ratio, ratio in rows:
+        same = "-" if name == "transformers" else f"{matching[name]} of {n}" if name in matching else "n/a"
+        lines.append("| " + " | ".join([label, _f(res[f"{name}_decode_tokens_per_s"]), decode_ratio,
+                                         _f(res[f"{name}_tokens_per_s"]), ratio, *memory(name), same]) + " |")
+    text = "\n".join(lines) + "\n"
+    text += (f"\n{a['base']}'s layout shrunk to {a['n_layer']} layers ({a['sliding_layers']} with a"
+             f" {a['sliding_window_size']}-token sliding window, {a['full_layers']} global: 5 to 1), width {a['n_embd']},"
+             f" {a['n_head']} query heads on {a['n_query_groups']} KV head of {a['head_size']}, MLP"
+             f" {a['intermediate_size']}, vocabulary {a['vocab_size']}: {a['parameters'] / 1e6:.0f}M parameters, random"
+             f" weights (transformers `Gemma3ForCausalLM`, converted with `lit_gpt.convert`). A {s['prompt_tokens']}-token"
+             f" random prompt (longer than the window), {n} new tokens, {s['threads']}"
+             f" thread{'' if s['threads'] == 1 else 's'}; medians of {s['runs']}"
+             f" interleaved runs after one warm-up each; ratios are medians of per-run ratios (the static cache's: of"
+             f" the medians); our weights: {s['cpu_layout']}; transformers attention: {s['transformers_attention']}."
+             " Memory: each contender generates once more in a fresh process, after a short warm-up generation;"
+             " growth = the RSS high-water mark during the call minus the RSS before it (KV cache, activations,"
+             " workspace); peak RSS = that high-water mark, weights and runtime included; in parentheses its part"
+             " that was file-backed before the call: pages of the memory-mapped weight files (our `lit_model.pth`,"
+             " transformers' `model.safetensors`), which the kernel can drop. Our anonymous part also holds the"
+             " copies `use_cpu_inference_layout` makes at load, as generate/base.py does (the linear weights in"
+             " oneDNN's packed layout, the tied head column-major), while the mapped originals stay resident. KV cache"
+             " = the bytes of the cache the call leaves (ours keeps every position in every layer, transformers'"
+             " sliding layers keep the window).\n")
+    return text + _source(r)
+
+
 def cpu_finetune() -> str:
     (r,) = _load_all("finetune_cpu")
     head = ["| method (CPU, fp32) | s / step | tokens/s (padded) | peak RSS | CPU time, whole run | litgpt 0.5.13 s / step"
@@ -371,6 +427,7 @@ def resources() -> str:
 
 TABLES: Dict[str, Callable[[], str]] = {
     "cpu-generate": cpu_generate,
+    "cpu-generate-gemma3": cpu_generate_gemma3,
     "cpu-finetune": cpu_finetune,
     "gpu": gpu,
     "xla-generate": xla_generate,
