@@ -7,10 +7,12 @@ layers as at 16.
     model.block_runner = ScannedBlocks(mesh, ...)      # GPT.forward hands it the blocks when there is no KV cache
 
 How (lit_gpt.model.GPT.forward calls `block_runner(blocks, x, cos, sin)` instead of its loop):
-  * Consecutive blocks with the same structure (module types, parameter names, shapes, dtypes, which train) form
-    a group; each group is one `scan` (LLaMA-Adapter's first `adapter_start_layer` blocks have no adapter: two
-    groups). The parameters of a group are stacked along a new leading dimension at every forward (gradients
-    flow back to the blocks' own parameters, so parameter names, checkpoints and exports are unchanged).
+  * Consecutive blocks with the same structure (module types, parameter names, shapes, dtypes, which train, and
+    the layer kind: attention window and RoPE table) form a group; each group is one `scan` (LLaMA-Adapter's first
+    `adapter_start_layer` blocks have no adapter: two groups; Gemma 3's five sliding layers and one global one: a
+    group per run, two traced bodies in all). The parameters of a group are stacked along a new leading dimension
+    at every forward (gradients flow back to the blocks' own parameters, so parameter names, checkpoints and
+    exports are unchanged).
   * The block runs through `torch.func.functional_call` on the group's first block with each layer's slice of
     the stacked parameters; the RoPE tables ride along as scanned inputs (a broadcast, no copy): torch_xla traces
     the block with AOTAutograd, where a closed-over device tensor is refused.
@@ -89,10 +91,12 @@ def resolve_scan_layers(setting: ScanSetting, module: nn.Module, spmd: bool = Tr
 
 
 def _structure(block: nn.Module) -> Tuple:
-    """What must be equal for two blocks to share one scanned body."""
+    """What must be equal for two blocks to share one scanned body: module types, parameters, and the block's
+    `layer_kind` (lit_gpt's Block: attention window and RoPE table), which blocks of equal parameters can differ in
+    (Gemma 2/3's sliding and global layers) and which the traced body has baked in as Python values."""
     modules = tuple((name, type(m)) for name, m in block.named_modules())
     params = tuple((name, tuple(p.shape), p.dtype, p.requires_grad) for name, p in block.named_parameters())
-    return modules, params
+    return modules, params, getattr(block, "layer_kind", None)
 
 
 def block_groups(blocks: Sequence[nn.Module]) -> List[List[nn.Module]]:
@@ -148,10 +152,15 @@ class ScannedBlocks:
         return x
 
     def _block_fn(self, template: nn.Module) -> Callable:
-        """The scanned function of a group, one object per (block, mode) so that its traced graphs are reused; the
-        mode (train/eval: dropout on or off, grad or not, autocast) is part of what was traced."""
-        key = (id(template), template.training, torch.is_grad_enabled(), torch.is_autocast_enabled("xla"),
-               torch.get_autocast_dtype("xla"))
+        """The scanned function of a group, one object per (structure, mode) so that its traced graphs are reused,
+        also by later groups of the same structure (Gemma 3's repeated runs of five sliding layers and one global
+        one trace two bodies, not one per run: torch_xla keys its cache by the function and the shapes of one
+        layer's slice, not by the group's length). The body calls the first template of that structure with each
+        layer's parameters: equal structure (module types, parameters, layer kind) and the model's one `config`
+        (the other per-block values come from it) make the blocks interchangeable. The mode (train/eval: dropout
+        on or off, grad or not, autocast) is part of what was traced."""
+        key = (_structure(template), id(getattr(template, "config", template)), template.training,
+               torch.is_grad_enabled(), torch.is_autocast_enabled("xla"), torch.get_autocast_dtype("xla"))
         fn = self._fns.get(key)
         if fn is None:
 

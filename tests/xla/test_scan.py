@@ -1,6 +1,7 @@
 """`--scan_layers` (lit_gpt/xla/scan.py): the blocks as one scanned layer train exactly like the loop.
 
-For full, LoRA (on every linear layer) and LLaMA-Adapter (adapters from layer 1: two groups of blocks), on 1 XLA
+For full, LoRA (on every linear layer), LLaMA-Adapter (adapters from layer 1: two groups of blocks) and a Gemma-3-style
+model (sliding and global layers of equal parameters: groups by layer kind, traced bodies shared), on 1 XLA
 device and on the 8-device SPMD mesh (FSDPv2), with and without activation checkpointing: the same per-step losses
 and the same trained parameter after a few SGD steps (to 1e-6) as the loop, dropout 0. With dropout (LoRA) the
 scan of torch_xla 2.9 repeats one mask in every layer: checked directly, and such models are refused (--scan_layers
@@ -24,9 +25,20 @@ from lit_gpt.utils import chunked_cross_entropy
 BASE = dict(block_size=32, vocab_size=128, n_layer=4, n_head=4, n_query_groups=2, n_embd=32, intermediate_size=64,
             norm_class_name="RMSNorm", mlp_class_name="LLaMAMLP", tie_embeddings=True)
 
+# Gemma 3 in small: sliding (window 4 < the 16 positions) and global layers of equal parameters, the sliding ones
+# with their own RoPE table (local base), the global ones with linear scaling: 4 groups, 2 kinds
+GEMMA3_TYPES = ["sliding_attention", "full_attention"] * 2
+
+def gemma3_config():
+    return Config.from_name("gemma-3-4b-it", n_layer=4, n_embd=32, n_head=4, n_query_groups=2, head_size=8,
+                            intermediate_size=64, vocab_size=128, block_size=32, sliding_window_size=4,
+                            layer_types=GEMMA3_TYPES)
+
 def build(method, dropout=0.0):
     if method == "full":
         return GPT(Config(**BASE))
+    if method == "gemma3":
+        return GPT(gemma3_config())
     if method == "lora":
         return lora.GPT(lora.Config(**BASE, lora_r=2, lora_alpha=4, lora_dropout=dropout, lora_mlp=True))
     return adapter.GPT(adapter.Config(**BASE, adapter_prompt_length=3, adapter_start_layer=1))
@@ -56,7 +68,23 @@ def run(fabric, method, scan, ac=False, dropout=0.0, steps=3):
         fabric.backward(loss); opt.step(); opt.zero_grad()
         losses.append(loss.item())
     trained = [p for p in model.parameters() if p.requires_grad]
-    return {"losses": losses, "param": trained[len(trained) // 2].detach().cpu().flatten().tolist()}
+    out = {"losses": losses, "param": trained[len(trained) // 2].detach().cpu().flatten().tolist()}
+    if scan:  # how the blocks were grouped, and how many block bodies were traced for them
+        from lit_gpt.xla.scan import block_groups
+        out["groups"] = [len(g) for g in block_groups(list(model.transformer.h))]
+        out["bodies"] = len(model.block_runner._fns)
+    return out
+
+def gemma3_ignoring_layer_kinds(fabric):
+    """The scan with blocks grouped by parameters only (what grouping did before layer kinds): one group, every
+    layer run as the first one (sliding, local RoPE)."""
+    import lit_gpt.xla.scan as scan_module
+    structure = scan_module._structure
+    scan_module._structure = lambda block: structure(block)[:2]
+    try:
+        return run(fabric, "gemma3", True, steps=1)
+    finally:
+        scan_module._structure = structure
 
 def dropout_masks(fabric):
     """Two identity layers with dropout 0.5, scanned: y = x * m1 * m2 * 4. Independent masks would keep ~1/4 of the
@@ -81,6 +109,8 @@ def main(fabric):
     for method in ("full", "lora", "adapter"):
         out[method] = {"loop": run(fabric, method, False), "scan": run(fabric, method, True)}
     out["lora_ac"] = {"loop": run(fabric, "lora", False, ac=True), "scan": run(fabric, "lora", True, ac=True)}
+    out["gemma3"] = {"loop": run(fabric, "gemma3", False, steps=2), "scan": run(fabric, "gemma3", True, steps=2),
+                     "ignoring_kinds": gemma3_ignoring_layer_kinds(fabric)}
     out["masks"] = dropout_masks(fabric)
     from lit_gpt.utils import LitError
     from lit_gpt.xla.scan import resolve_scan_layers
@@ -113,12 +143,26 @@ def results(xla_env):
 
 
 @pytest.mark.parametrize("devices", [1, 8])
-@pytest.mark.parametrize("case", ["full", "lora", "adapter", "lora_ac"])
+@pytest.mark.parametrize("case", ["full", "lora", "adapter", "lora_ac", "gemma3"])
 def test_scan_trains_like_the_loop(results, devices, case):
     loop, scan = results[devices][case]["loop"], results[devices][case]["scan"]
     assert scan["losses"] == pytest.approx(loop["losses"], rel=1e-6, abs=1e-6)
     assert loop["losses"][-1] != loop["losses"][0]  # the steps trained something
     assert scan["param"] == pytest.approx(loop["param"], rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.parametrize("devices", [1, 8])
+def test_gemma3_layer_kinds_split_the_scan_and_share_traced_bodies(results, devices):
+    """Gemma 3's sliding and global blocks have equal parameters but differ in window and RoPE table: they form
+    separate groups (sliding, global, sliding, global), and the two sliding groups (like the two global ones)
+    share one traced body. Grouped by parameters alone, the scan runs every layer as a sliding one: another
+    loss (so the equality above depends on the layer kind)."""
+    r = results[devices]["gemma3"]
+    assert r["scan"]["groups"] == [1, 1, 1, 1]
+    assert r["scan"]["bodies"] == 2
+    wrong = r["ignoring_kinds"]
+    assert wrong["groups"] == [4]
+    assert abs(wrong["losses"][0] - r["loop"]["losses"][0]) > 1e-3, (wrong["losses"], r["loop"]["losses"])
 
 
 @pytest.mark.parametrize("devices", [1, 8])
