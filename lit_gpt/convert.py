@@ -647,6 +647,8 @@ def convert_lit_checkpoint(
     original = checkpoint_dir / "config.json"
     if original.is_file():
         orig = _read_json(original)
+        if orig.get("model_type") == "gemma3" and model_type == "gemma3_text":  # the text tower of a multimodal one
+            orig = {**(orig.get("text_config") or {}), **orig, "model_type": model_type}
         if orig.get("model_type") == model_type:
             # keep what the lit config does not model (special token ids)
             for key in ("bos_token_id", "eos_token_id", "pad_token_id"):

@@ -14,7 +14,7 @@ transformers = pytest.importorskip("transformers")
 from tiny_hf import FAMILIES, NEW_FAMILIES, SEQ, VOCAB, build_hf_model, hf_to_lit  # noqa: E402  (tiny HF models)
 
 from lit_gpt import GPT, Config  # noqa: E402
-from lit_gpt.convert import convert_hf_checkpoint  # noqa: E402
+from lit_gpt.convert import convert_hf_checkpoint, convert_lit_checkpoint  # noqa: E402
 from lit_gpt.model import build_rope_cache  # noqa: E402
 from tiny_hf import randomize_  # noqa: E402
 
@@ -169,3 +169,9 @@ def test_gemma3_multimodal_folder_converts_its_text_tower(tmp_path, capsys):
     model.load_state_dict(torch.load(tmp_path / "gemma3-mm" / "lit_model.pth", weights_only=True))
     idx = torch.randint(0, VOCAB - 4, (2, SEQ), generator=torch.Generator().manual_seed(1))
     torch.testing.assert_close(model.eval()(idx), hf_model(input_ids=idx).logits, atol=1e-4, rtol=0)
+    # exported back as the text model, with the multimodal config's special token ids
+    out = convert_lit_checkpoint(tmp_path / "gemma3-mm", tmp_path / "text")
+    exported = json.loads((out / "config.json").read_text())
+    assert exported["model_type"] == "gemma3_text" and exported["eos_token_id"] == config.text_config.eos_token_id
+    text_model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    torch.testing.assert_close(text_model(idx).logits, hf_model(input_ids=idx).logits, atol=1e-4, rtol=0)
