@@ -198,10 +198,12 @@ class Config:
 
     @classmethod
     def from_hf_config(cls, hf: Dict[str, Any], name: str = "", **overrides: Any) -> "Config":
-        """Build a Config straight from a Hugging Face `config.json` dict (llama, mistral, gpt_neox, falcon, phi,
-        gemma, qwen2, stablelm). Used by the converter so that a checkpoint converts without a registry entry."""
+        """Build a Config straight from a Hugging Face `config.json` dict (the model types of
+        `lit_gpt.hf_read.HF_MODEL_TYPES`). Used by the converter so that a checkpoint converts without a registry
+        entry."""
         conf = from_hf_config(hf)
-        conf["hf_model_type"] = hf["model_type"]
+        # a Gemma 3 multimodal folder is read (and exported) as its text model
+        conf["hf_model_type"] = "gemma3_text" if hf["model_type"] == "gemma3" else hf["model_type"]
         if name:
             conf["name"] = name
         conf.update(overrides)
@@ -759,11 +761,13 @@ _PHI4_MINI_LONG = [
 for name, (n_layer, n_head, n_embd, groups, inter, vocab, block, theta, partial, tie, scaling) in {
     "Phi-3.5-mini-instruct": (
         32, 32, 3072, 32, 8192, 32064, 131072, 10000.0, 1.0, False,
-        dict(type="longrope", short_factor=_PHI35_SHORT, long_factor=_PHI35_LONG, original_max_seq_len=4096),
+        dict(type="longrope", short_factor=_PHI35_SHORT, long_factor=_PHI35_LONG, original_max_seq_len=4096,
+             factor=32.0),
     ),
     "Phi-4-mini-instruct": (
         32, 24, 3072, 8, 8192, 200064, 131072, 10000.0, 0.75, True,
-        dict(type="longrope", short_factor=[1.0] * 48, long_factor=_PHI4_MINI_LONG, original_max_seq_len=4096),
+        dict(type="longrope", short_factor=[1.0] * 48, long_factor=_PHI4_MINI_LONG, original_max_seq_len=4096,
+             factor=32.0),
     ),
     "phi-4": (40, 40, 5120, 10, 17920, 100352, 16384, 250000.0, 1.0, False, None),
 }.items():

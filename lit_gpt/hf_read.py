@@ -57,6 +57,9 @@ def _scaling(hf: Dict[str, Any], scaling: Optional[Dict[str, Any]]) -> Optional[
         for key in ("factor", "attention_factor"):
             if scaling.get(key) is not None:
                 out[key] = float(scaling[key])
+        # transformers derives the factor (and from it the attention factor) from the context lengths: kept here,
+        # so that a shorter block_size for a run does not change it
+        out.setdefault("factor", hf.get("max_position_embeddings", old_ctx) / int(old_ctx))
         return out
     raise ValueError(
         f"Unsupported rope scaling {kind!r} (rope_scaling / rope_parameters.rope_type): implemented are"
@@ -64,36 +67,38 @@ def _scaling(hf: Dict[str, Any], scaling: Optional[Dict[str, Any]]) -> Optional[
     )
 
 
-def _rope_params(hf: Dict[str, Any]) -> Dict[str, Any]:
+def _rope_params(hf: Dict[str, Any], per_layer_rope: bool = False) -> Dict[str, Any]:
     """Rope theta and scaling, whether stored at the top level (transformers 4.x), under rope_parameters (5.x),
-    or per layer type under rope_parameters (5.x Gemma 3: full_attention / sliding_attention)."""
+    or per layer type under rope_parameters (5.x Gemma 3: full_attention / sliding_attention). `per_layer_rope`
+    (Gemma 3): the sliding layers always get a table of their own, unscaled, even where both bases are equal."""
     params = hf.get("rope_parameters") or {}
+    local_theta = hf.get("rope_local_base_freq")  # Gemma 3 configs of transformers 4.x
     if set(params) & set(LAYER_TYPES):
         full = params.get("full_attention") or {}
         local = params.get("sliding_attention") or {}
         if _scaling(hf, local):
             raise ValueError("RoPE scaling on the sliding_attention layers is not implemented")
         theta = full.get("rope_theta", hf.get("rope_theta", 10000.0))
-        out: Dict[str, Any] = {"rope_base": float(theta), "rope_scaling": _scaling(hf, full)}
-        if local.get("rope_theta", theta) != theta:
-            out["rope_local_base"] = float(local["rope_theta"])
-        return out
-    theta = params.get("rope_theta", hf.get("rope_theta", hf.get("rotary_emb_base", 10000.0)))
-    scaling = hf.get("rope_scaling") or (params if params.get("rope_type", "default") != "default" else None)
-    out = {"rope_base": float(theta)}
-    scaled = _scaling(hf, scaling)
-    if scaled:
-        out["rope_scaling"] = scaled
-    if hf.get("rope_local_base_freq") is not None and float(hf["rope_local_base_freq"]) != float(theta):
-        out["rope_local_base"] = float(hf["rope_local_base_freq"])  # Gemma 3 configs of transformers 4.x
+        scaling = _scaling(hf, full)
+        local_theta = local.get("rope_theta", local_theta)
+    else:
+        theta = params.get("rope_theta", hf.get("rope_theta", hf.get("rotary_emb_base", 10000.0)))
+        scaling = _scaling(hf, hf.get("rope_scaling") or (params if params.get("rope_type", "default") != "default"
+                                                         else None))
+    out: Dict[str, Any] = {"rope_base": float(theta)}
+    if scaling:
+        out["rope_scaling"] = scaling
+    if per_layer_rope or (local_theta is not None and float(local_theta) != float(theta)):
+        out["rope_local_base"] = float(theta if local_theta is None else local_theta)
     return out
 
 
-def _layer_types(hf: Dict[str, Any], default_pattern: Optional[int] = None) -> Dict[str, Any]:
+def _layer_types(hf: Dict[str, Any], default_pattern: Optional[int] = None, keep_kinds: bool = False) -> Dict[str, Any]:
     """`layer_types` and `sliding_window_size` from a config.json: its own `layer_types` (transformers 5), else the
     family's pattern (`default_pattern`: every n-th layer is global, Gemma 2: 2, Gemma 3: 6), else Qwen's
     `max_window_layers`, else the window on every layer.
-    Collapsed where the window changes nothing (all layers alike, or a window no position can exceed)."""
+    Collapsed where the window changes nothing (all layers alike, or a window no position can exceed), unless
+    `keep_kinds` (Gemma 3: the sliding layers differ by their RoPE table too)."""
     window = hf.get("sliding_window")
     n_layer = hf["num_hidden_layers"]
     types = hf.get("layer_types")
@@ -107,9 +112,9 @@ def _layer_types(hf: Dict[str, Any], default_pattern: Optional[int] = None) -> D
         else:  # Mistral, Phi-3: the window, if any, on every layer
             types = ["sliding_attention" if window else "full_attention"] * n_layer
     types = list(types)
-    if window is None or window >= hf.get("max_position_embeddings", float("inf")):
-        if window is None and "sliding_attention" in types:
-            raise ValueError("layer_types has sliding_attention layers but sliding_window is not set")
+    if window is None and "sliding_attention" in types:
+        raise ValueError("layer_types has sliding_attention layers but sliding_window is not set")
+    if window is None or (window >= hf.get("max_position_embeddings", float("inf")) and not keep_kinds):
         types = ["full_attention" if t == "sliding_attention" else t for t in types]
     if all(t == "full_attention" for t in types):
         return {}
@@ -124,15 +129,42 @@ def _partial_rotary(hf: Dict[str, Any], legacy_key: str, default: float) -> floa
     return float(hf.get(legacy_key, params.get("partial_rotary_factor", default)))
 
 
+# What transformers' config classes assume for keys a config.json leaves out (checked against transformers 5.24).
+# The Hub's Gemma 3 4B-27B folders rely on them most: their `text_config` lists a handful of keys only.
+_DEFAULTS: Dict[str, Dict[str, Any]] = {
+    "gemma3_text": dict(
+        vocab_size=262208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
+        num_key_value_heads=4, head_dim=256, max_position_embeddings=131072, rms_norm_eps=1e-6, rope_theta=1e6,
+        rope_local_base_freq=10000.0, query_pre_attn_scalar=256, sliding_window=4096, tie_word_embeddings=True,
+        final_logit_softcapping=None, attn_logit_softcapping=None,
+    ),
+    "gemma2": dict(
+        vocab_size=256000, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
+        num_key_value_heads=4, head_dim=256, max_position_embeddings=8192, rms_norm_eps=1e-6, rope_theta=10000.0,
+        query_pre_attn_scalar=256, sliding_window=4096, tie_word_embeddings=True, final_logit_softcapping=30.0,
+        attn_logit_softcapping=50.0,
+    ),
+    "qwen3": dict(head_dim=128, max_position_embeddings=32768, rms_norm_eps=1e-6, max_window_layers=28,
+                  tie_word_embeddings=False),
+    "smollm3": dict(max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=2000000.0, tie_word_embeddings=True,
+                    no_rope_layer_interval=4),
+    "olmo2": dict(max_position_embeddings=2048, rms_norm_eps=1e-5, tie_word_embeddings=False),
+    "phi3": dict(max_position_embeddings=4096, original_max_position_embeddings=4096, rms_norm_eps=1e-5,
+                 tie_word_embeddings=False),
+}
+
+
 def from_hf_config(hf: Dict[str, Any]) -> Dict[str, Any]:
     """The `Config` fields of a config.json dict (ValueError, naming the field, for what the model cannot run)."""
     mt = hf.get("model_type")
     if mt == "gemma3":  # the multimodal folder: its text tower (the converter says the vision tower is left out)
         text = dict(hf.get("text_config") or {})
-        text.setdefault("vocab_size", hf.get("vocab_size", 262208))
-        text.setdefault("tie_word_embeddings", hf.get("tie_word_embeddings", True))
+        if "tie_word_embeddings" in hf:
+            text.setdefault("tie_word_embeddings", hf["tie_word_embeddings"])
         text["model_type"] = "gemma3_text"
         return from_hf_config(text)
+    if mt in _DEFAULTS:  # keys left out mean transformers' defaults (present keys, None included, stay)
+        hf = {**_DEFAULTS[mt], **hf}
     hidden = hf.get("hidden_size")
     common = dict(
         block_size=hf.get("max_position_embeddings", 4096),
@@ -291,6 +323,9 @@ def _llama_family(hf: Dict[str, Any], common: Dict[str, Any]) -> Dict[str, Any]:
             interval = hf.get("no_rope_layer_interval", 4)
             flags = [int((i + 1) % interval != 0) for i in range(hf["num_hidden_layers"])]
         conf["layers_without_rope"] = [i for i, use_rope in enumerate(flags) if not use_rope]
+        if hf.get("use_sliding_window") and hf.get("sliding_window") and not hf.get("layer_types"):
+            # transformers' SmolLM3: the window on the layers without RoPE
+            hf = dict(hf, layer_types=["full_attention" if r else "sliding_attention" for r in flags])
         if hf.get("use_sliding_window") or "layer_types" in hf:
             conf.update(_layer_types(hf))
     elif mt == "olmo2":
@@ -317,7 +352,7 @@ def _gemma_family(hf: Dict[str, Any], common: Dict[str, Any]) -> Dict[str, Any]:
         gelu_approximate="tanh",
         intermediate_size=hf["intermediate_size"],
         scale_embeddings=True,
-        **_rope_params(hf),
+        **_rope_params(hf, per_layer_rope=mt == "gemma3_text"),
     )
     if mt == "gemma":  # transformers runs tanh GELU whatever `hidden_act` says (old configs say "gelu")
         return conf
@@ -335,7 +370,7 @@ def _gemma_family(hf: Dict[str, Any], common: Dict[str, Any]) -> Dict[str, Any]:
         attention_scores_scalar=hf.get("query_pre_attn_scalar"),
         attention_logit_softcapping=hf.get("attn_logit_softcapping", None if gemma3 else 50.0),
         final_logit_softcapping=hf.get("final_logit_softcapping", None if gemma3 else 30.0),
-        **_layer_types(hf, default_pattern=6 if gemma3 else 2),
+        **_layer_types(hf, default_pattern=6 if gemma3 else 2, keep_kinds=gemma3),
     )
     if gemma3:
         conf["norm_qk"] = "per_head"

@@ -181,16 +181,15 @@ class GPT(nn.Module):
                 raise ValueError(f"Cannot forward a sequence of length {T}: max_seq_length is {self._max_seq_length}")
             cos, sin = self.cos[:T], self.sin[:T]
         if (self.config.rope_scaling or {}).get("type") == "longrope":
-            # LongRoPE's short factors within the original context, the long ones for a sequence that may exceed
-            # it: without a cache, this forward's length; with one, the cache's (static: no recompiles). That is
-            # transformers' choice, which on crossing the original context recomputes its cache with the long
-            # factors: from there on the two compute the same (before it, a run that will cross uses the long
-            # factors here already)
-            n = self.config.rope_n_elem
-            span = T if input_pos is None else self.transformer.h[0].attn.kv_cache.k.size(2)
-            long = span > self.config.rope_scaling["original_max_seq_len"]
-            cos, sin = (cos[..., n:], sin[..., n:]) if long else (cos[..., :n], sin[..., :n])
-
+            # LongRoPE: the short factors while the sequence stays within the original context, the long ones
+            # beyond it, as transformers picks them (by the longest position of this forward)
+            n, limit = self.config.rope_n_elem, self.config.rope_scaling["original_max_seq_len"]
+            if input_pos is None:  # T is static: one table, no select
+                cos, sin = (cos[..., n:], sin[..., n:]) if T > limit else (cos[..., :n], sin[..., :n])
+            else:  # a select on a device scalar: the same graph for every step of the KV-cache loop
+                beyond = input_pos.max() >= limit
+                cos = torch.where(beyond, cos[..., n:], cos[..., :n])
+                sin = torch.where(beyond, sin[..., n:], sin[..., :n])
         masks: Dict[Optional[int], torch.Tensor] = {}
         if input_pos is not None:
             cache = self.transformer.h[0].attn.kv_cache
@@ -544,7 +543,7 @@ def _longrope_scale(
     """LongRoPE (Phi-3.5, Phi-4-mini): per-dimension rescaling factors, short ones for sequences within the
     pretraining context, long ones beyond it (`GPT.forward` chooses), and cos/sin scaled by the attention factor."""
     old_ctx = s["original_max_seq_len"]
-    factor = s.get("factor") or config.block_size / old_ctx
+    factor = s.get("factor") or config.block_size / old_ctx  # configs read from config.json store it
     attention_factor = s.get("attention_factor")
     if attention_factor is None:
         attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(old_ctx))

@@ -244,7 +244,7 @@ CASES = [
          r"Unsupported rope scaling 'dynamic' \(rope_scaling / rope_parameters\.rope_type\): implemented are llama3,"),
     Case("hf-unknown-layer-type", lambda d, fx: py("scripts/convert_hf_checkpoint.py", "--checkpoint_dir", write(
         d / "hf" / "config.json", json.dumps({"model_type": "gemma3_text", "hidden_size": 16, "num_hidden_layers": 2,
-                                              "num_attention_heads": 2, "head_dim": 8, "vocab_size": 64,
+                                              "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8, "vocab_size": 64,
                                               "intermediate_size": 32, "sliding_window": 4,
                                               "layer_types": ["sliding_attention", "chunked_attention"]})).parent),
          r"layer_types value\(s\) 'chunked_attention' not implemented; use full_attention, sliding_attention"),

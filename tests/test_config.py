@@ -6,6 +6,7 @@ from dataclasses import fields
 import pytest
 import torch
 
+import lit_gpt.config as config_module
 from lit_gpt import Config
 from lit_gpt.convert import _HFToLit, _check_state, _expected_state, hf_config_dict, hf_model_type
 
@@ -158,13 +159,78 @@ REAL_HF_CONFIGS = {
         sliding_window=32768, use_sliding_window=False, tie_word_embeddings=True, vocab_size=151936,
         hidden_act="silu",
     ),
+    "Qwen3-0.6B": dict(
+        model_type="qwen3", hidden_size=1024, intermediate_size=3072, max_position_embeddings=40960,
+        num_attention_heads=16, num_hidden_layers=28, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
+        rope_theta=1000000, rope_scaling=None, sliding_window=None, use_sliding_window=False, max_window_layers=28,
+        tie_word_embeddings=True, vocab_size=151936, attention_bias=False, hidden_act="silu",
+    ),
+    "gemma-2-2b": dict(
+        model_type="gemma2", hidden_size=2304, intermediate_size=9216, num_attention_heads=8, num_key_value_heads=4,
+        head_dim=256, num_hidden_layers=26, max_position_embeddings=8192, rms_norm_eps=1e-6, rope_theta=10000.0,
+        query_pre_attn_scalar=256, sliding_window=4096, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+        vocab_size=256000, hidden_activation="gelu_pytorch_tanh", cache_implementation="hybrid",
+    ),
+    "gemma-3-1b-it": dict(
+        model_type="gemma3_text", hidden_size=1152, intermediate_size=6912, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=256, num_hidden_layers=26, max_position_embeddings=32768, rms_norm_eps=1e-6,
+        rope_theta=1000000, rope_local_base_freq=10000, rope_scaling=None, query_pre_attn_scalar=256,
+        sliding_window=512, sliding_window_pattern=6, attn_logit_softcapping=None, final_logit_softcapping=None,
+        vocab_size=262144, hidden_activation="gelu_pytorch_tanh",
+    ),
+    # the multimodal folders: a sparse text_config, the rest from transformers' Gemma3TextConfig defaults
+    "gemma-3-4b-it": dict(
+        model_type="gemma3", text_config=dict(
+            hidden_size=2560, intermediate_size=10240, model_type="gemma3_text", num_hidden_layers=34,
+            rope_scaling=dict(factor=8.0, rope_type="linear"), sliding_window=1024,
+        ), vision_config=dict(model_type="siglip_vision_model"), mm_tokens_per_image=256,
+    ),
+    "gemma-3-27b-it": dict(
+        model_type="gemma3", text_config=dict(
+            head_dim=128, hidden_size=5376, intermediate_size=21504, model_type="gemma3_text", num_attention_heads=32,
+            num_hidden_layers=62, num_key_value_heads=16, query_pre_attn_scalar=168,
+            rope_scaling=dict(factor=8.0, rope_type="linear"), sliding_window=1024,
+        ), vision_config=dict(model_type="siglip_vision_model"),
+    ),
+    "Phi-3.5-mini-instruct": dict(
+        model_type="phi3", hidden_size=3072, intermediate_size=8192, num_attention_heads=32, num_key_value_heads=32,
+        num_hidden_layers=32, max_position_embeddings=131072, original_max_position_embeddings=4096,
+        rms_norm_eps=1e-5, rope_theta=10000.0, sliding_window=262144, tie_word_embeddings=False, vocab_size=32064,
+        rope_scaling=dict(type="longrope", long_factor=config_module._PHI35_LONG,
+                          short_factor=config_module._PHI35_SHORT),
+    ),
+    "Phi-4-mini-instruct": dict(
+        model_type="phi3", hidden_size=3072, intermediate_size=8192, num_attention_heads=24, num_key_value_heads=8,
+        num_hidden_layers=32, max_position_embeddings=131072, original_max_position_embeddings=4096,
+        partial_rotary_factor=0.75, rms_norm_eps=1e-5, rope_theta=10000.0, sliding_window=262144,
+        tie_word_embeddings=True, vocab_size=200064,
+        rope_scaling=dict(type="longrope", long_factor=config_module._PHI4_MINI_LONG, short_factor=[1.0] * 48),
+    ),
+    "phi-4": dict(
+        model_type="phi3", hidden_size=5120, intermediate_size=17920, num_attention_heads=40, num_key_value_heads=10,
+        num_hidden_layers=40, max_position_embeddings=16384, original_max_position_embeddings=16384,
+        rms_norm_eps=1e-5, rope_theta=250000, rope_scaling=None, sliding_window=None, tie_word_embeddings=False,
+        vocab_size=100352,
+    ),
+    "OLMo-2-1124-7B": dict(
+        model_type="olmo2", hidden_size=4096, intermediate_size=11008, num_attention_heads=32, num_key_value_heads=32,
+        num_hidden_layers=32, max_position_embeddings=4096, rms_norm_eps=1e-6, rope_theta=500000,
+        tie_word_embeddings=False, vocab_size=100352, attention_bias=False,
+    ),
+    "SmolLM3-3B": dict(
+        model_type="smollm3", hidden_size=2048, intermediate_size=11008, num_attention_heads=16,
+        num_key_value_heads=4, num_hidden_layers=36, max_position_embeddings=65536, rms_norm_eps=1e-6,
+        rope_theta=5000000.0, no_rope_layers=[1, 1, 1, 0] * 9, use_sliding_window=False, sliding_window=None,
+        tie_word_embeddings=True, vocab_size=128256,
+    ),
 }
 
 
 @pytest.mark.parametrize("name", list(REAL_HF_CONFIGS))
 def test_registry_agrees_with_real_hf_configs(name):
     config = Config.from_hf_config(REAL_HF_CONFIGS[name], name=name)
-    assert config.name == name and config.hf_model_type == REAL_HF_CONFIGS[name]["model_type"]
+    model_type = REAL_HF_CONFIGS[name]["model_type"]
+    assert config.name == name and config.hf_model_type == ("gemma3_text" if model_type == "gemma3" else model_type)
     assert architecture(config) == architecture(Config.from_name(name))
 
 
@@ -217,12 +283,12 @@ def test_from_hf_config_reads_transformers_5_configs():
         ),
         (
             dict(model_type="gemma2", vocab_size=8, hidden_size=8, num_attention_heads=2, intermediate_size=8,
-                 head_dim=4, num_hidden_layers=2, sliding_window=4, layer_types=["sliding_attention", "chunked_attention"]),
+                 head_dim=4, num_key_value_heads=1, num_hidden_layers=2, sliding_window=4, layer_types=["sliding_attention", "chunked_attention"]),
             r"layer_types value\(s\) 'chunked_attention' not implemented",
         ),
         (
             dict(model_type="gemma3_text", vocab_size=8, hidden_size=8, num_attention_heads=2, intermediate_size=8,
-                 head_dim=4, num_hidden_layers=1, rope_parameters=dict(
+                 head_dim=4, num_key_value_heads=1, num_hidden_layers=1, rope_parameters=dict(
                      full_attention=dict(rope_type="default", rope_theta=1e6),
                      sliding_attention=dict(rope_type="linear", factor=2.0, rope_theta=1e4))),
             "RoPE scaling on the sliding_attention layers",

@@ -28,8 +28,10 @@ def test_logits_match_transformers(family, tmp_path):
     actual = model(idx)
     torch.testing.assert_close(actual, expected, atol=1e-4, rtol=0)
 
-    # the KV-cache path: prefill 5 tokens, then decode one at a time with `input_pos` tensors
-    model.set_kv_cache(batch_size=2, max_seq_length=SEQ + 4)
+    # the KV-cache path: prefill 5 tokens, then decode one at a time with `input_pos` tensors; LongRoPE in a cache
+    # longer than its original context (64) keeps the short factors while the sequence stays within it
+    longrope = (model.config.rope_scaling or {}).get("type") == "longrope"
+    model.set_kv_cache(batch_size=2, max_seq_length=model.config.block_size if longrope else SEQ + 4)
     steps = [model(idx[:, :5], input_pos=torch.arange(5))]
     for t in range(5, SEQ):
         steps.append(model(idx[:, t : t + 1], input_pos=torch.tensor([t])))
@@ -51,7 +53,9 @@ def test_kv_cache_after_a_longer_prompt_matches_transformers_generation(family, 
     new = 8
     hf_out = hf_model.generate(prompt, max_new_tokens=new, do_sample=False, min_new_tokens=new, pad_token_id=0)
 
-    model.set_kv_cache(batch_size=1, max_seq_length=prompt.size(1) + new)
+    # a cache longer than the original LongRoPE context (64) must not change the factors: the sequence decides
+    cache = model.config.block_size if "longrope" in family else prompt.size(1) + new
+    model.set_kv_cache(batch_size=1, max_seq_length=cache)
     tokens = prompt
     logits = model(prompt, input_pos=torch.arange(prompt.size(1)))[:, -1]
     for t in range(prompt.size(1), prompt.size(1) + new):
