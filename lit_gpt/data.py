@@ -485,6 +485,8 @@ def _prepare(rows, bad, checkpoint_dir, destination, source, prompt_style, max_s
         "source": source,
         "tokenizer": {"checkpoint_dir": str(checkpoint_dir), "sha256": fingerprint},
         "prompt_style": prompt_style,
+        # how the prompts were encoded: None = the tokenizer's own BOS rule, False = as the chat template wrote them
+        "prompt_bos": style.bos,
         "max_seq_length": max_seq_length,
         "mask_inputs": mask_inputs,
         "seed": seed,
@@ -600,6 +602,12 @@ def load_prepared(data_dir: Path, checkpoint_dir: Optional[Path] = None) -> Prep
         raise LitError(f"{str(meta_path)!r} is not valid JSON ({e}): {hint} {data_dir}") from None
     if meta.get("format_version") != FORMAT_VERSION:
         raise LitError(f"{str(data_dir)!r} was prepared by an incompatible version: {hint} {data_dir}")
+    if meta.get("prompt_style") == "chat" and "prompt_bos" not in meta:
+        # before 2026-11-25 chat-template prompts got the tokenizer's own BOS as well; generation no longer adds it
+        raise LitError(
+            f"{str(data_dir)!r} holds chat-template prompts encoded by an earlier version (with the tokenizer's BOS,"
+            f" which generation no longer adds, as transformers' apply_chat_template): {hint} {data_dir}"
+        )
     if checkpoint_dir is not None:
         expected = meta.get("tokenizer", {}).get("sha256")
         if expected != tokenizer_fingerprint(checkpoint_dir):

@@ -238,6 +238,23 @@ def test_load_prepared_rejects_missing_corrupt_and_foreign_data(tiny_dir, tmp_pa
         data.load_prepared(out)
 
 
+def test_chat_data_prepared_before_the_template_bos_rule_is_refused(smollm2_dir, tmp_path):
+    """Chat-template prompts are encoded as transformers' apply_chat_template does (no tokenizer BOS); data prepared
+    by an earlier version (no `prompt_bos` in meta.json) must be prepared again, not silently mixed."""
+    src = write_json(tmp_path / "d.json", [{"instruction": f"t{i}", "output": "b"} for i in range(4)])
+    parsed, bad = rows_of(src)
+    out = tmp_path / "out"
+    data.prepare(parsed, bad, checkpoint_dir=smollm2_dir, destination=out, source=str(src), prompt_style="chat",
+                 val_split_fraction=0.25)
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["prompt_style"] == "chat" and meta["prompt_bos"] is False
+    assert data.load_prepared(out, smollm2_dir).meta["counts"]["samples"] == 4
+    del meta["prompt_bos"]
+    (out / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(LitError, match="encoded by an earlier version .* prepare it with"):
+        data.load_prepared(out, smollm2_dir)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Batching
 # ---------------------------------------------------------------------------------------------------------------

@@ -26,11 +26,12 @@ BASE = dict(block_size=32, vocab_size=128, n_layer=4, n_head=4, n_query_groups=2
             norm_class_name="RMSNorm", mlp_class_name="LLaMAMLP", tie_embeddings=True)
 
 # Gemma 3 in small: sliding (window 4 < the 16 positions) and global layers of equal parameters, the sliding ones
-# with their own RoPE table (local base), the global ones with linear scaling: 4 groups, 2 kinds
-GEMMA3_TYPES = ["sliding_attention", "full_attention"] * 2
+# with their own RoPE table (local base), the global ones with linear scaling: runs of two sliding layers (one
+# scanned body each, window and local table inside the stacked scan) around a global one: 3 groups, 2 kinds
+GEMMA3_TYPES = ["sliding_attention"] * 2 + ["full_attention"] + ["sliding_attention"] * 2
 
 def gemma3_config():
-    return Config.from_name("gemma-3-4b-it", n_layer=4, n_embd=32, n_head=4, n_query_groups=2, head_size=8,
+    return Config.from_name("gemma-3-4b-it", n_layer=5, n_embd=32, n_head=4, n_query_groups=2, head_size=8,
                             intermediate_size=64, vocab_size=128, block_size=32, sliding_window_size=4,
                             layer_types=GEMMA3_TYPES)
 
@@ -154,14 +155,13 @@ def test_scan_trains_like_the_loop(results, devices, case):
 @pytest.mark.parametrize("devices", [1, 8])
 def test_gemma3_layer_kinds_split_the_scan_and_share_traced_bodies(results, devices):
     """Gemma 3's sliding and global blocks have equal parameters but differ in window and RoPE table: they form
-    separate groups (sliding, global, sliding, global), and the two sliding groups (like the two global ones)
-    share one traced body. Grouped by parameters alone, the scan runs every layer as a sliding one: another
+    separate groups (two sliding, global, two sliding), and the two sliding groups share one traced body. Grouped by parameters alone, the scan runs every layer as a sliding one: another
     loss (so the equality above depends on the layer kind)."""
     r = results[devices]["gemma3"]
-    assert r["scan"]["groups"] == [1, 1, 1, 1]
+    assert r["scan"]["groups"] == [2, 1, 2]
     assert r["scan"]["bodies"] == 2
     wrong = r["ignoring_kinds"]
-    assert wrong["groups"] == [4]
+    assert wrong["groups"] == [5]
     assert abs(wrong["losses"][0] - r["loop"]["losses"][0]) > 1e-3, (wrong["losses"], r["loop"]["losses"])
 
 

@@ -39,7 +39,7 @@ from words import FAMILIES, family_rows, make_word_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).resolve().parent / "families_worker.py"
-TIMEOUT = 900
+TIMEOUT_PER_JOB = 120  # a worker's wait grows with its jobs (the slow matrix gives one worker ~36 runs)
 STEPS = 2
 GEN_TOKENS = 12
 # both in the 16-token prompt bucket, both longer than the 4-token window
@@ -122,6 +122,7 @@ class Workers:
     def __init__(self, xla_env, out: Path, jobs: Dict[int, List[dict]]) -> None:
         self.out = out
         self.procs = {}
+        self.timeouts = {devices: 300 + TIMEOUT_PER_JOB * len(device_jobs) for devices, device_jobs in jobs.items()}
         for devices, device_jobs in jobs.items():
             folder = out / f"worker{devices}"
             folder.mkdir(parents=True)
@@ -137,7 +138,7 @@ class Workers:
         if devices not in self.results:
             proc, folder = self.procs[devices], self.out / f"worker{devices}"
             try:
-                proc.wait(timeout=TIMEOUT)
+                proc.wait(timeout=self.timeouts[devices])
             except subprocess.TimeoutExpired:
                 proc.kill()
                 pytest.fail(f"the {devices}-device worker timed out; logs in {folder}")
