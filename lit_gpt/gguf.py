@@ -181,6 +181,12 @@ def convert_gguf(
         for key in ("bos_token_id", "eos_token_id", "pad_token_id")
         if hf_config.get(key) is not None
     }
+    # the end-of-turn tokens end a reply too (Gemma's <end_of_turn>, Phi-3's <|end|>), as the Hub's
+    # generation_config.json lists them beside EOS
+    stops = [meta.get(f"tokenizer.ggml.{key}") for key in ("eos_token_id", "eot_token_id", "eom_token_id")]
+    stops = list(dict.fromkeys(int(i) for i in stops if i is not None))
+    if len(stops) > 1:
+        generation_config["eos_token_id"] = stops
     expected = [n for n in OUTPUT_FILES if n not in _TOKENIZER_FILES or n == tokenizer_file]
     if not overwrite and _check_existing(checkpoint_dir, gguf_path, hf_config, tokenizer_config, expected):
         return checkpoint_dir

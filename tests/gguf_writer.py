@@ -42,12 +42,14 @@ class Vocab:
                  merges: Optional[List[str]] = None, pre: Optional[str] = None, bos: Optional[int] = None,
                  eos: Optional[int] = None, unk: Optional[int] = None, pad: Optional[int] = None,
                  add_bos: Optional[bool] = None, add_space_prefix: Optional[bool] = None,
-                 chat_template: Optional[str] = None, sp_model: Optional[bytes] = None) -> None:
+                 chat_template: Optional[str] = None, sp_model: Optional[bytes] = None,
+                 eot: Optional[int] = None) -> None:
         self.model, self.tokens, self.types, self.scores = model, tokens, types, scores
         self.merges, self.pre = merges, pre
         self.bos, self.eos, self.unk, self.pad = bos, eos, unk, pad
         self.add_bos, self.add_space_prefix, self.chat_template = add_bos, add_space_prefix, chat_template
         self.sp_model = sp_model  # the original sentencepiece model (tests compare against it)
+        self.eot = eot  # end of turn (llama.cpp's tokenizer.ggml.eot_token_id)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -63,7 +65,8 @@ class Vocab:
         if self.merges is not None:
             writer.add_token_merges(self.merges)
         for value, add in ((self.bos, writer.add_bos_token_id), (self.eos, writer.add_eos_token_id),
-                           (self.unk, writer.add_unk_token_id), (self.pad, writer.add_pad_token_id)):
+                           (self.unk, writer.add_unk_token_id), (self.pad, writer.add_pad_token_id),
+                           (self.eot, writer.add_eot_token_id)):
             if value is not None:
                 add(value)
         if self.add_bos is not None:

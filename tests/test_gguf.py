@@ -513,6 +513,23 @@ def test_phi3_with_separate_q_k_v_is_fused(vocabularies, tmp_path):
         torch.testing.assert_close(tensor, expected[name], rtol=0, atol=0, msg=name)
 
 
+def test_end_of_turn_token_ends_generation_too(vocabularies, tmp_path):
+    """llama.cpp's tokenizer.ggml.eot_token_id (Gemma's <end_of_turn>, Phi-3's <|end|>) goes into
+    generation_config.json beside EOS, as the Hub's own file lists it, so a raw prompt stops at the end of a turn."""
+    import copy
+
+    from lit_gpt.tokenizer import Tokenizer
+
+    vocab = copy.copy(vocabularies["gpt2"])
+    vocab.eot = vocab.bos  # an id other than EOS that the vocabulary has
+    assert vocab.eot != vocab.eos
+    hf_model = build_hf("Qwen3Config", ARCH_VARIANTS["qwen3"][2], len(vocab))
+    write_gguf(tmp_path / "eot.gguf", "qwen3", hf_model, vocab)
+    out = convert_gguf(tmp_path / "eot.gguf", tmp_path / "out")
+    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == [vocab.eos, vocab.eot]
+    assert {vocab.eos, vocab.eot} <= set(Tokenizer(out).stop_ids)
+
+
 @pytest.mark.parametrize("arch_case", ["gemma3"], indirect=True)
 def test_reconverting_a_sentencepiece_model(arch_case, synthetic, tmp_path, capsys):
     """The same conversion again is a no-op; over another model's folder it is refused, and with --overwrite the
