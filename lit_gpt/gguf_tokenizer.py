@@ -29,9 +29,15 @@ _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
     r"|\s+(?!\S)|\s+"
 )
+# o200k (GPT-4o's vocabulary, Phi-4-mini's): words split at case changes, digits in runs of up to three
+_GPT4O_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 _LLAMA3_FAMILY = {"llama3", "llama-v3", "llama-bpe", "falcon3", "smaug-bpe", "dbrx", "pixtral", "lfm2"}
 _QWEN2_FAMILY = {"qwen2", "deepseek-r1-qwen", "stablelm2", "megrez"}
-
+_GPT4O_FAMILY = {"gpt-4o", "llama4"}
 
 
 def _pre_tokenizer(pre: Optional[str], add_prefix_space: bool) -> Tuple[Any, bool]:
@@ -44,7 +50,8 @@ def _pre_tokenizer(pre: Optional[str], add_prefix_space: bool) -> Tuple[Any, boo
     if pre in _DIGITS_FAMILY:
         # llama.cpp splits every digit on its own before the GPT-2 regex, i.e. HF's `Digits(individual)`.
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level]), False
-    split = _LLAMA3_SPLIT if pre in _LLAMA3_FAMILY else _QWEN2_SPLIT if pre in _QWEN2_FAMILY else None
+    splits = ((_LLAMA3_FAMILY, _LLAMA3_SPLIT), (_QWEN2_FAMILY, _QWEN2_SPLIT), (_GPT4O_FAMILY, _GPT4O_SPLIT))
+    split = next((regex for family, regex in splits if pre in family), None)
     if split is not None:
         return (
             pre_tokenizers.Sequence(

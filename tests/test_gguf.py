@@ -497,6 +497,30 @@ def test_sentencepiece_vocabulary_round_trips(arch_case):
     assert vocab.tokens.index("   ") in tok.encode("three   spaces").tolist()  # a user-defined one, whole
 
 
+def test_gpt4o_pre_tokenizer_splits_like_transformers_gguf_loader(tmp_path):
+    """Phi-4-mini's GGUF files name the o200k split (`gpt-4o`): words split at case changes, digits in threes.
+    The converted tokenizer gives the ids of transformers' own tokenizer for the same GGUF file."""
+    from lit_gpt.tokenizer import Tokenizer
+
+    transformers = pytest.importorskip("transformers")
+    vocab = gpt2_vocab(pre="gpt-4o")
+    # merges across the places where o200k splits and GPT-2's split does not (between digits 3 and 4 of a run,
+    # at a lower-to-upper case change): they apply only if the split is GPT-2's
+    for merge in ("3 4", "o W"):
+        vocab.merges.append(merge)
+        vocab.tokens.append(merge.replace(" ", ""))
+        vocab.types.append(1)
+    hf_model = build_hf("Phi3Config", ARCH_VARIANTS["phi4-mini"][2], len(vocab))
+    write_gguf(tmp_path / "o200k.gguf", "phi3", hf_model, vocab)
+    out = convert_gguf(tmp_path / "o200k.gguf", tmp_path / "out")
+    ours = Tokenizer(out)
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file="o200k.gguf")
+    for text in ("HelloWorld and helloWORLD", "12345678 and 42", "don't Won'T", "a  b\n\nc/d"):
+        assert ours.encode(text, bos=False).tolist() == theirs(text, add_special_tokens=False).input_ids, text
+    merged = [vocab.tokens.index("34"), vocab.tokens.index("oW")]
+    assert not set(merged) & set(ours.encode("HelloWorld 12345678", bos=False).tolist())
+
+
 def test_phi3_with_separate_q_k_v_is_fused(vocabularies, tmp_path):
     """A Phi-3 file with attn_q/k/v instead of attn_qkv becomes HF's fused qkv_proj (rows q | k | v)."""
     from safetensors.torch import load_file
