@@ -43,6 +43,7 @@ class Config:
     norm_class_name: Literal["LayerNorm", "RMSNorm"] = "LayerNorm"
     norm_eps: float = 1e-5
     norm_unit_offset: bool = False  # Gemma: y = norm(x) * (1 + weight)
+    norm_float_weight: bool = False  # OLMo 2: RMSNorm multiplies by its weight in float32, then rounds once
     mlp_class_name: Literal["GptNeoxMLP", "LLaMAMLP", "GemmaMLP"] = "GptNeoxMLP"
     gelu_approximate: Literal["none", "tanh"] = "none"
     intermediate_size: Optional[int] = None
@@ -817,6 +818,7 @@ for name, (n_layer, n_head, n_embd, inter, variants) in {
                 pre_norm=False,
                 post_attention_norm=True,
                 post_mlp_norm=True,
+                norm_float_weight=True,
             )
         )
 

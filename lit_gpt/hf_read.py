@@ -329,7 +329,8 @@ def _llama_family(hf: Dict[str, Any], common: Dict[str, Any]) -> Dict[str, Any]:
         if hf.get("use_sliding_window") or "layer_types" in hf:
             conf.update(_layer_types(hf))
     elif mt == "olmo2":
-        conf.update(norm_qk="all_heads", pre_norm=False, post_attention_norm=True, post_mlp_norm=True)
+        conf.update(norm_qk="all_heads", pre_norm=False, post_attention_norm=True, post_mlp_norm=True,
+                    norm_float_weight=True)
     elif mt == "phi3":
         conf["rotary_percentage"] = _partial_rotary(hf, "partial_rotary_factor", 1.0)
         conf.update(_layer_types(hf))

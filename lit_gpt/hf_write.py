@@ -155,18 +155,21 @@ def _layer_type_fields(c: Config, model_type: str) -> Dict[str, Any]:
 
 # what each family of the newer layout has switched on (everything else must be off): the features of
 # `Config` and their values
-_FEATURES = ("norm_qk", "pre_norm", "post_attention_norm", "post_mlp_norm", "norm_unit_offset", "scale_embeddings")
+_FEATURES = (
+    "norm_qk", "pre_norm", "post_attention_norm", "post_mlp_norm", "norm_unit_offset", "scale_embeddings",
+    "norm_float_weight",
+)
 _FAMILY_FEATURES: Dict[str, Tuple[Any, ...]] = {
-    "llama": (None, True, False, False, False, False),
-    "mistral": (None, True, False, False, False, False),
-    "qwen2": (None, True, False, False, False, False),
-    "phi3": (None, True, False, False, False, False),
-    "smollm3": (None, True, False, False, False, False),
-    "qwen3": ("per_head", True, False, False, False, False),
-    "olmo2": ("all_heads", False, True, True, False, False),
-    "gemma": (None, True, False, False, True, True),
-    "gemma2": (None, True, True, True, True, True),
-    "gemma3_text": ("per_head", True, True, True, True, True),
+    "llama": (None, True, False, False, False, False, False),
+    "mistral": (None, True, False, False, False, False, False),
+    "qwen2": (None, True, False, False, False, False, False),
+    "phi3": (None, True, False, False, False, False, False),
+    "smollm3": (None, True, False, False, False, False, False),
+    "qwen3": ("per_head", True, False, False, False, False, False),
+    "olmo2": ("all_heads", False, True, True, False, False, True),
+    "gemma": (None, True, False, False, True, True, False),
+    "gemma2": (None, True, True, True, True, True, False),
+    "gemma3_text": ("per_head", True, True, True, True, True, False),
 }
 
 

@@ -432,13 +432,16 @@ class GemmaMLP(LLaMAMLP):
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm, computed in float32 like the reference; `unit_offset` gives Gemma's (1 + w)."""
+    """Root-mean-square norm, computed in float32 like the reference; `unit_offset` gives Gemma's (1 + w);
+    `float_weight` multiplies by the weight in float32 before the one rounding to the input's dtype (OLMo 2), where
+    Llama rounds first and multiplies in the input's dtype (the same in float32, not in bf16)."""
 
-    def __init__(self, size: int, eps: float = 1e-6, unit_offset: bool = False) -> None:
+    def __init__(self, size: int, eps: float = 1e-6, unit_offset: bool = False, float_weight: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(size) if unit_offset else torch.ones(size))
         self.eps = eps
         self.unit_offset = unit_offset
+        self.float_weight = float_weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
@@ -446,6 +449,8 @@ class RMSNorm(nn.Module):
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.unit_offset:
             return (x * (1.0 + self.weight.float())).to(dtype)
+        if self.float_weight:
+            return (self.weight.float() * x).to(dtype)
         return self.weight * x.to(dtype)
 
     def reset_parameters(self) -> None:
@@ -455,7 +460,8 @@ class RMSNorm(nn.Module):
 def build_norm(config: Config, size: Optional[int] = None) -> nn.Module:
     size = size or config.n_embd
     if config.norm_class_name == "RMSNorm":
-        return RMSNorm(size, eps=config.norm_eps, unit_offset=config.norm_unit_offset)
+        return RMSNorm(size, eps=config.norm_eps, unit_offset=config.norm_unit_offset,
+                       float_weight=config.norm_float_weight)
     return nn.LayerNorm(size, eps=config.norm_eps)
 
 

@@ -61,6 +61,7 @@ def tiny_config(name: str, config_cls: Type[Config] = Config, **variant: Any) ->
     if full.rope_scaling:
         overrides["rope_scaling"] = dict(full.rope_scaling, original_max_seq_len=16)
         if full.rope_scaling.get("type") == "longrope":  # one factor per rotary frequency of the tiny head
+            overrides["rope_scaling"].pop("factor", None)  # derived from the tiny context instead
             n = int(full.rotary_percentage * overrides["head_size"]) // 2
             for key in ("short_factor", "long_factor"):
                 overrides["rope_scaling"][key] = full.rope_scaling[key][-n:]
