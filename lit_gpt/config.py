@@ -112,7 +112,8 @@ class Config:
             unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
             if unknown:
                 raise ValueError(
-                    f"layer_types value(s) {', '.join(map(repr, unknown))} not implemented; use {', '.join(LAYER_TYPES)}"
+                    f"layer_types value(s) {', '.join(map(repr, unknown))} not implemented;"
+                    f" use {', '.join(LAYER_TYPES)}"
                 )
             if "sliding_attention" in self.layer_types and not self.sliding_window_size:
                 raise ValueError("layer_types has sliding_attention layers but sliding_window_size is not set")

@@ -307,4 +307,5 @@ def _require_old_layout(c: Config, mt: str) -> None:
         _require(getattr(c, feature) == value, mt, f"{feature} must be {value!r} (it is {getattr(c, feature)!r})")
     newer = (c.layers_without_rope, c.attention_scores_scalar, c.attention_logit_softcapping, c.final_logit_softcapping)
     _require(not any(x for x in newer), mt, "no layers without RoPE, scores scalar or soft-capping")
-    _require(c.sliding_window_size is None, mt, "sliding window attention needs mistral, phi3, qwen3, smollm3 or gemma 2/3")
+    _require(c.sliding_window_size is None, mt,
+             "sliding window attention needs mistral, phi3, qwen3, smollm3 or gemma 2/3")

@@ -276,6 +276,13 @@ class CausalSelfAttention(nn.Module):
         # per-layer features, fixed at construction (Python values, so each traced graph has them baked in)
         self.sliding_window = config.sliding_window(block_idx)
         self.rope_kind = config.rope_kind(block_idx)
+        # this layer's columns of the RoPE tables when they hold several kinds side by side (computed once: the
+        # forward of a one-token decode step is mostly small Python-level work)
+        n = config.rope_n_elem
+        if self.rope_kind is None or config.rope_kinds == 1:
+            self.rope_columns: Optional[slice] = None
+        else:
+            self.rope_columns = slice(self.rope_kind * n, (self.rope_kind + 1) * n)
         if config.attention_scores_scalar is not None:
             self.scale = config.attention_scores_scalar**-0.5
         else:
@@ -295,7 +302,8 @@ class CausalSelfAttention(nn.Module):
         n_qk = c.n_head + c.n_query_groups
         qkv = self.qkv(x)
         if self.norm_q is not None and c.norm_qk == "all_heads":  # OLMo 2: over the whole q and k projections
-            q, k, v = qkv.split((c.n_head * c.head_size, c.n_query_groups * c.head_size, c.n_query_groups * c.head_size), -1)
+            kv_size = c.n_query_groups * c.head_size
+            q, k, v = qkv.split((c.n_head * c.head_size, kv_size, kv_size), -1)
             qkv = torch.cat((self.norm_q(q), self.norm_k(k), v), dim=-1)
         qkv = qkv.view(B, T, n_qk + c.n_query_groups, c.head_size).transpose(1, 2)  # (B, heads, T, hs)
         qk, v = qkv[:, :n_qk], qkv[:, n_qk:]
@@ -303,9 +311,8 @@ class CausalSelfAttention(nn.Module):
             q, k = qk.split((c.n_head, c.n_query_groups), dim=1)
             qk = torch.cat((self.norm_q(q), self.norm_k(k)), dim=1)
         if self.rope_kind is not None:
-            if c.rope_kinds > 1:  # the tables of all kinds side by side: this layer's columns
-                cos = cos[..., self.rope_kind * c.rope_n_elem : (self.rope_kind + 1) * c.rope_n_elem]
-                sin = sin[..., self.rope_kind * c.rope_n_elem : (self.rope_kind + 1) * c.rope_n_elem]
+            if self.rope_columns is not None:  # the tables of all kinds side by side: this layer's columns
+                cos, sin = cos[..., self.rope_columns], sin[..., self.rope_columns]
             # RoPE on the q and k heads in one call: half the small ops, which dominate a one-token decode step
             qk = apply_rope(qk, cos, sin, c.rope_n_elem)
         q, k = qk.split((c.n_head, c.n_query_groups), dim=1)  # (B, nh, T, hs), (B, ng, T, hs)
