@@ -16,6 +16,8 @@ from typing import Any, Dict, List, Literal, Optional
 from lit_gpt.hf_read import LAYER_TYPES, ROPE_SCALING_KEYS, from_hf_config
 
 CONFIG_FILE = "lit_config.json"
+
+
 @dataclass
 class Config:
     name: str = ""

@@ -174,31 +174,10 @@ def from_hf_config(hf: Dict[str, Any]) -> Dict[str, Any]:
         n_embd=hidden,
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
     )
-    if mt in ("qwen3", "smollm3", "olmo2", "phi3"):
+    if mt in ("llama", "mistral", "qwen2", "qwen3", "smollm3", "olmo2", "phi3"):
         return _llama_family(hf, common)
     if mt in ("gemma", "gemma2", "gemma3_text"):
         return _gemma_family(hf, common)
-    if mt in ("llama", "mistral", "qwen2"):
-        conf = dict(
-            common,
-            n_query_groups=hf.get("num_key_value_heads") or hf["num_attention_heads"],
-            head_size=hf.get("head_dim") or hidden // hf["num_attention_heads"],
-            norm_class_name="RMSNorm",
-            norm_eps=hf.get("rms_norm_eps", 1e-6),
-            mlp_class_name="LLaMAMLP",
-            intermediate_size=hf["intermediate_size"],
-            attn_bias=mt == "qwen2",
-            **_rope_params(hf),
-        )
-        if hf.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"Unsupported hidden_act {hf.get('hidden_act')!r} for {mt}")
-        if hf.get("attention_bias") or hf.get("mlp_bias"):
-            raise ValueError(f"{mt} with attention_bias/mlp_bias is not supported")
-        if mt == "mistral" and hf.get("sliding_window"):
-            conf["sliding_window_size"] = hf["sliding_window"]
-        if mt == "qwen2" and hf.get("use_sliding_window"):
-            raise ValueError("Qwen2 with use_sliding_window=true is not supported")
-        return conf
     if mt == "gpt_neox":
         act = hf.get("hidden_act", "gelu")
         if act not in ("gelu", "gelu_new", "gelu_pytorch_tanh"):
@@ -295,7 +274,7 @@ def from_hf_config(hf: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def _llama_family(hf: Dict[str, Any], common: Dict[str, Any]) -> Dict[str, Any]:
-    """Qwen3, SmolLM3, OLMo 2 and Phi-3/4: Llama's layout with one or two features switched on."""
+    """Llama, and Mistral, Qwen2/3, SmolLM3, OLMo 2 and Phi-3/4: Llama's layout with one or two features on."""
     mt = hf["model_type"]
     if hf.get("hidden_act", "silu") != "silu":
         raise ValueError(f"Unsupported hidden_act {hf.get('hidden_act')!r} for {mt}")
@@ -312,7 +291,13 @@ def _llama_family(hf: Dict[str, Any], common: Dict[str, Any]) -> Dict[str, Any]:
         intermediate_size=hf["intermediate_size"],
         **_rope_params(hf),
     )
-    if mt == "qwen3":
+    if mt == "mistral" and hf.get("sliding_window"):
+        conf["sliding_window_size"] = hf["sliding_window"]
+    elif mt == "qwen2":
+        conf["attn_bias"] = True  # Qwen2's q/k/v projections always have biases (no config key)
+        if hf.get("use_sliding_window"):
+            raise ValueError("Qwen2 with use_sliding_window=true is not supported")
+    elif mt == "qwen3":
         conf["norm_qk"] = "per_head"
         if hf.get("use_sliding_window") or "layer_types" in hf:
             conf.update(_layer_types(hf))
