@@ -504,7 +504,7 @@ def build_rope_cache(
         elif kind == "linear":
             inv_freq = inv_freq / scaling["factor"]
         elif kind == "yarn":
-            inv_freq, attention_factor = _yarn_scale(base, n_elem, scaling, device)
+            inv_freq, attention_factor = _yarn_scale(inv_freq, base, n_elem, scaling, device)
         elif kind == "longrope":  # the short factors' table (GPT.reset_rope_cache builds the long one beside it)
             inv_freq, attention_factor = _longrope_scale(base, exponents, config, scaling, device)
         else:  # Config refuses unknown types; a hand-made dict must not pass silently either
@@ -518,7 +518,7 @@ def build_rope_cache(
 
 
 def _yarn_scale(
-    base: float, dim: int, s: Mapping[str, Any], device: Optional[torch.device]
+    inv_freq: torch.Tensor, base: float, dim: int, s: Mapping[str, Any], device: Optional[torch.device]
 ) -> Tuple[torch.Tensor, float]:
     """YaRN (arXiv:2309.00071) as transformers computes it: interpolated low frequencies, extrapolated high ones,
     a linear ramp between, and cos/sin scaled by the attention factor."""
@@ -544,10 +544,8 @@ def _yarn_scale(
     if low == high:
         high += 0.001  # no division by zero
     ramp = ((torch.arange(dim // 2, dtype=torch.float32, device=device) - low) / (high - low)).clamp(0, 1)
-    pos_freqs = base ** (torch.arange(0, dim, 2, device=device).float() / dim)
-    extrapolation = 1 - ramp
-    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
-    return inv_freq, float(attention_factor)
+    # interpolated (divided by the factor) where the ramp is 1, the original frequencies where it is 0
+    return inv_freq / factor * ramp + inv_freq * (1 - ramp), float(attention_factor)
 
 
 def _longrope_scale(
