@@ -52,7 +52,7 @@ from lit_gpt.config import Config
 from lit_gpt.generate import Steps, compile_steps, load_model, resolve_compile, timed_generate, use_cpu_inference_layout
 from lit_gpt.quantize import check_quantize, quantize_model
 from lit_gpt.runtime import Runtime
-from lit_gpt.utils import DEFAULT_CHECKPOINT_DIR, LitError, run_cli
+from lit_gpt.utils import DEFAULT_CHECKPOINT_DIR, LitError, process_status_bytes, run_cli
 
 import result_files  # bench/result_files.py (this script's folder is on sys.path)
 
@@ -172,11 +172,10 @@ def run_theirs(model: torch.nn.Module, ids: torch.Tensor, max_new_tokens: int, s
 
 
 def _proc_status_bytes(field: str) -> int:
-    with open("/proc/self/status", encoding="ascii") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{field} is not in /proc/self/status (Linux only)")
+    value = process_status_bytes(field)
+    if value is None:
+        raise RuntimeError(f"{field} is not in /proc/self/status (Linux only)")
+    return value
 
 
 def measure_memory(folder: Path, name: str, ids: torch.Tensor, max_new_tokens: int, device: str, precision: str,

@@ -338,8 +338,18 @@ def refuse_overwrite(directory: Union[str, Path], names: Any, overwrite: bool, f
 def meminfo_bytes(field: str) -> Optional[int]:
     """A field of /proc/meminfo in bytes ("MemTotal", "MemAvailable": what can still be allocated without
     swapping), or None where that is unknown (not Linux)."""
+    return _proc_kib_field("/proc/meminfo", field)
+
+
+def process_status_bytes(field: str) -> Optional[int]:
+    """A memory field of this process's /proc/self/status in bytes ("VmRSS", "RssAnon", "RssFile", "VmHWM": the
+    resident high-water mark), or None where that is unknown (not Linux)."""
+    return _proc_kib_field("/proc/self/status", field)
+
+
+def _proc_kib_field(path: str, field: str) -> Optional[int]:
     try:
-        with open("/proc/meminfo", encoding="ascii") as f:
+        with open(path, encoding="ascii") as f:
             for line in f:
                 if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024

@@ -24,7 +24,7 @@ import os
 import warnings
 from typing import Callable, Dict, Iterator, List, Optional
 
-from lit_gpt.utils import LitError
+from lit_gpt.utils import LitError, process_status_bytes
 
 
 class RecompilationWarning(UserWarning):
@@ -180,11 +180,10 @@ def rss_anon_bytes() -> int:
 
     This is the memory that counts for staging: on XLA:CPU the device buffers are anonymous memory, while pages of
     a memory-mapped checkpoint are file-backed (they show in `ru_maxrss` but the kernel can drop them)."""
-    with open("/proc/self/status", encoding="ascii") as f:
-        for line in f:
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("RssAnon is not in /proc/self/status (Linux only)")
+    value = process_status_bytes("RssAnon")
+    if value is None:
+        raise RuntimeError("RssAnon is not in /proc/self/status (Linux only)")
+    return value
 
 
 # the sampler process: polls the parent's RssAnon until its stdin closes, then prints the peak
