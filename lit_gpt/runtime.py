@@ -18,7 +18,6 @@ The loops are written once; a `Runtime` answers the questions on which backends 
 * diagnostics: compilations so far, the device's peak FLOP/s for MFU.
 """
 
-import os
 import random
 import re
 import shutil
@@ -28,6 +27,7 @@ from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence
 import torch
 import torch.nn as nn
 
+from lit_gpt.state import commit_folder, rng_state, set_rng_state
 from lit_gpt.storage import is_url, location, remove, staging_dir, upload
 from lit_gpt.utils import LitError, load_error_detail
 
@@ -40,48 +40,6 @@ def param_dtype(precision: str) -> torch.dtype:
     return {"bf16-true": torch.bfloat16, "16-true": torch.float16, "64-true": torch.float64}.get(
         str(precision), torch.float32
     )
-
-
-def python_rng_state() -> Dict[str, Any]:
-    """The host generators: Python's, NumPy's (when installed) and torch's CPU generator."""
-    state: Dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    try:
-        import numpy as np
-
-        name, keys, pos, has_gauss, cached = np.random.get_state()
-        # as a tensor and plain numbers: checkpoints are read with weights_only=True, which refuses numpy arrays
-        state["numpy"] = (name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached))
-    except ImportError:  # numpy is optional for this project
-        pass
-    return state
-
-
-def set_python_rng_state(state: Dict[str, Any]) -> None:
-    random.setstate(as_tuple(state["python"]))
-    torch.set_rng_state(state["torch"])
-    if "numpy" in state:
-        import numpy as np
-
-        name, keys, pos, has_gauss, cached = state["numpy"]
-        np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
-
-
-def as_tuple(x: Any) -> Any:
-    # random.setstate wants tuples all the way down; a round trip through some formats gives lists back
-    return tuple(as_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x
-
-
-def commit_folder(tmp: Path, directory: Path) -> None:
-    """Rename the complete folder `tmp` to `directory`; an existing `directory` is moved aside first and deleted
-    after, so at every moment one complete version exists under a name that `--resume` and the loaders accept."""
-    old = None
-    if directory.exists():
-        old = directory.with_name(f".{directory.name}.old")
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(directory, old)
-    os.replace(tmp, directory)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def write_error(directory: Path, partials: Sequence[Path], e: OSError) -> LitError:
@@ -216,18 +174,14 @@ class Runtime:
 
     # ----------------------------------------------------------------- RNG
     def rng_state(self) -> Dict[str, Any]:
-        """This process's generators: Python, NumPy, torch CPU and, on a GPU, CUDA (dropout draws from it)."""
-        state = python_rng_state()
-        if self.device.type == "cuda":
-            state["cuda"] = torch.cuda.get_rng_state(self.device)
-        return state
+        """This process's generators: Python, NumPy, torch CPU and the device's (CUDA, XLA: dropout draws from it)."""
+        return rng_state(self.device)
 
     def set_rng_state(self, state: Dict[str, Any]) -> None:
-        set_python_rng_state(state)
-        if self.device.type == "cuda":
-            if "cuda" not in state:
-                raise LitError("the checkpoint holds no CUDA generator state (it was written on another backend)")
-            torch.cuda.set_rng_state(state["cuda"], self.device)
+        kind = self.device.type
+        if kind in ("cuda", "xla") and kind not in state:
+            raise LitError(f"the checkpoint holds no {kind.upper()} generator state (it was written on another backend)")
+        set_rng_state(state, self.device)
 
     def seed(self, seed: int) -> None:
         """Seed every generator of this process."""

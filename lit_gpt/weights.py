@@ -228,3 +228,56 @@ def load_weights(path: PathLike, mmap: bool = True) -> Dict[str, torch.Tensor]:
             raise LitError(f"weights file {str(path)!r} not found")
         return _read_safetensors(path)
     return load_state_dict(path, mmap=mmap)  # an earlier version's torch.save file (read-only compatibility)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# finetuned weights of a parameter-efficient method: lit_model.<method>.safetensors + lit_model.<method>.json
+# ---------------------------------------------------------------------------------------------------------------
+FINETUNED_FORMAT = "lit_gpt.finetuned"
+FINETUNED_VERSION = 1
+
+
+def finetuned_stem(method: str) -> str:
+    return f"{STEM}.{method}"
+
+
+def finetuned_json(weights_path: PathLike) -> Path:
+    """`lit_model.lora.json` beside `lit_model.lora.safetensors` (or beside its index)."""
+    path = Path(weights_path)
+    name = path.name
+    for suffix in (INDEX_SUFFIX, SUFFIX):
+        if name.endswith(suffix):
+            return path.with_name(name[: -len(suffix)] + ".json")
+    return path.with_name(name + ".json")
+
+
+def finetuned_metadata_dict(method: str, config: Mapping[str, Any]) -> Dict[str, Any]:
+    return {"format": FINETUNED_FORMAT, "version": FINETUNED_VERSION, "method": method, "config": dict(config)}
+
+
+def save_finetuned_weights(
+    state: Mapping[str, torch.Tensor], directory: PathLike, method: str, config: Mapping[str, Any],
+    max_shard_size: Union[int, str] = DEFAULT_MAX_SHARD_SIZE,
+) -> Path:
+    """Write a method's finetuned tensors and their JSON (method, variant config) into `directory`; the JSON goes
+    first, so the weights file, which the loaders look for, appears last. Returns the weights path."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    stem = finetuned_stem(method)
+    write_json(directory / f"{stem}.json", finetuned_metadata_dict(method, config))
+    written = save_weights(state, directory, stem=stem, max_shard_size=max_shard_size)
+    return written[-1]  # the single file, or the index (written last)
+
+
+def read_finetuned_metadata(weights_path: PathLike) -> Dict[str, Any]:
+    """The JSON beside a finetuned-weights file: {"format", "version", "method", "config"}; one line if absent."""
+    path = finetuned_json(weights_path)
+    if not path.is_file():
+        raise LitError(f"{str(weights_path)!r} has no {path.name} beside it (the method and its settings): copy it"
+                       " together with the weights, as the finetuning recipe wrote them")
+    meta = read_json(path, "finetuned-weights description")
+    if meta.get("format") != FINETUNED_FORMAT or not isinstance(meta.get("method"), str):
+        raise LitError(f"{str(path)!r} is not a finetuned-weights description (no format {FINETUNED_FORMAT!r})")
+    if not isinstance(meta.get("config"), dict):
+        meta["config"] = {}
+    return meta

@@ -58,7 +58,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from lightning_utilities.core.imports import RequirementCache
 from torch.optim import Optimizer
 
-from lit_gpt.runtime import as_tuple
+from lit_gpt.state import as_tuple
 from lit_gpt.storage import is_url, location, remove, staging_dir, write_into
 from lit_gpt.utils import LitError, error_reason, remove_stale_temp_files, write_failure
 

@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 
 from lit_gpt.config import next_power_of_two
-from lit_gpt.runtime import Runtime, python_rng_state, set_python_rng_state
+from lit_gpt.runtime import Runtime
 from lit_gpt.storage import is_url, location
 from lit_gpt.utils import LitError
 
@@ -113,21 +113,6 @@ class XLARuntime(Runtime):
         torch_xla.sync()
 
     # ----------------------------------------------------------------- RNG
-    def rng_state(self) -> Dict[str, Any]:
-        import torch_xla.core.xla_model as xm
-
-        state = python_rng_state()
-        state["xla"] = int(xm.get_rng_state(self.device))
-        return state
-
-    def set_rng_state(self, state: Dict[str, Any]) -> None:
-        import torch_xla.core.xla_model as xm
-
-        set_python_rng_state(state)
-        if "xla" not in state:
-            raise LitError("the checkpoint holds no XLA generator state (it was written on another backend)")
-        xm.set_rng_state(int(state["xla"]), self.device)
-
     def seed(self, seed: int) -> None:
         import torch_xla.core.xla_model as xm
 
