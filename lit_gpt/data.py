@@ -1,321 +1,62 @@
-"""Instruction data for finetuning: read, check, tokenize, split, save, load and batch.
+"""Instruction data for finetuning: tokenize, split, save and load.
 
-Preparation (`scripts/prepare_*.py`):
+Preparation (`scripts/prepare_*.py`, one table of datasets in `lit_gpt.prepare`):
   raw file (JSON array, JSON lines or CSV) -> records with their line numbers -> `Row`s (instruction, input,
-  output), every bad record reported with its line number -> token `Sample`s: prompt tokens (the prompt style
-  applied to instruction + input) followed by the response tokens and EOS, the prompt masked with -100 in the
-  labels -> a deterministic train/val split -> `train.pt` / `val.pt` (lists of {"input_ids", "labels"} int64
-  tensors, `torch.save`) and `meta.json` (tokenizer, prompt style, lengths, counts, skipped rows).
+  output), every bad record reported with its line number (`lit_gpt.records`) -> token `Sample`s: prompt tokens
+  (the prompt style applied to instruction + input) followed by the response tokens and EOS, the prompt masked
+  with -100 in the labels -> a deterministic train/val split -> `train.pt` / `val.pt` (lists of {"input_ids",
+  "labels"} int64 tensors, `torch.save`) and `meta.json` (tokenizer, prompt style, lengths, counts, skipped rows).
 
-Training (the GPU/CPU and the XLA recipes): `load_prepared` checks the files and the tokenizer, `TrainBatches`
-is a resumable stream of micro-batches for one rank (shuffled from a seed; its position is part of every
-checkpoint), `val_batches` the fixed validation batches. Batches are right-padded to a length from a small set
-(`pad_length`) so that a tracing backend compiles a bounded number of step graphs.
+Training (the GPU/CPU and the XLA recipes): `load_prepared` checks the files and the tokenizer; the batches are
+made by `lit_gpt.batches` (`TrainBatches`, `val_batches`).
+
+The names of `lit_gpt.records` and `lit_gpt.batches` are importable from here too, where they lived before the
+split: `from lit_gpt.data import TrainBatches` keeps working.
 """
 
-import csv
 import hashlib
-import io
 import json
-import math
 import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from lit_gpt.config import next_power_of_two
-from lit_gpt.utils import LitError, error_reason, remove_stale_temp_files, write_atomic, write_text_atomic
+from lit_gpt.batches import IGNORE_INDEX, Sample, TrainBatches, collate, count_cropped, pad_length, val_batches
+from lit_gpt.records import (
+    BadRow,
+    BadRowError,
+    Record,
+    Row,
+    RowFields,
+    check_text,
+    conversation_rows,
+    download,
+    get_text,
+    instruction_rows,
+    read_csv_records,
+    read_json_records,
+    read_records,
+    records_to_rows,
+)
+from lit_gpt.utils import LitError, error_reason, write_atomic, write_text_atomic
 
-IGNORE_INDEX = -100
+__all__ = [  # this module's own names, then the re-exported ones (see the module docstring)
+    "FORMAT_VERSION", "META_FILE", "TRAIN_FILE", "VAL_FILE", "TOKENIZER_FILES", "PreparedData", "check_destination",
+    "load_prepared", "prepare", "print_summary", "report_bad_rows", "split_train_val", "tokenize_row",
+    "tokenizer_fingerprint", "write_prepared",
+    "IGNORE_INDEX", "Sample", "TrainBatches", "collate", "count_cropped", "pad_length", "val_batches",
+    "BadRow", "BadRowError", "Record", "Row", "RowFields", "check_text", "conversation_rows", "download", "get_text",
+    "instruction_rows", "read_csv_records", "read_json_records", "read_records", "records_to_rows",
+]
+
 FORMAT_VERSION = 1
 META_FILE = "meta.json"
 TRAIN_FILE = "train.pt"
 VAL_FILE = "val.pt"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
-
-Sample = Dict[str, torch.Tensor]  # {"input_ids": (T,) int64, "labels": (T,) int64}
-# (line number where the record starts, the parsed JSON object / CSV row dict[, 1-based element number in a JSON
-# array: several elements can start on one line, and a row number finds them where a line number cannot])
-Record = Tuple[Any, ...]
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Rows and their problems
-# ---------------------------------------------------------------------------------------------------------------
-@dataclass
-class Row:
-    """One instruction example, with the line of the source file it came from."""
-
-    line: int
-    instruction: str
-    input: str
-    output: str
-    history: Tuple[Tuple[str, str], ...] = ()
-    """Earlier turns of a conversation as (role, content) pairs, rendered by the prompt style before this one."""
-    element: Optional[int] = None
-    """1-based element number in a JSON array (None for JSON lines and CSV, where the line is the row)."""
-
-
-@dataclass
-class BadRow:
-    line: int
-    reason: str
-    element: Optional[int] = None  # 1-based element number in a JSON array
-
-    def __str__(self) -> str:
-        return f"{self.where}: {self.reason}"
-
-    @property
-    def where(self) -> str:
-        return f"row {self.element} (line {self.line})" if self.element is not None else f"line {self.line}"
-
-
-class BadRowError(ValueError):
-    """Raised by a record-to-rows function: the record is unusable for the given reason."""
-
-
-def _has_surrogates(text: str) -> bool:
-    # bytes that are not UTF-8 are decoded with "surrogateescape" into lone surrogates; JSON "\udXXX" escapes
-    # without their pair end up the same way. Neither can be encoded (or tokenized) as UTF-8.
-    try:
-        text.encode("utf-8")
-        return False
-    except UnicodeEncodeError:
-        return True
-
-
-def check_text(value: Any, what: str, allow_empty: bool = False) -> str:
-    """`value` if it is a non-empty UTF-8 string, else BadRowError naming `what`."""
-    if not isinstance(value, str):
-        raise BadRowError(f"{what} is not a string (got {type(value).__name__})")
-    if _has_surrogates(value):
-        raise BadRowError(f"{what} is not valid UTF-8")
-    if not allow_empty and not value.strip():
-        raise BadRowError(f"{what} is empty")
-    return value
-
-
-def get_text(record: Any, key: str, required: bool = True) -> str:
-    """`record[key]` as a checked string: raises BadRowError for a missing, non-string, empty or non-UTF-8 value.
-    An optional field may be missing or empty ("")."""
-    if not isinstance(record, dict):
-        raise BadRowError(f"expected an object with fields, got {type(record).__name__}")
-    value = record.get(key)
-    if value is None:
-        if required:
-            raise BadRowError(f"missing field {key!r}")
-        return ""
-    return check_text(value, f"field {key!r}", allow_empty=not required)
-
-
-RowFields = Tuple[Any, ...]  # (instruction, input, output) or (instruction, input, output, history)
-
-
-def instruction_rows(
-    instruction_key: str = "instruction", input_key: Optional[str] = "input", output_key: str = "output"
-) -> Callable[[Any], List[RowFields]]:
-    """A record-to-rows function for flat records: instruction (required), input (optional), output (required)."""
-
-    def to_rows(record: Any) -> List[RowFields]:
-        instruction = get_text(record, instruction_key)
-        inp = get_text(record, input_key, required=False) if input_key else ""
-        output = get_text(record, output_key)
-        return [(instruction, inp, output)]
-
-    return to_rows
-
-
-def records_to_rows(
-    records: Sequence[Record], to_rows: Callable[[Any], List[RowFields]]
-) -> Tuple[List[Row], List[BadRow]]:
-    """Apply `to_rows` to every record; a record it rejects (BadRowError) becomes a BadRow with its line."""
-    rows: List[Row] = []
-    bad: List[BadRow] = []
-    for line, record, *rest in records:
-        element = rest[0] if rest else None
-        try:
-            rows.extend(
-                Row(line, *r[:3], tuple(tuple(t) for t in (r[3] if len(r) > 3 else ())), element=element)
-                for r in to_rows(record)
-            )
-        except BadRowError as e:
-            bad.append(BadRow(line, str(e), element))
-    return rows, bad
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Reading raw files, keeping line numbers
-# ---------------------------------------------------------------------------------------------------------------
-def _read_text(path: Path) -> str:
-    path = Path(path)
-    if path.is_dir():
-        raise LitError(f"data file {str(path)!r} is a directory: pass the .json / .jsonl / .csv file in it")
-    if not path.is_file():
-        raise LitError(f"data file {str(path)!r} not found")
-    # surrogateescape keeps going past bytes that are not UTF-8, so that the rows holding them can be reported
-    # by line instead of failing the whole file
-    return path.read_bytes().decode("utf-8", errors="surrogateescape").lstrip("\ufeff")
-
-
-def _line_counter(text: str) -> Callable[[int], int]:
-    """pos -> 1-based line number, for increasing positions (linear overall)."""
-    state = {"pos": 0, "line": 1}
-
-    def line_at(pos: int) -> int:
-        state["line"] += text.count("\n", state["pos"], pos)
-        state["pos"] = pos
-        return state["line"]
-
-    return line_at
-
-
-def read_json_records(path: Path) -> Tuple[List[Record], List[BadRow]]:
-    """Records of a JSON array file or a JSON-lines file (detected from the first character).
-
-    In JSON lines each line is independent, so an unparseable line is a bad row. In a JSON array a syntax error
-    makes the rest of the file unreadable: that rejects the file, naming the line."""
-    text = _read_text(path)
-    stripped = text.lstrip()
-    if not stripped:
-        raise LitError(f"data file {str(path)!r} is empty")
-    if stripped[0] == "[":
-        return _read_json_array(text, path), []
-    return _read_json_lines(text)
-
-
-def _read_json_array(text: str, path: Path) -> List[Record]:
-    decoder = json.JSONDecoder()
-    line_at = _line_counter(text)
-    records: List[Record] = []
-
-    def skip_ws(i: int) -> int:
-        while i < len(text) and text[i] in " \t\r\n":
-            i += 1
-        return i
-
-    def fail(i: int, what: str) -> LitError:
-        return LitError(f"{path}:{line_at(i)}: invalid JSON ({what}); fix the file or convert it to JSON lines")
-
-    i = skip_ws(0) + 1  # past "["
-    i = skip_ws(i)
-    if i < len(text) and text[i] == "]":
-        return records
-    while True:
-        if i >= len(text):
-            raise fail(i, "the array is not closed")
-        try:
-            obj, end = decoder.raw_decode(text, i)
-        except json.JSONDecodeError as e:
-            raise fail(e.pos, e.msg) from None
-        except RecursionError:
-            raise LitError(
-                f"{path}:{line_at(i)}: row {len(records) + 1} of the JSON array is nested too deeply to read (more"
-                f" than ~{sys.getrecursionlimit()} levels); a training row is an object of strings: fix that row"
-            ) from None
-        records.append((line_at(i), obj, len(records) + 1))
-        i = skip_ws(end)
-        if i < len(text) and text[i] == ",":
-            i = skip_ws(i + 1)
-            continue
-        if i < len(text) and text[i] == "]":
-            if text[i + 1 :].strip():
-                raise fail(i + 1, "extra data after the array")
-            return records
-        raise fail(i, "the array is not closed" if i >= len(text) else "expected ',' or ']' after an element")
-
-
-def _read_json_lines(text: str) -> Tuple[List[Record], List[BadRow]]:
-    records: List[Record] = []
-    bad: List[BadRow] = []
-    for number, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            records.append((number, json.loads(line)))
-        except json.JSONDecodeError as e:
-            bad.append(BadRow(number, f"invalid JSON ({e.msg})"))
-        except RecursionError:
-            bad.append(BadRow(number, "JSON nested too deeply to read"))
-    return records, bad
-
-
-def read_csv_records(path: Path, delimiter: Optional[str] = None) -> Tuple[List[Record], List[BadRow]]:
-    """Rows of a CSV/TSV file with a header line, as dicts keyed by the header; the delimiter is `\\t` for .tsv
-    files and `,` otherwise unless given. A row with more cells than the header is a bad row; missing cells are
-    None (reported as missing fields by the record-to-rows function)."""
-    text = _read_text(path)
-    if delimiter is None:
-        delimiter = "\t" if Path(path).suffix.lower() == ".tsv" else ","
-    reader = csv.reader(io.StringIO(text, newline=""), delimiter=delimiter, strict=True)
-    try:
-        header = next(reader)
-    except StopIteration:
-        raise LitError(f"data file {str(path)!r} is empty") from None
-    except csv.Error as e:
-        raise LitError(f"{path}:1: cannot read the CSV header ({e})") from None
-    header = [h.strip() for h in header]
-    records: List[Record] = []
-    bad: List[BadRow] = []
-    prev_end = reader.line_num
-    while True:
-        start = prev_end + 1
-        try:
-            cells = next(reader)
-        except StopIteration:
-            break
-        except csv.Error as e:
-            # the csv module cannot resynchronise after a malformed quote: reject the file at that line
-            raise LitError(f"{path}:{start}: malformed CSV ({e}); fix the quoting of that row") from None
-        prev_end = reader.line_num
-        if not cells or all(not c.strip() for c in cells):
-            continue
-        if len(cells) > len(header):
-            bad.append(BadRow(start, f"{len(cells)} cells but the header has {len(header)} columns"))
-            continue
-        records.append((start, {h: (cells[j] if j < len(cells) else None) for j, h in enumerate(header)}))
-    return records, bad
-
-
-def read_records(path: Path) -> Tuple[List[Record], List[BadRow]]:
-    """Records of a .json / .jsonl / .csv / .tsv file."""
-    suffix = Path(path).suffix.lower()
-    if suffix in (".csv", ".tsv"):
-        return read_csv_records(path)
-    if suffix in (".json", ".jsonl", ".ndjson"):
-        return read_json_records(path)
-    raise LitError(f"unsupported data file {str(path)!r}: use .json (an array or JSON lines), .jsonl or .csv")
-
-
-def download(url: str, destination: Path) -> Path:
-    """Download `url` to `destination` (atomically, with a progress bar) unless it is already there."""
-    destination = Path(destination)
-    if destination.is_file():
-        return destination
-    import urllib.error
-    import urllib.request
-
-    from tqdm import tqdm
-
-    destination.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_temp_files(destination)  # an interrupted earlier download
-    tmp = destination.with_name(f".{destination.name}.tmp{os.getpid()}")
-    try:
-        with urllib.request.urlopen(url, timeout=60) as response, open(tmp, "wb") as f:
-            total = int(response.headers.get("Content-Length") or 0) or None
-            with tqdm(total=total, unit="B", unit_scale=True, desc=f"download {destination.name}") as bar:
-                while chunk := response.read(1 << 20):
-                    f.write(chunk)
-                    bar.update(len(chunk))
-        os.replace(tmp, destination)
-    except (urllib.error.URLError, OSError) as e:
-        raise LitError(f"cannot download {url} ({e}); offline? pass a local copy with --data_file") from None
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    return destination
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -423,8 +164,6 @@ def prepare(
     extra_meta: Optional[Dict[str, Any]] = None,
 ) -> Dict[str, Any]:
     """Tokenize, split and write `rows`; `bad` are the rows already found unusable while reading. Returns meta."""
-    from tqdm import tqdm
-
     from lit_gpt.prompts import PromptStyle
     from lit_gpt.tokenizer import Tokenizer
 
@@ -627,155 +366,3 @@ def load_prepared(data_dir: Path, checkpoint_dir: Optional[Path] = None) -> Prep
             raise LitError(f"cannot read {str(path)!r} ({type(e).__name__}): {hint} {data_dir}") from None
         splits.append(_check_samples(samples, path))
     return PreparedData(splits[0], splits[1], meta)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Batching
-# ---------------------------------------------------------------------------------------------------------------
-def pad_length(length: int, max_seq_length: int, pad_multiple: int = 1, pad_pow2: bool = False) -> int:
-    """The padded length of a batch whose longest input has `length` tokens.
-
-    `pad_pow2` rounds up to a power of two, `pad_multiple` to a multiple; both are capped at `max_seq_length`
-    (never below `length`). With powers of two the lengths form a set of ~log2(max_seq_length) buckets."""
-    padded = length
-    if pad_pow2:
-        padded = next_power_of_two(padded)
-    if pad_multiple > 1:
-        padded = math.ceil(padded / pad_multiple) * pad_multiple
-    return max(length, min(padded, max_seq_length))
-
-
-def collate(
-    samples: Sequence[Sample],
-    max_seq_length: int,
-    pad_multiple: int = 1,
-    pad_pow2: bool = False,
-    pad_id: int = 0,
-) -> Dict[str, Any]:
-    """Stack samples into a right-padded batch, shifted for next-token prediction: `input_ids` are tokens
-    0..T-2 of each sample and `labels` tokens 1..T-1 (padding is IGNORE_INDEX in the labels, so it never counts
-    in the loss; right padding never influences the real positions under the causal mask). Samples are cropped
-    to `max_seq_length` inputs. `n_tokens` counts the real (unpadded) input tokens."""
-    inputs = [s["input_ids"][: max_seq_length + 1] for s in samples]
-    labels = [s["labels"][: max_seq_length + 1] for s in samples]
-    longest = max(x.numel() for x in inputs) - 1
-    length = pad_length(longest, max_seq_length, pad_multiple, pad_pow2)
-    input_ids = torch.full((len(samples), length), pad_id, dtype=torch.int64)
-    targets = torch.full((len(samples), length), IGNORE_INDEX, dtype=torch.int64)
-    n_tokens = 0
-    for i, (x, y) in enumerate(zip(inputs, labels)):
-        n = x.numel() - 1
-        input_ids[i, :n] = x[:-1]
-        targets[i, :n] = y[1:]
-        n_tokens += n
-    return {"input_ids": input_ids, "labels": targets, "n_tokens": n_tokens}
-
-
-def count_cropped(samples: Sequence[Sample], max_seq_length: int) -> int:
-    """Samples longer than the model will see (max_seq_length inputs + the last target)."""
-    return sum(s["input_ids"].numel() > max_seq_length + 1 for s in samples)
-
-
-class TrainBatches:
-    """The training micro-batches of one rank, epoch after epoch, deterministic and resumable.
-
-    Epoch e uses the permutation drawn from `seed + e` (or the file order without `shuffle`). Each step of all
-    ranks consumes `micro_batch_size * world_size` consecutive samples of the permutation; rank r takes its slice
-    r of them. The tail that does not fill such a group is left out of that epoch (a different tail each epoch),
-    so every rank runs the same number of micro-batches. `state_dict()` is (epoch, index): `load_state_dict`
-    continues exactly where the saved run stopped."""
-
-    def __init__(
-        self,
-        samples: Sequence[Sample],
-        micro_batch_size: int,
-        max_seq_length: int,
-        *,
-        seed: int = 0,
-        shuffle: bool = True,
-        rank: int = 0,
-        world_size: int = 1,
-        pad_multiple: int = 1,
-        pad_pow2: bool = False,
-        batches_per_epoch: Optional[int] = None,
-    ) -> None:
-        self.samples = samples
-        self.micro_batch_size = micro_batch_size
-        self.max_seq_length = max_seq_length
-        self.seed = seed
-        self.shuffle = shuffle
-        self.rank = rank
-        self.world_size = world_size
-        self.pad_multiple = pad_multiple
-        self.pad_pow2 = pad_pow2
-        # micro-batches per epoch on each rank: as many as fit, or fewer (whole optimizer steps; the training loop
-        # asks for those, so that every step of an epoch has a full global batch on any device layout)
-        fit = len(samples) // (micro_batch_size * world_size)
-        self.batches_per_epoch = fit if batches_per_epoch is None else min(batches_per_epoch, fit)
-        if self.batches_per_epoch == 0:
-            raise LitError(
-                f"the training set has {len(samples)} samples, fewer than micro_batch_size ({micro_batch_size}) x"
-                f" devices ({world_size}): lower --train.micro_batch_size or add data"
-            )
-        self.epoch = 0
-        self.index = 0  # micro-batches of this epoch already returned
-        self._order_epoch: Optional[int] = None
-        self._order: List[int] = []
-
-    def _permutation(self) -> List[int]:
-        if self._order_epoch != self.epoch:
-            n = len(self.samples)
-            if self.shuffle:
-                g = torch.Generator().manual_seed(self.seed + self.epoch)
-                self._order = torch.randperm(n, generator=g).tolist()
-            else:
-                self._order = list(range(n))
-            self._order_epoch = self.epoch
-        return self._order
-
-    def __iter__(self) -> Iterator[Dict[str, Any]]:
-        return self
-
-    def __next__(self) -> Dict[str, Any]:
-        if self.index >= self.batches_per_epoch:
-            self.epoch += 1
-            self.index = 0
-        order = self._permutation()
-        start = (self.index * self.world_size + self.rank) * self.micro_batch_size
-        batch = [self.samples[i] for i in order[start : start + self.micro_batch_size]]
-        self.index += 1
-        return collate(batch, self.max_seq_length, self.pad_multiple, self.pad_pow2)
-
-    def state_dict(self) -> Dict[str, int]:
-        return {"epoch": self.epoch, "index": self.index, "seed": self.seed, "world_size": self.world_size}
-
-    def load_state_dict(self, state: Dict[str, int]) -> None:
-        if state.get("seed", self.seed) != self.seed or state.get("world_size", self.world_size) != self.world_size:
-            raise LitError(
-                f"the checkpoint's data order (seed {state.get('seed')}, {state.get('world_size')} devices) differs"
-                f" from this run's (seed {self.seed}, {self.world_size} devices): resume with the same --train.seed"
-                " and --devices"
-            )
-        self.epoch = int(state["epoch"])
-        self.index = int(state["index"])
-
-
-def val_batches(
-    samples: Sequence[Sample],
-    micro_batch_size: int,
-    max_seq_length: int,
-    *,
-    max_iters: Optional[int] = None,
-    rank: int = 0,
-    world_size: int = 1,
-    pad_multiple: int = 1,
-    pad_pow2: bool = False,
-) -> List[Dict[str, Any]]:
-    """The validation micro-batches of one rank: the first `max_iters` micro-batches of the validation set (all if
-    None), batch k going to rank k % world_size. The validation set is thus the same whatever the number of
-    devices; a rank may get none: sum losses over ranks, not means."""
-    groups = [samples[i : i + micro_batch_size] for i in range(0, len(samples), micro_batch_size)]
-    if max_iters is not None:
-        groups = groups[:max_iters]
-    mine = groups[rank::world_size]
-    return [collate(g, max_seq_length, pad_multiple, pad_pow2) for g in mine]

@@ -7,64 +7,11 @@ The first line is a header naming the columns; the instruction, optional input a
 --instruction_key / --input_key / --output_key. Bad rows (missing cells, too many cells, empty output, text that is
 not UTF-8) are reported with their line numbers and skipped, or rejected with --on_bad_rows error."""
 
-from pathlib import Path
-from typing import Literal, Optional
+from lit_gpt.prepare import make_prepare
+from lit_gpt.utils import run_cli
 
-from lit_gpt import data
-from lit_gpt.utils import DEFAULT_CHECKPOINT_DIR, LitError, run_cli
-
-
-def prepare(
-    data_file: Optional[Path] = None,
-    destination_path: Path = Path("data/csv"),
-    checkpoint_dir: Path = DEFAULT_CHECKPOINT_DIR,
-    instruction_key: str = "instruction",
-    input_key: Optional[str] = "input",
-    output_key: str = "output",
-    delimiter: Optional[str] = None,
-    val_split_fraction: float = 0.1,
-    seed: int = 42,
-    mask_inputs: bool = True,
-    max_seq_length: Optional[int] = None,
-    prompt_style: str = "alpaca",
-    on_bad_rows: Literal["skip", "error"] = "skip",
-) -> None:
-    """Tokenize a CSV/TSV file with the checkpoint's tokenizer.
-
-    Args:
-        data_file: The .csv or .tsv file, with a header line.
-        destination_path: Where train.pt, val.pt and meta.json go.
-        checkpoint_dir: The model whose tokenizer (and default max_seq_length) to use.
-        instruction_key: Column holding the instruction.
-        input_key: Column holding the optional input/context (null: none).
-        output_key: Column holding the response.
-        delimiter: Cell separator (default: a tab for .tsv files, a comma otherwise).
-        val_split_fraction: Share of the samples held out for validation.
-        seed: Seed of the train/val split.
-        mask_inputs: Mask the prompt tokens in the labels (train on the responses only).
-        max_seq_length: Truncate samples to this many tokens (default: the model's context length).
-        prompt_style: How instruction + input become the prompt ("alpaca", "chat", "raw").
-        on_bad_rows: "skip" bad rows (listed in the output and in meta.json) or stop with an "error".
-    """
-    if data_file is None:
-        raise LitError("pass your data file with --data_file")
-    records, bad = data.read_csv_records(data_file, delimiter)
-    rows, bad_fields = data.records_to_rows(records, data.instruction_rows(instruction_key, input_key, output_key))
-    meta = data.prepare(
-        rows,
-        bad + bad_fields,
-        checkpoint_dir=checkpoint_dir,
-        destination=destination_path,
-        source=str(data_file),
-        prompt_style=prompt_style,
-        max_seq_length=max_seq_length,
-        mask_inputs=mask_inputs,
-        val_split_fraction=val_split_fraction,
-        seed=seed,
-        on_bad_rows=on_bad_rows,
-    )
-    data.print_summary(meta, destination_path)
-
+# the flags, their defaults and their --help come from the "csv" entry of lit_gpt.prepare.DATASETS
+prepare = make_prepare("csv")
 
 if __name__ == "__main__":
     run_cli(prepare)

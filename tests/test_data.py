@@ -407,3 +407,86 @@ def test_prepare_cli_reports_bad_rows_and_errors_in_one_line(tiny_dir, tmp_path)
     proc = run_script("prepare_alpaca.py", "--data_file", tmp_path / "missing.json", "--checkpoint_dir", tiny_dir,
                       "--destination_path", tmp_path / "q")
     assert proc.returncode == 1 and proc.stderr.strip() == f"error: data file {str(tmp_path / 'missing.json')!r} not found"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# One table of datasets behind the five prepare scripts
+# ---------------------------------------------------------------------------------------------------------------
+def load_script(name):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"script_{name}", ROOT / "scripts" / f"prepare_{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+COMMON_FLAGS = {"checkpoint_dir": "checkpoints/HuggingFaceTB/SmolLM2-135M-Instruct", "data_file": None, "seed": 42,
+                "mask_inputs": True, "max_seq_length": None, "prompt_style": "alpaca", "on_bad_rows": "skip"}
+TAIL = ["val_split_fraction", "seed", "mask_inputs", "max_seq_length", "prompt_style", "on_bad_rows"]
+# the command lines the five scripts had before they shared one implementation: flags in --help order, and the
+# defaults that differ between them
+SCRIPT_FLAGS = {
+    "alpaca": (["destination_path", "checkpoint_dir", "data_file", *TAIL],
+               {"destination_path": "data/alpaca", "val_split_fraction": 0.03865}),
+    "dolly": (["destination_path", "checkpoint_dir", "data_file", *TAIL],
+              {"destination_path": "data/dolly", "val_split_fraction": 0.1}),
+    "lima": (["destination_path", "checkpoint_dir", "data_file", "access_token", "include_multiturn_conversations",
+              *TAIL], {"destination_path": "data/lima", "val_split_fraction": 0.1, "access_token": None,
+                       "include_multiturn_conversations": False}),
+    "json": (["data_file", "destination_path", "checkpoint_dir", "instruction_key", "input_key", "output_key", *TAIL],
+             {"destination_path": "data/json", "val_split_fraction": 0.1, "instruction_key": "instruction",
+              "input_key": "input", "output_key": "output"}),
+    "csv": (["data_file", "destination_path", "checkpoint_dir", "instruction_key", "input_key", "output_key",
+             "delimiter", *TAIL], {"destination_path": "data/csv", "val_split_fraction": 0.1,
+                                   "instruction_key": "instruction", "input_key": "input", "output_key": "output",
+                                   "delimiter": None}),
+}
+
+
+def test_every_dataset_has_its_script_and_every_prepare_script_is_a_dataset():
+    from lit_gpt.prepare import DATASETS
+
+    scripts = {p.stem[len("prepare_"):] for p in (ROOT / "scripts").glob("prepare_*.py")}
+    assert scripts == set(DATASETS) == set(SCRIPT_FLAGS)
+
+
+def script_parser(prepare):
+    """The parser `python scripts/prepare_NAME.py` builds (what its --help shows), without parsing."""
+    import jsonargparse
+
+    from lit_gpt.utils import run_cli
+
+    return jsonargparse.capture_parser(lambda: run_cli(prepare))
+
+
+@pytest.mark.parametrize("name", sorted(SCRIPT_FLAGS))
+def test_prepare_script_flags_defaults_and_help(name):
+    prepare = load_script(name).prepare
+    parser = script_parser(prepare)
+    order, defaults = SCRIPT_FLAGS[name]
+    actions = [a for a in parser._actions if a.dest not in ("help", "config", "print_config")]
+    assert [a.dest for a in actions] == order
+    defaults_now = parser.get_defaults()
+    got = {k: (str(v) if isinstance(v, Path) else v) for k, v in ((k, defaults_now[k]) for k in order)}
+    assert got == {**COMMON_FLAGS, **defaults}
+    help_text = " ".join(parser.format_help().split())
+    assert "Tokenize" in parser.description and parser.description in help_text
+    for action in actions:
+        assert action.help and " ".join(action.help.split()) in help_text, action.dest
+    if name in ("json", "csv"):  # the user's own file: nothing to download, so --data_file is needed
+        with pytest.raises(LitError, match="^pass your data file with --data_file$"):
+            prepare()
+    with pytest.raises(TypeError):  # a generated signature checks its arguments as a written-out one does
+        prepare(data_file=None, no_such_flag=1)
+
+
+def test_prepare_script_help_names_each_dataset_s_fields():
+    def helps(name):
+        return {a.dest: a.help for a in script_parser(load_script(name).prepare)._actions}
+
+    assert "instruction + context" in helps("dolly")["prompt_style"]
+    assert "a turn (and its history)" in helps("lima")["prompt_style"]
+    assert helps("csv")["input_key"].startswith("Column") and helps("json")["input_key"].startswith("Field")
+    assert "cached there" in helps("alpaca")["destination_path"]
+    assert "cached there" not in helps("json")["destination_path"]
