@@ -4,9 +4,10 @@
     python scripts/prepare_alpaca.py --checkpoint_dir checkpoints/HuggingFaceTB/SmolLM2-135M-Instruct
     python finetune/adapter_v2.py --checkpoint_dir checkpoints/HuggingFaceTB/SmolLM2-135M-Instruct --data.data_dir data/alpaca
     python generate/adapter_v2.py --checkpoint_dir checkpoints/HuggingFaceTB/SmolLM2-135M-Instruct \\
-        --adapter_path out/adapter_v2/alpaca/final/lit_model.pth.adapter_v2 --prompt "..."
+        --adapter_path out/adapter_v2/alpaca/final/lit_model.adapter_v2.safetensors --prompt "..."
 
-Only those weights are saved (`lit_model.pth.adapter_v2`, with the adapter settings; see `lit_gpt.peft`).
+Only those weights are saved (`lit_model.adapter_v2.safetensors`, with the adapter settings in
+`lit_model.adapter_v2.json`; see `lit_gpt.weights`).
 """
 
 from pathlib import Path
@@ -14,21 +15,26 @@ from typing import Literal, Optional, Union
 
 import lightning as L
 
-from lit_gpt import adapter_v2, training
+from lit_gpt import adapter_v2
 from lit_gpt.args import DataArgs, EvalArgs, TrainArgs
 from lit_gpt.model import Block
 from lit_gpt.peft import finetuned_filter, finetuned_metadata
+from lit_gpt.recipes.finetune import (
+    FinetuneRun, Precision, build_optimizer, fit, load_config, load_run_data, setup_fabric, setup_model,
+)
 from lit_gpt.runtime import Runtime
+from lit_gpt.training import Method
 from lit_gpt.utils import DEFAULT_CHECKPOINT_DIR, run_cli
 
 
 def setup(
     checkpoint_dir: Path = DEFAULT_CHECKPOINT_DIR,
     out_dir: str = "out/adapter_v2/alpaca",
-    precision: Optional[training.Precision] = None,
+    precision: Optional[Precision] = None,
     devices: int = 1,
     strategy: Literal["auto", "ddp", "fsdp"] = "auto",
     resume: Union[bool, Literal["auto"], str] = False,
+    optimizer: Literal["adamw", "sgd"] = "adamw",
     adapter_prompt_length: int = 10,
     adapter_start_layer: int = 2,
     data: DataArgs = DataArgs(),
@@ -50,6 +56,7 @@ def setup(
         strategy: "auto" = FSDP on several GPUs, DDP on several CPU processes.
         resume: Continue from a checkpoint: a step directory, True (the newest in out_dir), or "auto" (the newest
             if there is one, else start fresh).
+        optimizer: "adamw" or "sgd" (with momentum 0.9).
         adapter_prompt_length: Learned prompt vectors per adapted layer.
         adapter_start_layer: The first layer that gets an adapter.
         data: Where the prepared data is and how it is batched.
@@ -61,39 +68,32 @@ def setup(
         num_nodes: Machines to train on, `devices` processes each (launched by torchrun or SLURM on every node).
     """
     train.validate(devices * num_nodes)
-    config = training.load_config(
+    config = load_config(
         checkpoint_dir, adapter_v2.Config,
         adapter_prompt_length=adapter_prompt_length, adapter_start_layer=adapter_start_layer,
     )
-    fabric = training.setup_fabric(
+    fabric = setup_fabric(
         devices, precision, out_dir, logger_name, strategy, block_cls=Block, accelerator=accelerator,
         num_nodes=num_nodes, resume=resume,
     )
-    run_config = training.run_config(method="adapter_v2", checkpoint_dir=checkpoint_dir, data=data, train=train, eval=eval)
-    return fabric.launch(main, checkpoint_dir, out_dir, config, data, train, eval, resume, run_config)
+    run = FinetuneRun("adapter_v2", checkpoint_dir, out_dir, config, data, train, eval, resume, optimizer)
+    return fabric.launch(main, run)
 
 
-def main(fabric: L.Fabric, checkpoint_dir, out_dir, config, data, train, eval, resume, run_config) -> dict:
-    fabric.seed_everything(train.seed)
+def main(fabric: L.Fabric, run: FinetuneRun) -> dict:
+    fabric.seed_everything(run.train.seed)
     runtime = Runtime(fabric)  # CPU / CUDA (the XLA recipes pass XLARuntime to the same loop)
-    run_data = training.load_data(runtime, data, train, eval, checkpoint_dir, config.block_size)
+    data = load_run_data(runtime, run)
 
     # the method: adapter prompts, gates, linear scales/biases and norms on the frozen base model train and are saved
-    model, raw_model = training.setup_model(
-        fabric, lambda: adapter_v2.GPT(config), checkpoint_dir,
+    model, raw_model = setup_model(
+        fabric, lambda: adapter_v2.GPT(run.config), run.checkpoint_dir,
         own_filter=adapter_v2.adapter_v2_filter, mark_trainable=adapter_v2.mark_only_adapter_v2_as_trainable,
     )
-    method = training.Method(
-        name="adapter_v2", weights_file="lit_model.pth.adapter_v2",
-        save_filter=finetuned_filter(raw_model), metadata=finetuned_metadata(raw_model),
-    )
+    method = Method(name="adapter_v2", save_filter=finetuned_filter(raw_model), metadata=finetuned_metadata(raw_model))
 
-    optimizer = fabric.setup_optimizers(training.build_optimizer(model, train))
-    return training.fit(
-        fabric, model, raw_model, optimizer, run_data, method,
-        checkpoint_dir=checkpoint_dir, out_dir=out_dir, train=train, eval=eval, resume=resume, run_config=run_config,
-        runtime=runtime,
-    )
+    optimizer = fabric.setup_optimizers(build_optimizer(model, run.train, run.optimizer))
+    return fit(fabric, runtime, model, raw_model, optimizer, data, method, run)
 
 
 if __name__ == "__main__":

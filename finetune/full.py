@@ -4,7 +4,8 @@
     python finetune/full.py --checkpoint_dir checkpoints/HuggingFaceTB/SmolLM2-135M-Instruct --data.data_dir data/alpaca
     python generate/base.py --checkpoint_dir out/full/alpaca/final --prompt "..."
 
-The result (`out_dir/final/`) is a complete checkpoint directory: lit_model.pth, lit_config.json and tokenizer.
+The result (`out_dir/final/`) is a complete checkpoint directory: lit_model.safetensors, lit_config.json and the
+tokenizer (see `lit_gpt.weights` for the format).
 """
 
 from pathlib import Path
@@ -12,20 +13,24 @@ from typing import Literal, Optional, Union
 
 import lightning as L
 
-from lit_gpt import training
 from lit_gpt.args import DataArgs, EvalArgs, TrainArgs
 from lit_gpt.model import GPT, Block
+from lit_gpt.recipes.finetune import (
+    FinetuneRun, Precision, build_optimizer, fit, load_config, load_run_data, setup_fabric, setup_model,
+)
 from lit_gpt.runtime import Runtime
+from lit_gpt.training import Method
 from lit_gpt.utils import DEFAULT_CHECKPOINT_DIR, run_cli
 
 
 def setup(
     checkpoint_dir: Path = DEFAULT_CHECKPOINT_DIR,
     out_dir: str = "out/full/alpaca",
-    precision: Optional[training.Precision] = None,
+    precision: Optional[Precision] = None,
     devices: int = 1,
     strategy: Literal["auto", "ddp", "fsdp"] = "auto",
     resume: Union[bool, Literal["auto"], str] = False,
+    optimizer: Literal["adamw", "sgd"] = "adamw",
     data: DataArgs = DataArgs(),
     train: TrainArgs = TrainArgs(global_batch_size=16, micro_batch_size=1, learning_rate=3e-5, min_lr=3e-6),
     eval: EvalArgs = EvalArgs(),
@@ -45,6 +50,7 @@ def setup(
         strategy: "auto" = FSDP on several GPUs, DDP on several CPU processes.
         resume: Continue from a checkpoint: a step directory, True (the newest in out_dir), or "auto" (the newest
             if there is one, else start fresh).
+        optimizer: "adamw" or "sgd" (with momentum 0.9).
         data: Where the prepared data is and how it is batched.
         train: Optimisation and checkpointing.
         eval: Validation.
@@ -54,30 +60,26 @@ def setup(
         num_nodes: Machines to train on, `devices` processes each (launched by torchrun or SLURM on every node).
     """
     train.validate(devices * num_nodes)
-    config = training.load_config(checkpoint_dir)
-    fabric = training.setup_fabric(
+    config = load_config(checkpoint_dir)
+    fabric = setup_fabric(
         devices, precision, out_dir, logger_name, strategy, block_cls=Block, accelerator=accelerator,
         num_nodes=num_nodes, resume=resume,
     )
-    run_config = training.run_config(method="full", checkpoint_dir=checkpoint_dir, data=data, train=train, eval=eval)
-    return fabric.launch(main, checkpoint_dir, out_dir, config, data, train, eval, resume, run_config)
+    run = FinetuneRun("full", checkpoint_dir, out_dir, config, data, train, eval, resume, optimizer)
+    return fabric.launch(main, run)
 
 
-def main(fabric: L.Fabric, checkpoint_dir, out_dir, config, data, train, eval, resume, run_config) -> dict:
-    fabric.seed_everything(train.seed)
+def main(fabric: L.Fabric, run: FinetuneRun) -> dict:
+    fabric.seed_everything(run.train.seed)
     runtime = Runtime(fabric)  # CPU / CUDA (the XLA recipes pass XLARuntime to the same loop)
-    run_data = training.load_data(runtime, data, train, eval, checkpoint_dir, config.block_size)
+    data = load_run_data(runtime, run)
 
     # the method: the plain model, every parameter trains and is saved
-    model, raw_model = training.setup_model(fabric, lambda: GPT(config), checkpoint_dir)
-    method = training.Method(name="full", weights_file="lit_model.pth")
+    model, raw_model = setup_model(fabric, lambda: GPT(run.config), run.checkpoint_dir)
+    method = Method(name="full")
 
-    optimizer = fabric.setup_optimizers(training.build_optimizer(model, train))
-    return training.fit(
-        fabric, model, raw_model, optimizer, run_data, method,
-        checkpoint_dir=checkpoint_dir, out_dir=out_dir, train=train, eval=eval, resume=resume, run_config=run_config,
-        runtime=runtime,
-    )
+    optimizer = fabric.setup_optimizers(build_optimizer(model, run.train, run.optimizer))
+    return fit(fabric, runtime, model, raw_model, optimizer, data, method, run)
 
 
 if __name__ == "__main__":

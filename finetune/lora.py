@@ -3,15 +3,15 @@
     python scripts/prepare_alpaca.py --checkpoint_dir checkpoints/HuggingFaceTB/SmolLM2-135M-Instruct
     python finetune/lora.py --checkpoint_dir checkpoints/HuggingFaceTB/SmolLM2-135M-Instruct --data.data_dir data/alpaca
     python generate/lora.py --checkpoint_dir checkpoints/HuggingFaceTB/SmolLM2-135M-Instruct \\
-        --lora_path out/lora/alpaca/final/lit_model.pth.lora --prompt "..."
+        --lora_path out/lora/alpaca/final/lit_model.lora.safetensors --prompt "..."
 
 QLoRA on a CUDA GPU (the frozen base weights in 4-bit NormalFloat through bitsandbytes, `pip install
 bitsandbytes`; the LoRA matrices train in the precision's dtype):
 
     python finetune/lora.py --quantize bnb.nf4 --checkpoint_dir ... --data.data_dir data/alpaca
 
-Only the LoRA matrices are saved (`lit_model.pth.lora`, with the LoRA settings needed to rebuild the model; see
-`lit_gpt.peft`). `scripts/merge_lora.py` folds them into a standalone checkpoint.
+Only the LoRA matrices are saved (`lit_model.lora.safetensors`, with the LoRA settings needed to rebuild the model
+in `lit_model.lora.json`; see `lit_gpt.weights`). `scripts/merge_lora.py` folds them into a standalone checkpoint.
 """
 
 from functools import partial
@@ -21,12 +21,16 @@ from typing import Literal, Optional, Union
 import lightning as L
 import torch
 
-from lit_gpt import lora, training
+from lit_gpt import lora
 from lit_gpt.args import DataArgs, EvalArgs, TrainArgs
 from lit_gpt.model import Block
 from lit_gpt.peft import finetuned_filter, finetuned_metadata
 from lit_gpt.quantize import check_quantize, quantize_model
+from lit_gpt.recipes.finetune import (
+    FinetuneRun, Precision, build_optimizer, fit, load_config, load_run_data, setup_fabric, setup_model,
+)
 from lit_gpt.runtime import Runtime, resolve_accelerator
+from lit_gpt.training import Method
 from lit_gpt.utils import DEFAULT_CHECKPOINT_DIR, LitError, run_cli
 
 QLORA_CHOICES = ("bnb.nf4",)
@@ -35,10 +39,11 @@ QLORA_CHOICES = ("bnb.nf4",)
 def setup(
     checkpoint_dir: Path = DEFAULT_CHECKPOINT_DIR,
     out_dir: str = "out/lora/alpaca",
-    precision: Optional[training.Precision] = None,
+    precision: Optional[Precision] = None,
     devices: int = 1,
     strategy: Literal["auto", "ddp", "fsdp"] = "auto",
     resume: Union[bool, Literal["auto"], str] = False,
+    optimizer: Literal["adamw", "sgd"] = "adamw",
     lora_r: int = 8,
     lora_alpha: int = 16,
     lora_dropout: float = 0.05,
@@ -68,6 +73,7 @@ def setup(
         strategy: "auto" = FSDP on several GPUs, DDP on several CPU processes.
         resume: Continue from a checkpoint: a step directory, True (the newest in out_dir), or "auto" (the newest
             if there is one, else start fresh).
+        optimizer: "adamw" or "sgd" (with momentum 0.9).
         lora_r: Rank of the updates.
         lora_alpha: The updates are scaled by alpha / r.
         lora_dropout: Dropout on the input of the updates.
@@ -91,18 +97,17 @@ def setup(
     if quantize is not None and train.compile:
         raise LitError("--train.compile is not supported with --quantize (QLoRA): drop one of the two")
     check_qlora(quantize, accelerator, strategy, devices * num_nodes)
-    config = training.load_config(
+    config = load_config(
         checkpoint_dir, lora.Config, lora_r=lora_r, lora_alpha=lora_alpha, lora_dropout=lora_dropout,
         lora_query=lora_query, lora_key=lora_key, lora_value=lora_value, lora_projection=lora_projection,
         lora_mlp=lora_mlp, lora_head=lora_head,
     )
-    fabric = training.setup_fabric(
+    fabric = setup_fabric(
         devices, precision, out_dir, logger_name, strategy, block_cls=Block, accelerator=accelerator,
         num_nodes=num_nodes, resume=resume,
     )
-    run_config = training.run_config(method="lora", checkpoint_dir=checkpoint_dir, data=data, train=train, eval=eval,
-                                     **({"quantize": quantize} if quantize else {}))
-    return fabric.launch(main, checkpoint_dir, out_dir, config, data, train, eval, resume, run_config, quantize)
+    run = FinetuneRun("lora", checkpoint_dir, out_dir, config, data, train, eval, resume, optimizer, quantize=quantize)
+    return fabric.launch(main, run)
 
 
 def check_qlora(quantize: Optional[str], accelerator: str, strategy: str, processes: int) -> None:
@@ -114,30 +119,22 @@ def check_qlora(quantize: Optional[str], accelerator: str, strategy: str, proces
         raise LitError("--quantize does not combine with FSDP (4-bit weights are not sharded): add --strategy ddp")
 
 
-def main(fabric: L.Fabric, checkpoint_dir, out_dir, config, data, train, eval, resume, run_config,
-         quantize: Optional[str] = None) -> dict:
-    fabric.seed_everything(train.seed)
+def main(fabric: L.Fabric, run: FinetuneRun) -> dict:
+    fabric.seed_everything(run.train.seed)
     runtime = Runtime(fabric)  # CPU / CUDA (the XLA recipes pass XLARuntime to the same loop)
-    run_data = training.load_data(runtime, data, train, eval, checkpoint_dir, config.block_size)
+    data = load_run_data(runtime, run)
 
     # the method: LoRA layers on the frozen base model; only the LoRA matrices train and are saved. QLoRA: the
     # frozen base weights become 4-bit ones, layer by layer, as they move to the GPU
-    model, raw_model = training.setup_model(
-        fabric, lambda: lora.GPT(config), checkpoint_dir, own_filter=lora.lora_filter,
+    model, raw_model = setup_model(
+        fabric, lambda: lora.GPT(run.config), run.checkpoint_dir, own_filter=lora.lora_filter,
         mark_trainable=lora.mark_only_lora_as_trainable,
-        quantize=partial(quantize_model, mode=quantize, device=fabric.device) if quantize else None,
+        quantize=partial(quantize_model, mode=run.quantize, device=fabric.device) if run.quantize else None,
     )
-    method = training.Method(
-        name="lora", weights_file="lit_model.pth.lora",
-        save_filter=finetuned_filter(raw_model), metadata=finetuned_metadata(raw_model),
-    )
+    method = Method(name="lora", save_filter=finetuned_filter(raw_model), metadata=finetuned_metadata(raw_model))
 
-    optimizer = fabric.setup_optimizers(training.build_optimizer(model, train))
-    return training.fit(
-        fabric, model, raw_model, optimizer, run_data, method,
-        checkpoint_dir=checkpoint_dir, out_dir=out_dir, train=train, eval=eval, resume=resume, run_config=run_config,
-        runtime=runtime,
-    )
+    optimizer = fabric.setup_optimizers(build_optimizer(model, run.train, run.optimizer))
+    return fit(fabric, runtime, model, raw_model, optimizer, data, method, run)
 
 
 if __name__ == "__main__":

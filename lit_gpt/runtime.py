@@ -27,11 +27,13 @@ from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence
 import torch
 import torch.nn as nn
 
+from lit_gpt.config import next_power_of_two
 from lit_gpt.state import commit_folder, rng_state, set_rng_state
 from lit_gpt.storage import is_url, location, remove, staging_dir, upload
 from lit_gpt.utils import LitError, load_error_detail
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
+STEP_FILE = "checkpoint.pth"  # Fabric's checkpoint of a step: model, optimizer, train state
 FINAL_DIR = "final"
 
 
@@ -55,6 +57,33 @@ def write_error(directory: Path, partials: Sequence[Path], e: OSError) -> LitErr
 
 def _call_block(block: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return block(x, cos, sin)
+
+
+def full_state_dict(model: nn.Module) -> Dict[str, torch.Tensor]:
+    """The unsharded state dict of a (possibly Fabric- or FSDP-wrapped) model on the CPU, with plain names. Every
+    rank must call it (FSDP all-gathers through torch's public `get_model_state_dict`); rank 0's copy is the one
+    to write. Tensors that share storage (a tied head) still share it on the CPU, so they are written once."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    forward = getattr(model, "_forward_module", model)  # inside Fabric's wrapper: FSDP, DDP or the model
+    if any(isinstance(m, FullyShardedDataParallel) for m in forward.modules()):
+        return get_model_state_dict(forward, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    inner = model.module if hasattr(model, "_forward_module") else model  # Fabric's `.module`: the model, not DDP
+    on_cpu: Dict[Any, torch.Tensor] = {}
+    out: Dict[str, torch.Tensor] = {}
+    for k, v in inner.state_dict().items():
+        key = (v.device, v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape))
+        if key not in on_cpu:
+            on_cpu[key] = v.detach().cpu()
+        out[k] = on_cpu[key]
+    return out
+
+
+def bucket_length(length: int, limit: int, minimum: int = 16) -> int:
+    """A padded prompt length (the next power of two, at least `minimum`, at most `limit`): with prompts padded to
+    a few bucket lengths, a tracing backend compiles the prefill once per bucket instead of once per length."""
+    return min(max(next_power_of_two(length), minimum), limit)
 
 
 def resolve_accelerator(accelerator: str) -> str:
@@ -83,15 +112,6 @@ class Runtime:
         self.fabric = fabric
         self._device = torch.device(device) if device is not None else None
 
-    @classmethod
-    def on(cls, device: torch.device) -> "Runtime":
-        """A one-process runtime on `device` without Fabric (for generation on a plain model)."""
-        if torch.device(device).type == "xla":
-            from lit_gpt.xla.runtime import XLARuntime  # noqa: the XLA layer is only imported for XLA tensors
-
-            return XLARuntime(None, device)
-        return cls(None, device)
-
     # ----------------------------------------------------------------- devices
     @property
     def device(self) -> torch.device:
@@ -100,7 +120,7 @@ class Runtime:
     @property
     def data_parallel_size(self) -> int:
         """Devices the global batch is split over."""
-        return self.num_processes
+        return self.fabric.world_size if self.fabric is not None else 1
 
     @property
     def local_devices(self) -> int:
@@ -111,7 +131,7 @@ class Runtime:
     def grad_scale(self) -> float:
         """Factor on each process's loss so that the combined gradient is the gradient of the global loss: DDP and
         FSDP average the processes' gradients."""
-        return float(self.num_processes)
+        return float(self.data_parallel_size)
 
     def place(self, tensors: Any) -> Any:
         """Host batch tensors onto this process's device(s)."""
@@ -138,40 +158,6 @@ class Runtime:
     def end_step(self) -> None:
         """Called after each generation step (XLA ends the step's graph here)."""
 
-    # ----------------------------------------------------------------- collectives on host values
-    @property
-    def num_processes(self) -> int:
-        return self.fabric.world_size if self.fabric is not None else 1
-
-    @property
-    def rank(self) -> int:
-        return self.fabric.global_rank if self.fabric is not None else 0
-
-    def sum_over_processes(self, values: Sequence[float]) -> List[float]:
-        """Sum host numbers over the processes (one small collective; none with one process)."""
-        if self.num_processes == 1:
-            return [float(v) for v in values]
-        t = torch.tensor([float(v) for v in values], dtype=torch.float64)
-        if self.device.type == "cuda":  # NCCL reduces device tensors only
-            t = t.to(self.device)
-        return [float(v) for v in self.fabric.all_reduce(t, reduce_op="sum").cpu()]
-
-    def gather_objects(self, obj: Any) -> List[Any]:
-        """`obj` of every process, in rank order."""
-        if self.num_processes == 1:
-            return [obj]
-        import torch.distributed as dist
-
-        out: List[Any] = [None] * self.num_processes
-        dist.all_gather_object(out, obj)
-        return out
-
-    def broadcast_object(self, obj: Any) -> Any:
-        return self.fabric.broadcast(obj, src=0) if self.num_processes > 1 else obj
-
-    def barrier(self) -> None:
-        self.fabric.barrier()
-
     # ----------------------------------------------------------------- RNG
     def rng_state(self) -> Dict[str, Any]:
         """This process's generators: Python, NumPy, torch CPU and the device's (CUDA, XLA: dropout draws from it)."""
@@ -195,38 +181,46 @@ class Runtime:
             pass
 
     # ----------------------------------------------------------------- checkpoints
-    def step_file(self, directory: Path, weights_file: str) -> Path:
-        """What a step checkpoint directory must hold to count as complete."""
-        return location(directory) / weights_file
+    def step_file(self, directory: Path) -> Path:
+        """What a step checkpoint directory must hold to count as complete: Fabric's checkpoint file (model,
+        optimizer, values); a step folder of an earlier version holds `lit_model.pth[.METHOD]` instead."""
+        directory = location(directory)
+        path = directory / STEP_FILE
+        if not is_url(directory) and not path.is_file():
+            legacy = sorted(directory.glob("lit_model.pth*")) if directory.is_dir() else []
+            if legacy:
+                return legacy[0]
+        return path
 
     def save_step(
         self,
         directory: Path,
         state: Dict[str, Any],
         filter: Optional[Dict[str, Callable[[str, Any], bool]]],
-        weights_file: str,
         write_files: Callable[[Path], None],
     ) -> Path:
-        """`state` (modules, optimizer, plain values) into `directory/weights_file`, with `write_files(dir)`'s
-        files beside it, atomically: everything goes into `.{name}.partial` first, renamed when every process is
-        done, so a killed run never leaves a half checkpoint that `--resume auto` would pick. In a bucket (no
-        renames) the run's files go first and the weights file, which makes the step complete, last."""
+        """`state` (modules, optimizer, plain values) into `directory/checkpoint.pth` through Fabric (its strategy
+        writes it: one file, FSDP gathering the full state), with `write_files(dir)`'s files beside it, atomically:
+        everything goes into `.{name}.partial` first, renamed when every process is done, so a killed run never
+        leaves a half checkpoint that `--resume auto` would pick. In a bucket (no renames) the run's files go first
+        and the checkpoint file, which makes the step complete, last."""
+        fabric = self.fabric
         directory = location(directory)
         if is_url(directory):
-            return self._save_step_in_bucket(directory, state, filter, weights_file, write_files)
+            return self._save_step_in_bucket(directory, state, filter, write_files)
         tmp = directory.with_name(f".{directory.name}.partial")
-        if self.rank == 0:
+        if fabric.global_rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
-        self.barrier()
+        fabric.barrier()
         try:
-            self.fabric.save(tmp / weights_file, state, filter=filter)
-            if self.rank == 0:
+            fabric.save(tmp / STEP_FILE, state, filter=filter)
+            if fabric.global_rank == 0:
                 write_files(tmp)
                 commit_folder(tmp, directory)
         except OSError as e:
             raise write_error(directory, [tmp], e) from e
-        self.barrier()
+        fabric.barrier()
         return directory
 
     def _save_step_in_bucket(
@@ -234,76 +228,79 @@ class Runtime:
         directory: Path,
         state: Dict[str, Any],
         filter: Optional[Dict[str, Callable[[str, Any], bool]]],
-        weights_file: str,
         write_files: Callable[[Path], None],
     ) -> Path:
         # written to a local folder first (every Fabric strategy saves to a local path; FSDP only to one), then
-        # uploaded with the weights file last: in a bucket that file is the commit
-        stage = self.broadcast_object(str(staging_dir()) if self.rank == 0 else None)
+        # uploaded with the checkpoint file last: in a bucket that file is the commit
+        fabric = self.fabric
+        stage = fabric.broadcast(str(staging_dir()) if fabric.global_rank == 0 else None)
         try:
-            self.fabric.save(Path(stage) / weights_file, state, filter=filter)
-            if self.rank == 0:
+            fabric.save(Path(stage) / STEP_FILE, state, filter=filter)
+            if fabric.global_rank == 0:
                 write_files(Path(stage))
-                remove(directory, first=[weights_file])  # an older version of this step: its weights file first
-                upload(Path(stage), directory, last=[weights_file])
+                remove(directory, first=[STEP_FILE])  # an older version of this step: its checkpoint file first
+                upload(Path(stage), directory, last=[STEP_FILE])
         except OSError as e:
             raise write_error(directory, [], e) from e
         finally:
-            if self.rank == 0:
+            if fabric.global_rank == 0:
                 shutil.rmtree(stage, ignore_errors=True)
-        self.barrier()
+        fabric.barrier()
         return directory
 
-    def load_step(self, directory: Path, state: Dict[str, Any], weights_file: str) -> Dict[str, Any]:
-        """Restore the modules/optimizer of `state` in place from a step checkpoint; return the other values."""
-        file = self.step_file(directory, weights_file)
+    def load_step(self, directory: Path, state: Dict[str, Any]) -> Dict[str, Any]:
+        """Restore the modules/optimizer of `state` in place from a step checkpoint (through Fabric); return the
+        other values."""
+        fabric = self.fabric
+        file = self.step_file(directory)
         try:
             if not is_url(file):
-                return self.fabric.load(file, state, strict=False, weights_only=True)
+                return fabric.load(file, state, strict=False, weights_only=True)
             from lightning.fabric.strategies import FSDPStrategy
 
-            if not isinstance(self.fabric.strategy, FSDPStrategy):  # Fabric reads a URL through fsspec itself
-                return self.fabric.load(str(file), state, strict=False, weights_only=True)
+            if not isinstance(fabric.strategy, FSDPStrategy):  # Fabric reads a URL through fsspec itself
+                return fabric.load(str(file), state, strict=False, weights_only=True)
             # FSDP loads local paths only: one copy per machine, fetched by its first process
             import hashlib
             import tempfile
 
             local = Path(tempfile.gettempdir()) / f"lit-gpt-resume-{hashlib.sha1(str(file).encode()).hexdigest()[:12]}"
-            if self.fabric.local_rank == 0:
+            if fabric.local_rank == 0:
                 local.mkdir(parents=True, exist_ok=True)
-                file.fs.get_file(file.path, str(local / weights_file))
-            self.barrier()
+                file.fs.get_file(file.path, str(local / file.name))
+            fabric.barrier()
             try:
-                return self.fabric.load(local / weights_file, state, strict=False, weights_only=True)
+                return fabric.load(local / file.name, state, strict=False, weights_only=True)
             finally:
-                self.barrier()
-                if self.fabric.local_rank == 0:
+                fabric.barrier()
+                if fabric.local_rank == 0:
                     shutil.rmtree(local, ignore_errors=True)
         except (RuntimeError, KeyError, ValueError) as e:
             raise LitError(
                 f"cannot resume from {str(file)!r} ({load_error_detail(e)}): pass a step folder that this recipe wrote"
             ) from e
 
-    def saved_method(self, directory: Path, weights_file: str) -> str:
+    def saved_method(self, directory: Path) -> str:
         """The method that wrote a step checkpoint ("full" when it records none), read before loading it."""
         from lit_gpt.utils import load_state_dict
 
-        saved = load_state_dict(self.step_file(directory, weights_file))
+        saved = load_state_dict(self.step_file(directory))
         return saved.get("method") or "full"
 
-    def latest_step(self, out_dir: Path, weights_file: str) -> Optional[Path]:
+    def latest_step(self, out_dir: Path) -> Optional[Path]:
         """The newest complete step checkpoint in `out_dir` (partial ones have another name; in a bucket, a step
-        without its weights file is incomplete)."""
+        without its checkpoint file is incomplete)."""
         best: Optional[Tuple[int, Path]] = None
         out_dir = location(out_dir)
         if out_dir.is_dir():
             for d in out_dir.iterdir():
                 m = STEP_DIR.match(d.name)
-                if m and self.step_file(d, weights_file).is_file() and (best is None or int(m.group(1)) > best[0]):
+                if m and self.step_file(d).is_file() and (best is None or int(m.group(1)) > best[0]):
                     best = (int(m.group(1)), d)
         found = None if best is None else str(best[1])
         # every process must resume from the same step: rank 0's view decides (all see one out_dir here)
-        found = self.broadcast_object(found)
+        if self.fabric.world_size > 1:
+            found = self.fabric.broadcast(found, src=0)
         return None if found is None else location(found)
 
     def export_final(
@@ -311,15 +308,31 @@ class Runtime:
         step: Path,
         final: Path,
         model: nn.Module,
-        state: Dict[str, Any],
-        filter: Optional[Dict[str, Callable[[str, Any], bool]]],
-        weights_file: str,
+        method: str,
+        save_filter: Optional[Callable[[str, Any], bool]],
+        method_config: Dict[str, Any],
         write_files: Callable[[Path], None],
     ) -> Path:
-        """`final/weights_file`: the trained weights of this run's last step, without optimizer state, in the
-        format the generate recipes load. Here the live model is that step's model: it is written directly."""
-        self.save_step(final, state, filter, weights_file, write_files)
-        return location(final) / weights_file
+        """`final/`: the trained weights of this run's last step, without optimizer state, in the format the
+        generate recipes load (`lit_gpt.weights`: `lit_model.safetensors` for full finetuning, else
+        `lit_model.METHOD.safetensors` + its JSON). Here the live model is that step's model: its full state dict
+        (gathered from the FSDP shards by torch's public `get_model_state_dict`) is written by rank 0, into a
+        temporary folder renamed when complete (in a bucket: uploaded with the weights file last)."""
+        from lit_gpt.export import export_weights
+
+        fabric = self.fabric
+        state = full_state_dict(model)
+        if save_filter is not None:
+            state = {k: v for k, v in state.items() if save_filter(k, v)}
+        final = location(final)
+        path = None
+        if fabric.global_rank == 0:
+            try:
+                path = export_weights(state, final, method, method_config, write_files)
+            except OSError as e:
+                raise write_error(final, [], e) from e
+        fabric.barrier()
+        return path if path is not None else final
 
     # ----------------------------------------------------------------- model
     def set_rope(self, gpt: nn.Module, length: int) -> None:

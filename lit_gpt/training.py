@@ -29,24 +29,21 @@ import math
 import shutil
 import sys
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Literal, Optional, Tuple, Type, Union
+from typing import Any, Callable, Dict, List, Literal, Optional, Sequence, Union
 
 import lightning as L
 import torch
 import torch.nn as nn
 
 from lit_gpt.args import DataArgs, EvalArgs, TrainArgs
-from lit_gpt.config import load_config  # noqa: F401  (the recipes' `training.load_config`: the one loader)
 from lit_gpt.data import IGNORE_INDEX, PreparedData, TrainBatches, count_cropped, load_prepared, val_batches
-from lit_gpt.runtime import FINAL_DIR, STEP_DIR, Runtime, param_dtype, resolve_accelerator
-from lit_gpt.storage import location, log_folder
-from lit_gpt.utils import (
-    LitError, cast_floating, check_checkpoint_dir, load_error_detail, load_state_dict, num_parameters,
-)
+from lit_gpt.losses import cross_entropy_sum, labelled_rows, loss_sum
+from lit_gpt.runtime import FINAL_DIR, Runtime
+from lit_gpt.storage import location
+from lit_gpt.utils import LitError
 
-Precision = Literal["32-true", "bf16-true", "bf16-mixed", "16-true", "16-mixed"]
 COPIED_FILES = (
     "lit_config.json",
     "config.json",
@@ -72,12 +69,11 @@ class Method:
 
     name: str
     """"full", "lora", "adapter", "adapter_v2"."""
-    weights_file: str
-    """File name of the trained weights in each checkpoint directory (e.g. "lit_model.pth.lora")."""
     save_filter: Optional[Callable[[str, Any], bool]] = None
     """Which state-dict entries are saved (None: all, for full finetuning)."""
     metadata: Dict[str, Any] = field(default_factory=dict)
-    """Saved beside "model" in the weights file (for PEFT: `lit_gpt.peft.finetuned_metadata(model)`)."""
+    """Saved with the step checkpoints and beside the final weights (for PEFT: `lit_gpt.peft.finetuned_metadata(model)`:
+    the method and its config fields, e.g. lora_r)."""
 
     @property
     def trains_all(self) -> bool:
@@ -85,102 +81,32 @@ class Method:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Fabric and the output folder
+# Host numbers across processes (through Fabric's strategy: DDP/FSDP process groups, or XLA's)
 # ---------------------------------------------------------------------------------------------------------------
-def setup_fabric(
-    devices: int,
-    precision: Optional[str],
-    out_dir: Path,
-    logger_name: Literal["csv", "tensorboard", "wandb"] = "csv",
-    strategy: Literal["auto", "ddp", "fsdp"] = "auto",
-    block_cls: Optional[Type[nn.Module]] = None,
-    accelerator: str = "auto",
-    num_nodes: int = 1,
-    resume: Union[bool, str, Path] = False,
-) -> L.Fabric:
-    """Fabric for the run: one device, or several (on `num_nodes` machines) with FSDP (sharding per `block_cls`)
-    on GPUs and DDP on CPU processes, where Fabric has no FSDP. `out_dir` is checked first (see `check_out_dir`)."""
-    if devices < 1:
-        raise LitError(f"--devices must be >= 1 (got {devices})")
-    if num_nodes < 1:
-        raise LitError(f"--num_nodes must be >= 1 (got {num_nodes})")
-    accelerator = resolve_accelerator(accelerator)
-    if accelerator == "cuda" and devices > torch.cuda.device_count():
-        raise LitError(
-            f"--devices {devices} but only {torch.cuda.device_count()} GPU(s) are visible: lower --devices, or"
-            " train on CPU processes with --accelerator cpu"
-        )
-    check_out_dir(out_dir, resume)
-    if precision is None:
-        precision = "bf16-true" if accelerator == "cuda" and torch.cuda.is_bf16_supported() else "32-true"
-    if accelerator == "cpu" and precision in ("16-true", "16-mixed"):
-        raise LitError(f"--precision {precision} needs a GPU: on the CPU use 32-true, bf16-true or bf16-mixed")
-    parallel = devices * num_nodes > 1
-    if strategy == "auto":
-        strategy = "fsdp" if parallel and accelerator == "cuda" else ("ddp" if parallel else "auto")
-    if strategy == "fsdp":
-        if accelerator != "cuda":
-            raise LitError("FSDP needs GPUs (Lightning Fabric supports it on CUDA only): use --strategy ddp on the CPU")
-        from lightning.fabric.strategies import FSDPStrategy
-
-        strategy_obj: Any = FSDPStrategy(
-            auto_wrap_policy={block_cls} if block_cls is not None else None,
-            state_dict_type="full",  # one consolidated file, like the single-device runs write
-            sharding_strategy="FULL_SHARD",
-            limit_all_gathers=True,
-            cpu_offload=False,
-        )
-    elif strategy == "ddp":
-        from lightning.fabric.strategies import DDPStrategy
-
-        # the rope and KV caches are buffers computed identically on every rank: broadcasting them each forward
-        # would only cost time
-        strategy_obj = DDPStrategy(broadcast_buffers=False)
-    else:
-        strategy_obj = "auto"
-    logger = make_logger(out_dir, logger_name)
-    if accelerator == "cuda":
-        torch.set_float32_matmul_precision("high")
-    return L.Fabric(
-        accelerator=accelerator, devices=devices, num_nodes=num_nodes, strategy=strategy_obj, precision=precision,
-        loggers=logger,
-    )
+def sum_over_processes(fabric: Any, values: Sequence[float]) -> List[float]:
+    """Sum host numbers over the processes (one small collective; none with one process)."""
+    if fabric.world_size == 1:
+        return [float(v) for v in values]
+    t = torch.tensor([float(v) for v in values], dtype=torch.float64)
+    if fabric.device.type == "cuda":  # NCCL reduces device tensors only
+        t = t.to(fabric.device)
+    return [float(v) for v in fabric.all_reduce(t, reduce_op="sum").cpu()]
 
 
-def check_out_dir(out_dir: Path, resume: Union[bool, str, Path]) -> None:
-    """Before anything is loaded: `out_dir` must be a writable folder (created if missing), and a folder that holds
-    a run is only continued with --resume, never overwritten."""
-    out_dir = location(out_dir)  # a URL needs its fsspec filesystem (gcsfs, s3fs): named here if missing
-    try:
-        if out_dir.exists() and not out_dir.is_dir():
-            raise LitError(f"--out_dir {str(out_dir)!r} is a file, not a folder: choose a folder for the run")
-        out_dir.mkdir(parents=True, exist_ok=True)
-        probe = out_dir / f".write-test-{time.time_ns()}"
-        probe.write_bytes(b"0")
-        probe.unlink()
-    except OSError as e:
-        raise LitError(f"--out_dir {str(out_dir)!r} is not writable ({e.strerror or e}): choose another folder") from e
-    if resume in (False, None, "false"):
-        used = sorted(d.name for d in out_dir.iterdir() if STEP_DIR.match(d.name) or d.name == FINAL_DIR)
-        if used:
-            shown = ", ".join(used[:3]) + (f" and {len(used) - 3} more" if len(used) > 3 else "")
-            raise LitError(
-                f"--out_dir {str(out_dir)!r} already holds a run ({shown}): continue it with --resume auto, or start"
-                " a new run in a new --out_dir"
-            )
+def gather_objects(fabric: Any, obj: Any) -> List[Any]:
+    """`obj` of every process, in rank order."""
+    if fabric.world_size == 1:
+        return [obj]
+    import torch.distributed as dist
+
+    out: List[Any] = [None] * fabric.world_size
+    dist.all_gather_object(out, obj)
+    return out
 
 
-def make_logger(out_dir: Path, name: str) -> Any:
-    """The CSV, TensorBoard or Weights & Biases logger under out_dir/logs (the GPU/CPU and the XLA recipes log
-    alike). W&B takes its project from WANDB_PROJECT (default "lit-gpt-xla") and runs offline with
-    WANDB_MODE=offline (sync later with `wandb sync`). For a URL out_dir the logger writes to a local mirror of
-    out_dir/logs that `push_logs` uploads (see lit_gpt.storage.LogMirror)."""
-    logs, mirror = log_folder(out_dir)
-    logger = _logger(logs, name, location(out_dir).name)
-    logger._lit_mirror = mirror
-    return logger
-
-
+# ---------------------------------------------------------------------------------------------------------------
+# Logs
+# ---------------------------------------------------------------------------------------------------------------
 def push_logs(fabric: Any) -> None:
     """Upload the loggers' files to a URL out_dir (after each checkpoint and at the end); nothing for a folder."""
     if fabric.global_rank != 0:
@@ -192,29 +118,6 @@ def push_logs(fabric: Any) -> None:
             mirror.push()
 
 
-def _logger(logs: Path, name: str, run_name: str) -> Any:
-    if name == "wandb":
-        try:
-            import wandb  # noqa: F401  (Lightning's logger imports it lazily: fail here, with the fix)
-        except ImportError:
-            raise LitError("--logger_name wandb needs the wandb package: pip install wandb") from None
-        import os
-
-        from lightning.pytorch.loggers import WandbLogger
-
-        logs.mkdir(parents=True, exist_ok=True)
-        return WandbLogger(save_dir=str(logs), project=os.environ.get("WANDB_PROJECT", "lit-gpt-xla"), name=run_name)
-    if name == "csv":
-        from lightning.fabric.loggers import CSVLogger
-
-        return CSVLogger(root_dir=logs, name="csv", flush_logs_every_n_steps=1)
-    if name == "tensorboard":
-        from lightning.fabric.loggers import TensorBoardLogger
-
-        return TensorBoardLogger(root_dir=logs, name="tensorboard")
-    raise LitError(f"--logger_name must be 'csv', 'tensorboard' or 'wandb', got {name!r}")
-
-
 def uses_fsdp(fabric: L.Fabric) -> bool:
     from lightning.fabric.strategies import FSDPStrategy
 
@@ -222,141 +125,8 @@ def uses_fsdp(fabric: L.Fabric) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Model
+# Schedule
 # ---------------------------------------------------------------------------------------------------------------
-def load_base_weights(
-    model: nn.Module, checkpoint_dir: Path, own_filter: Optional[Callable[[str, Any], bool]], assign: bool
-) -> None:
-    """Load the base `lit_model.pth` into `model` (not yet set up by Fabric). Only the method's own parameters
-    may be missing from it. With `assign` (CPU), the parameters become the memory-mapped tensors of the file
-    instead of copies of them: the frozen weights then exist once in memory."""
-    path = check_checkpoint_dir(checkpoint_dir)
-    state = load_state_dict(path)
-    state = state.get("model", state)
-    try:
-        result = model.load_state_dict(state, strict=False, assign=assign)
-    except RuntimeError as e:
-        raise LitError(f"checkpoint {str(path)!r} does not match the model config ({load_error_detail(e)})") from e
-    if result.unexpected_keys:
-        raise LitError(f"checkpoint {str(path)!r} has weights the model lacks (e.g. {result.unexpected_keys[0]!r})")
-    own = own_filter or (lambda k, v: False)
-    missing = [k for k in result.missing_keys if not own(k, None)]
-    if missing:
-        raise LitError(
-            f"checkpoint {str(path)!r} lacks {len(missing)} weight(s) of the model ({', '.join(missing[:4])}): it"
-            " does not match the model config, or it is not a complete base checkpoint"
-        )
-    _initialize_unloaded(model, set(result.missing_keys))
-
-
-def _initialize_unloaded(model: nn.Module, missing: set) -> None:
-    """Initialise the modules whose own parameters all stayed out of the checkpoint (e.g. the adapter's prompt
-    embedding): the model was built without running `nn.init` (Lightning's empty init), which leaves them
-    uninitialised. The variants create parameters that share a module with base weights with plain tensor ops
-    (`uniform_`, `zeros`), which empty init does not skip."""
-    for prefix, module in model.named_modules():
-        names = [f"{prefix}.{n}" if prefix else n for n, _ in module.named_parameters(recurse=False)]
-        if names and all(n in missing for n in names) and hasattr(module, "reset_parameters"):
-            module.reset_parameters()
-
-
-def setup_model(
-    fabric: L.Fabric,
-    build: Callable[[], nn.Module],
-    checkpoint_dir: Path,
-    own_filter: Optional[Callable[[str, Any], bool]] = None,
-    mark_trainable: Optional[Callable[[nn.Module], None]] = None,
-    quantize: Optional[Callable[[nn.Module], Any]] = None,
-) -> Tuple[nn.Module, nn.Module]:
-    """Build the model, load the base weights, freeze what the method does not train (`mark_trainable`), and set
-    it up with Fabric. `own_filter` names the method's own parameters, the only ones the base checkpoint lacks.
-    `quantize` (QLoRA) quantizes the frozen base weights in place, moving them to the device as it goes.
-    Returns (the Fabric-wrapped model, the plain module)."""
-    dtype = param_dtype(str(fabric.strategy.precision.precision))
-    if uses_fsdp(fabric):
-        from lit_gpt.model import Block
-
-        # FSDP materialises (and shards) the meta-initialised blocks itself; the weights are loaded after sharding
-        with fabric.init_module(empty_init=True):
-            model = build()
-        if getattr(getattr(model, "config", None), "tie_embeddings", False):
-            materialize_outside(model, Block, fabric.device)  # keeps a tied head tied (see its docstring)
-        if mark_trainable is not None:
-            mark_trainable(model)
-        wrapped = fabric.setup_module(model)
-        fabric.load_raw(check_checkpoint_dir(checkpoint_dir), wrapped, strict=own_filter is None)
-        return wrapped, model
-    # no random init of weights that the checkpoint overwrites: faster, and on the CPU (where the weights are
-    # assigned from the memory-mapped file) the never-touched empty tensors never take memory
-    if quantize is None:
-        with fabric.init_module(empty_init=True):
-            model = build()
-    else:
-        # QLoRA: built and loaded on the host (memory-mapped); `quantize` moves the weights to the GPU one layer at
-        # a time, quantizing each as it goes, so the base model never exists there in full precision
-        from lightning.fabric.utilities.init import _EmptyInit
-
-        with _EmptyInit(enabled=True):
-            model = build()
-    load_base_weights(model, checkpoint_dir, own_filter, assign=fabric.device.type == "cpu" or quantize is not None)
-    cast_floating(model, dtype)
-    if mark_trainable is not None:
-        mark_trainable(model)
-    if quantize is not None:
-        quantize(model)
-    n_train, n_frozen = num_parameters(model, requires_grad=True), num_parameters(model, requires_grad=False)
-    fabric.print(f"Parameters: {n_train:,} trainable, {n_frozen:,} frozen")
-    if n_train == 0:
-        raise LitError("the model has no trainable parameters: check the method's settings")
-    return fabric.setup_module(model), model
-
-
-def materialize_outside(model: nn.Module, block_cls: Type[nn.Module], device: torch.device) -> None:
-    """Materialise (on `device`, with `reset_parameters()`) the meta-device tensors of every module outside the
-    `block_cls` blocks, keeping tied parameters tied.
-
-    Why: FSDP materialises a meta-initialised model module by module (`to_empty(recurse=False)`), which gives the
-    head and the embedding separate tensors: a tied-embedding model (SmolLM2, Gemma, small Qwen) would then train
-    and save an untied head. Materialised and re-tied before wrapping, the tie is one shared parameter that FSDP
-    keeps. Only the embeddings, final norm and head are allocated in full on each rank; the blocks stay on the
-    meta device until FSDP shards them."""
-    inside = {id(m) for b in model.modules() if isinstance(b, block_cls) for m in b.modules()}
-    for module in model.modules():
-        if id(module) in inside:
-            continue
-        own = list(module.parameters(recurse=False)) + list(module.buffers(recurse=False))
-        if any(t.is_meta for t in own):
-            module.to_empty(device=device, recurse=False)
-            if hasattr(module, "reset_parameters"):
-                module.reset_parameters()
-    if hasattr(model, "tie_weights"):
-        model.tie_weights()
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Optimizer and schedule
-# ---------------------------------------------------------------------------------------------------------------
-def build_optimizer(model: nn.Module, train: TrainArgs, name: str = "adamw") -> torch.optim.Optimizer:
-    """AdamW (default) or SGD with momentum 0.9 over the trainable parameters. Norms, biases and other 1-D
-    parameters get no weight decay."""
-    decay, no_decay = [], []
-    for p in model.parameters():
-        if p.requires_grad:
-            (decay if p.dim() >= 2 else no_decay).append(p)
-    groups = [{"params": decay, "weight_decay": train.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    groups = [g for g in groups if g["params"]]
-    if name == "sgd":
-        return torch.optim.SGD(groups, lr=train.learning_rate, momentum=0.9)
-    if name != "adamw":
-        raise LitError(f"--optimizer must be 'adamw' or 'sgd', got {name!r}")
-    device = (decay or no_decay)[0].device
-    # fused kernels on GPU/CPU; XLA and others take the default implementation
-    fused = device.type in ("cuda", "cpu")
-    return torch.optim.AdamW(
-        groups, lr=train.learning_rate, betas=(train.beta1, train.beta2), fused=fused or None
-    )
-
-
 def lr_at(step: int, total_steps: int, warmup_steps: int, max_lr: float, min_lr: float) -> float:
     """Learning rate for optimizer step `step` (0-based): linear warmup over `warmup_steps` (capped at the run's
     length), then cosine decay from `max_lr` to `min_lr` at the last step."""
@@ -408,7 +178,7 @@ def load_data(
     max_seq_length is `--train.max_seq_length` if given (longer samples are cropped, and counted), else the
     longest sample; at most the model's context length. Samples that keep no target token once cropped are left
     out (they would teach nothing and, alone in a batch, divide by zero); when none is left the run stops."""
-    rank, processes = runtime.rank, runtime.num_processes
+    rank, processes = runtime.fabric.global_rank, runtime.fabric.world_size
     rows = train.micro_batch_size * runtime.local_devices
     prepared = load_prepared(data.data_dir, checkpoint_dir)
     if not prepared.train:
@@ -481,47 +251,8 @@ def pad_rows(batch: Dict[str, Any], rows: int) -> Dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Loss
+# Validation (the loss functions are lit_gpt.losses)
 # ---------------------------------------------------------------------------------------------------------------
-def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor, chunk_rows: int = 1024) -> torch.Tensor:
-    """Summed next-token cross-entropy over the non-ignored labels, in float32, in chunks of rows so that the
-    float32 copy of a (rows, vocab) block never exists whole."""
-    logits = logits.reshape(-1, logits.size(-1))
-    labels = labels.reshape(-1)
-    parts = [
-        nn.functional.cross_entropy(lc.float(), tc, ignore_index=IGNORE_INDEX, reduction="sum")
-        for lc, tc in zip(logits.split(chunk_rows), labels.split(chunk_rows))
-    ]
-    return parts[0] if len(parts) == 1 else torch.stack(parts).sum()
-
-
-def labelled_rows(labels: torch.Tensor) -> Optional[torch.Tensor]:
-    """Flat indices of the positions that have a label, or None when all have one. The loop takes them from the
-    host batch before it goes to the device: a `nonzero` of device labels makes the host wait for the GPU (the
-    result's size must be known) once per micro-batch."""
-    flat = labels.reshape(-1)
-    rows = (flat != IGNORE_INDEX).nonzero().squeeze(1)
-    return None if rows.numel() == flat.numel() else rows
-
-
-def loss_sum(
-    model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, targets_only: bool = True,
-    rows: Optional[torch.Tensor] = None,
-) -> torch.Tensor:
-    """Summed next-token cross-entropy over the labelled positions of a batch.
-
-    With `targets_only` the vocabulary projection (the largest matmul of a small model) runs only on the positions
-    that have a label: not on the masked prompts nor on the padding. That makes the shape data-dependent, which
-    tracing backends avoid (their runtime says `targets_only = False`). `rows`: `labelled_rows(labels)`, already
-    on the device (computed from `labels` here when not given)."""
-    if targets_only:
-        rows = labelled_rows(labels) if rows is None else rows
-        if rows is not None:
-            if rows.numel() == 0:  # nothing to learn in this batch: a zero loss that still has a graph
-                return model(input_ids[:, :1]).sum() * 0.0
-            logits = model(input_ids, head_rows=rows)
-            return cross_entropy_sum(logits, labels.reshape(-1).index_select(0, rows))
-    return cross_entropy_sum(model(input_ids), labels)
 
 
 @torch.no_grad()
@@ -537,7 +268,7 @@ def validate(runtime: Runtime, model: nn.Module, batches: List[Dict[str, Any]], 
         total += torch.stack([loss.float(), (labels != IGNORE_INDEX).sum().float()])
         runtime.end_step()
     model.train()
-    loss_sum_, count = runtime.sum_over_processes(total.cpu().tolist())
+    loss_sum_, count = sum_over_processes(runtime.fabric, total.cpu().tolist())
     return loss_sum_ / max(count, 1.0)
 
 
@@ -617,13 +348,13 @@ def check_same_run(saved: Dict[str, Any], current: Dict[str, Any], path: Path) -
         )
 
 
-def _resume_path(runtime: Runtime, resume: Union[bool, str, Path], out_dir: Path, weights_file: str) -> Optional[Path]:
+def _resume_path(runtime: Runtime, resume: Union[bool, str, Path], out_dir: Path) -> Optional[Path]:
     """`--resume`: False = start fresh; "auto" = the newest complete checkpoint in out_dir if any; True = the
     newest one, which must exist; a path = that step checkpoint."""
     if resume is False or resume is None or resume == "false":
         return None
     if resume in (True, "auto", "true"):
-        found = runtime.latest_step(out_dir, weights_file)
+        found = runtime.latest_step(out_dir)
         if found is None and resume != "auto":
             raise LitError(f"--resume: no complete checkpoint in {str(out_dir)!r}; use --resume auto to start fresh")
         return found
@@ -632,10 +363,10 @@ def _resume_path(runtime: Runtime, resume: Union[bool, str, Path], out_dir: Path
         raise LitError(f"--resume {str(path)!r} does not exist")
     if path.is_file():  # the weights file of a step folder
         path = path.parent
-    if not runtime.step_file(path, weights_file).is_file():
+    if not runtime.step_file(path).is_file():
         raise LitError(
             f"--resume {str(path)!r} is not a complete step checkpoint of this recipe (no"
-            f" {runtime.step_file(path, weights_file).name}): pass an out_dir/step-XXXXXX folder that it wrote"
+            f" {runtime.step_file(path).name}): pass an out_dir/step-XXXXXX folder that it wrote"
         )
     return path
 
@@ -645,7 +376,7 @@ def resume_run(
     run_config: Optional[Dict[str, Any]],
 ) -> Dict[str, Any]:
     """Restore model, optimizer, data position and every generator of every process from a step checkpoint."""
-    saved_method = runtime.saved_method(path, method.weights_file)
+    saved_method = runtime.saved_method(path)
     if saved_method != method.name:
         raise LitError(
             f"{str(path)!r} was written by a {saved_method} finetuning run, not {method.name}: resume it with the"
@@ -655,7 +386,7 @@ def resume_run(
     if run_config is not None and saved_run.is_file():
         check_same_run(json.loads(saved_run.read_text()), run_config, path)
     state: Dict[str, Any] = {"model": model, "optimizer": optimizer, "train_state": None}
-    runtime.load_step(path, state, method.weights_file)
+    runtime.load_step(path, state)
     train_state = state["train_state"]
     if not isinstance(train_state, dict):
         raise LitError(f"{str(path)!r} holds no training state (a final checkpoint?): resume from a step-XXXXXX one")
@@ -667,9 +398,9 @@ def resume_run(
         )
     data.train.load_state_dict(train_state["data"])
     rng = train_state["rng"]
-    if len(rng) != runtime.num_processes:
+    if len(rng) != runtime.fabric.world_size:
         raise LitError(f"{str(path)!r} was written by {len(rng)} processes: resume with as many")
-    runtime.set_rng_state(rng[runtime.rank])
+    runtime.set_rng_state(rng[runtime.fabric.global_rank])
     return train_state
 
 
@@ -691,7 +422,6 @@ def fit(
     resume: Union[bool, Literal["auto"], Path] = False,
     run_config: Optional[Dict[str, Any]] = None,
     runtime: Optional[Runtime] = None,
-    xla_metrics: bool = False,
 ) -> Dict[str, Any]:
     """Train for `train.max_steps` optimizer steps (or `train.epochs` epochs), validating every `eval.interval` steps
     and checkpointing every `train.save_interval` steps and at the last step; then export the last step's trained
@@ -736,7 +466,7 @@ def fit(
 
     step = 0
     last_saved: Optional[Path] = None
-    resume_from = _resume_path(runtime, resume, out_dir, method.weights_file)
+    resume_from = _resume_path(runtime, resume, out_dir)
     if resume_from is not None:
         train_state = resume_run(runtime, resume_from, model, optimizer, method, data, run_config)
         step = int(train_state["step"])
@@ -744,7 +474,7 @@ def fit(
         fabric.print(f"Resumed from {resume_from} at step {step} (epoch {data.train.epoch}, batch {data.train.index})")
     else:
         # dropout masks differ per process (the model itself was built from the same seed on every process)
-        runtime.seed(train.seed + runtime.rank)
+        runtime.seed(train.seed + fabric.global_rank)
     if step >= total_steps:
         fabric.print(f"Nothing to do: the checkpoint is at step {step} of {total_steps}")
     elif step == 0 and eval.initial_validation and has_val:
@@ -765,7 +495,7 @@ def fit(
     train_time = 0.0
     summary: Dict[str, Any] = {"steps": step, "first_step": step + 1, "losses": {}, "train_loss": None,
                                "val_loss": None, "total_steps": total_steps}
-    bar = tqdm(total=total_steps, initial=step, desc=f"finetune {method.name}", disable=runtime.rank != 0,
+    bar = tqdm(total=total_steps, initial=step, desc=f"finetune {method.name}", disable=fabric.global_rank != 0,
                dynamic_ncols=True, file=sys.stdout)
     model.train()
     first_step_of_run = True
@@ -775,9 +505,7 @@ def fit(
         set_lr(optimizer, lr_at(step, total_steps, train.lr_warmup_steps, train.learning_rate, train.min_lr))
         # the whole step's micro-batches first: the loss is divided by the step's target count over all processes
         batches = [pad_rows(next(data.train), data.rows) for _ in range(accum)]
-        step_targets = runtime.sum_over_processes(
-            [sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in batches)]
-        )[0]
+        step_targets = sum_over_processes(fabric, [sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in batches)])[0]
         scale = runtime.scalar(runtime.grad_scale / step_targets)
         mean_scale = runtime.scalar(1.0 / step_targets)
         for micro, batch in enumerate(batches):
@@ -799,21 +527,21 @@ def fit(
         optimizer.zero_grad(set_to_none=True)
         step += 1
         running_steps += 1
-        n_tokens = sum(b["n_tokens"] for b in batches) * runtime.num_processes
-        n_padded = sum(b["input_ids"].numel() for b in batches) * runtime.num_processes
+        n_tokens = sum(b["n_tokens"] for b in batches) * fabric.world_size
+        n_padded = sum(b["input_ids"].numel() for b in batches) * fabric.world_size
         tokens_seen += n_tokens
         padded_seen += n_padded
 
         loss_value = None
         if step % train.log_interval == 0 or step == total_steps:
             # the only host read of the loss (on async backends it waits for the step)
-            loss_value = runtime.sum_over_processes([float(running_loss.cpu())])[0] / running_steps
+            loss_value = sum_over_processes(fabric, [float(running_loss.cpu())])[0] / running_steps
             running_loss = runtime.zeros(())
             running_steps = 0
         step_time = time.perf_counter() - t0
         train_time += step_time
         new_compiles = runtime.compile_count() - c0
-        summary.setdefault("step_times", []).append((step_time, new_compiles, n_padded // runtime.num_processes))
+        summary.setdefault("step_times", []).append((step_time, new_compiles, n_padded // fabric.world_size))
         length = max(b["input_ids"].size(1) for b in batches)
         step_compiles[length] = step_compiles.get(length, 0) + new_compiles
         if first_step_of_run or new_compiles:
@@ -856,35 +584,31 @@ def fit(
             summary["val_loss"] = val_loss
             text = generate_sample(runtime, model, raw_model, data.sample_prompt, tokenizer,
                                    eval.max_new_tokens) if sampling else ""
-            if runtime.rank == 0:
+            if fabric.global_rank == 0:
                 bar.write(f"step {step}: val loss {val_loss:.4f}" + (f" | sample: {text!r}" if text else ""))
 
         if (train.save_interval is not None and step % train.save_interval == 0) or step == total_steps:
             rng = runtime.rng_state()
             train_state = {"step": step, "data": data.train.state_dict(), "total_steps": total_steps, "rows": data.rows,
-                           "rng": runtime.gather_objects(rng)}
+                           "rng": gather_objects(fabric, rng)}
             state = {"model": model, "optimizer": optimizer, "train_state": train_state, **method.metadata}
             push_logs(fabric)  # a URL out_dir's logs reach the bucket before the step they lead to is committed
-            last_saved = runtime.save_step(step_dir(out_dir, step), state, filters, method.weights_file, write_files)
+            last_saved = runtime.save_step(step_dir(out_dir, step), state, filters, write_files)
             # go on from the saved generator state, like a run resumed from this checkpoint: saving may advance a
             # backend's generator (XLA advances its seed at every graph cut, and a save cuts the graph)
             runtime.set_rng_state(rng)
-            bar.write(f"saved {last_saved}") if runtime.rank == 0 else None
+            bar.write(f"saved {last_saved}") if fabric.global_rank == 0 else None
         other_compiles += runtime.compile_count() - c1
     bar.close()
     summary["steps"] = step
 
     if last_saved is not None:
-        final = runtime.export_final(last_saved, out_dir / FINAL_DIR, model, {"model": model, **method.metadata},
-                                     filters, method.weights_file, write_files)
+        final = runtime.export_final(last_saved, out_dir / FINAL_DIR, model, method.name, method.save_filter,
+                                     method.metadata.get("config", {}), write_files)
         fabric.print(f"Saved the {method.name} weights of step {step} to {final}")
         summary["final"] = final
     _report(fabric, runtime, summary, steady, warmup, step_compiles, other_compiles, flops_per_token, peak)
     push_logs(fabric)
-    if xla_metrics:
-        from lit_gpt.xla.diagnostics import metrics_report
-
-        fabric.print(metrics_report())
     return summary
 
 
@@ -918,9 +642,3 @@ def _report(fabric: Any, runtime: Runtime, summary: Dict[str, Any], steady: Dict
         fabric.print(report)
 
 
-def run_config(**kwargs: Any) -> Dict[str, Any]:
-    """The recipe's arguments as JSON-friendly data (written to finetune.json next to the weights)."""
-    out = {}
-    for k, v in kwargs.items():
-        out[k] = asdict(v) if hasattr(v, "__dataclass_fields__") else v
-    return out

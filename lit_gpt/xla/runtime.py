@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 
 from lit_gpt.config import next_power_of_two
-from lit_gpt.runtime import Runtime
+from lit_gpt.runtime import Runtime, bucket_length
 from lit_gpt.storage import is_url, location
 from lit_gpt.utils import LitError
 
@@ -78,18 +78,11 @@ class XLARuntime(Runtime):
 
     @property
     def local_devices(self) -> int:
-        return self.data_parallel_size // max(1, self.num_processes)
+        return self.data_parallel_size // max(1, self.fabric.world_size)
 
     @property
     def grad_scale(self) -> float:
         return 1.0
-
-    def place(self, tensors: Any) -> Any:
-        if self.fabric is None:
-            return [t.to(self.device) for t in tensors]
-        from lit_gpt.xla.strategy import shard_batch
-
-        return shard_batch(self.fabric, tensors)
 
     def to_device(self, t: torch.Tensor) -> torch.Tensor:
         return to_device(t, self.device)
@@ -120,7 +113,9 @@ class XLARuntime(Runtime):
         xm.set_rng_state(seed, self.device)
 
     # ----------------------------------------------------------------- checkpoints
-    def step_file(self, directory: Path, weights_file: str) -> Path:
+    # One path: the strategy's save_checkpoint / load_checkpoint (`fabric.save` / `fabric.load` of a directory),
+    # which write and read per-host DCP shards (`lit_gpt.xla.checkpoint`).
+    def step_file(self, directory: Path) -> Path:
         from lit_gpt.xla.checkpoint import MARKER
 
         return location(directory) / MARKER
@@ -130,22 +125,22 @@ class XLARuntime(Runtime):
         directory: Path,
         state: Dict[str, Any],
         filter: Optional[Dict[str, Callable[[str, Any], bool]]],
-        weights_file: str,
         write_files: Callable[[Path], None],
     ) -> Path:
-        """A sharded checkpoint directory (every host writes its shards; atomic: `save_sharded`), with the run's
-        files written inside before it is committed."""
+        """A sharded checkpoint directory (every host writes its shards; atomic), with the run's files written
+        inside before it is committed."""
         from lit_gpt.runtime import write_error
-        from lit_gpt.xla.checkpoint import save_sharded
 
         try:
-            return save_sharded(directory, state, filter=filter, write_files=write_files)
+            self.fabric.strategy.save_checkpoint(directory, state, storage_options={"write_files": write_files},
+                                                 filter=filter)
+            return location(directory)
         except OSError as e:
             directory = location(directory)
             partials = [] if is_url(directory) else list(directory.parent.glob(f".{directory.name}.tmp-*"))
             raise write_error(directory, partials, e) from e
 
-    def load_step(self, directory: Path, state: Dict[str, Any], weights_file: str) -> Dict[str, Any]:
+    def load_step(self, directory: Path, state: Dict[str, Any]) -> Dict[str, Any]:
         from torch.distributed.checkpoint.api import CheckpointException
 
         try:  # load_sharded checks this host's own shards (a per-host local disk holds only those)
@@ -158,12 +153,12 @@ class XLARuntime(Runtime):
                 f"cannot resume from {str(directory)!r} ({first}): pass a step folder that this recipe wrote"
             ) from e
 
-    def saved_method(self, directory: Path, weights_file: str) -> str:
+    def saved_method(self, directory: Path) -> str:
         from lit_gpt.xla.checkpoint import read_values
 
         return read_values(directory).get("method") or "full"
 
-    def latest_step(self, out_dir: Path, weights_file: str) -> Optional[Path]:
+    def latest_step(self, out_dir: Path) -> Optional[Path]:
         # every host lists what it holds (per-host disks may differ); host 0 picks the newest step all hold
         from lit_gpt.xla.checkpoint import agreed_latest_checkpoint
 
@@ -174,41 +169,28 @@ class XLARuntime(Runtime):
         step: Path,
         final: Path,
         model: nn.Module,
-        state: Dict[str, Any],
-        filter: Optional[Dict[str, Callable[[str, Any], bool]]],
-        weights_file: str,
+        method: str,
+        save_filter: Optional[Callable[[str, Any], bool]],
+        method_config: Dict[str, Any],
         write_files: Callable[[Path], None],
     ) -> Path:
-        """Consolidate the trained weights of `step` (this run's last step checkpoint) into `final/weights_file`,
-        streamed tensor by tensor, in the format the GPU/CPU recipes write. Host 0 does it, into a temporary
-        folder renamed when complete; the other hosts' shards must be readable from it (shared storage: a bucket
-        is one). In a bucket (no renames) the run's files go first and the weights file, the commit, last."""
-        import shutil
-
-        from lit_gpt.runtime import commit_folder, write_error
-        from lit_gpt.storage import remove, write_into
+        """Consolidate the trained weights of `step` (this run's last step checkpoint, which holds exactly what
+        the method saves) into `final/` in the format the GPU/CPU recipes write (`lit_gpt.weights`), streamed
+        shard by shard. Host 0 does it; the other hosts' shards must be readable from it (shared storage: a bucket
+        is one). Committed like every export (`lit_gpt.export`)."""
+        from lit_gpt.export import export_final_folder
+        from lit_gpt.runtime import write_error
         from lit_gpt.xla.checkpoint import consolidate
 
-        final = location(final)
-        if self.rank == 0 and is_url(final):
+        path = None
+        if self.fabric.global_rank == 0:
             try:
-                remove(final, first=[weights_file])
-                write_into(final, write_files)
-                consolidate(step, final / weights_file, key="model")
+                path = export_final_folder(final, write_files, lambda stage: consolidate(step, stage, key="model",
+                                                                                          progress=False))
             except OSError as e:
-                raise write_error(final, [], e) from e
-        elif self.rank == 0:
-            tmp = final.with_name(f".{final.name}.partial")
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-            try:
-                consolidate(step, tmp / weights_file, key="model")
-                write_files(tmp)
-                commit_folder(tmp, final)
-            except OSError as e:
-                raise write_error(final, [tmp], e) from e
-        self.barrier()
-        return final / weights_file
+                raise write_error(location(final), [], e) from e
+        self.fabric.barrier()
+        return path if path is not None else location(final)
 
     # ----------------------------------------------------------------- model
     def set_rope(self, gpt: nn.Module, length: int) -> None:
@@ -242,8 +224,6 @@ class XLARuntime(Runtime):
         return 8
 
     def prompt_bucket(self, length: int, limit: int) -> int:
-        from lit_gpt.generate import bucket_length
-
         return bucket_length(length, limit)
 
     def cache_length(self, bucket: int, prompt_length: int, max_new_tokens: int, limit: int) -> int:

@@ -526,12 +526,16 @@ class SPMDFSDPStrategy(XLAStrategy):
         storage_options: Optional[Any] = None,
         filter: Optional[Dict[str, Callable[[str, Any], bool]]] = None,
     ) -> None:
-        """`fabric.save(dir, state)`: a sharded checkpoint directory (see lit_gpt.xla.checkpoint)."""
+        """`fabric.save(dir, state)`: a sharded checkpoint directory (see lit_gpt.xla.checkpoint). The one path of
+        every XLA step checkpoint. `storage_options` may be `{"write_files": fn}`: `fn(folder)` writes more files
+        (the run's config and tokenizer) into the checkpoint before it is committed."""
         from lit_gpt.xla.checkpoint import save_sharded
 
-        if storage_options is not None:
-            raise TypeError(f"{type(self).__name__} does not take storage_options")
-        save_sharded(path, state, filter=filter)
+        options = dict(storage_options or {})
+        write_files = options.pop("write_files", None)
+        if options:
+            raise TypeError(f"{type(self).__name__} takes only storage_options={{'write_files': fn}}, got {sorted(options)}")
+        save_sharded(path, state, filter=filter, write_files=write_files)
 
     def load_checkpoint(
         self,

@@ -5,9 +5,9 @@
     python generate/base.py --checkpoint_dir out/xla/full/alpaca/final --prompt_style alpaca --prompt "..."
 
 Every weight trains (parameters, gradients and optimizer state are sharded over the devices). Only the method
-differs from xla/finetune/adapter.py and lora.py; the loop (lit_gpt/xla/finetune.py) writes sharded checkpoints
+differs from xla/finetune/adapter.py and lora.py; the loop (lit_gpt/training.py, with lit_gpt/recipes/xla_finetune.py) writes sharded checkpoints
 to out_dir/step-XXXXXX/ (`--resume auto` continues from the newest complete one) and, at the end, the complete
-checkpoint folder out_dir/final/ (lit_model.pth, streamed out of the shards, plus config and tokenizer): what
+checkpoint folder out_dir/final/ (lit_model.safetensors, streamed out of the shards, plus config and tokenizer): what
 finetune/full.py writes, loadable on any machine.
 See xla/README.md for TPU VMs.
 """
@@ -15,10 +15,13 @@ See xla/README.md for TPU VMs.
 from pathlib import Path
 from typing import Literal, Optional, Union
 
-from lit_gpt import training
 from lit_gpt.args import DataArgs, EvalArgs, TrainArgs
 from lit_gpt.model import GPT
+from lit_gpt.recipes.finetune import FinetuneRun, build_optimizer, load_config, load_run_data
+from lit_gpt.recipes.xla_finetune import fit, load_model, setup_fabric
+from lit_gpt.training import Method
 from lit_gpt.utils import DEFAULT_CHECKPOINT_DIR, run_cli
+from lit_gpt.xla.runtime import XLARuntime
 
 
 def setup(
@@ -38,7 +41,7 @@ def setup(
     compile_cache_dir: Optional[Path] = None,
     xla_metrics: bool = False,
     accelerator: str = "auto",
-) -> None:
+) -> dict:
     """Finetune all weights of a model on prepared instruction data, on XLA devices.
 
     Args:
@@ -65,35 +68,25 @@ def setup(
         xla_metrics: Print torch_xla's metrics report (compilations, transfers, timings) at the end.
         accelerator: The PJRT device: "auto" (the TPU when there is one, else the CPU), "tpu", "cpu" or "cuda".
     """
-    from lit_gpt.xla import finetune
-
-    config = training.load_config(checkpoint_dir)
-    fabric = finetune.setup_fabric(devices, precision, train, out_dir, logger_name, activation_checkpointing,
-                                   compile_cache_dir, resume=resume, accelerator=accelerator, scan_layers=scan_layers)
-    run_config = training.run_config(method="full", checkpoint_dir=checkpoint_dir, data=data, train=train,
-                                     eval=eval, optimizer=optimizer, platform="xla")
-    fabric.launch(main, checkpoint_dir, out_dir, config, data, train, eval, resume, optimizer, run_config,
-                  xla_metrics)
+    config = load_config(checkpoint_dir)
+    fabric = setup_fabric(devices, precision, train, out_dir, logger_name, activation_checkpointing,
+                          compile_cache_dir, resume=resume, accelerator=accelerator, scan_layers=scan_layers)
+    run = FinetuneRun("full", checkpoint_dir, out_dir, config, data, train, eval, resume, optimizer, platform="xla",
+                      options={"xla_metrics": xla_metrics})
+    return fabric.launch(main, run)
 
 
-def main(fabric, checkpoint_dir, out_dir, config, data, train, eval, resume, optimizer, run_config,
-         xla_metrics) -> dict:
-    from lit_gpt.xla import finetune
-    from lit_gpt.xla.runtime import XLARuntime
-
-    fabric.seed_everything(train.seed)
+def main(fabric, run: FinetuneRun) -> dict:
+    fabric.seed_everything(run.train.seed)
     runtime = XLARuntime(fabric)  # the one training loop, with XLA's placement, graph cuts and checkpoints
-    run_data = training.load_data(runtime, data, train, eval, checkpoint_dir, config.block_size)
+    data = load_run_data(runtime, run)
 
     # the method: the plain model, every parameter trains and is saved
-    model = finetune.load_model(fabric, lambda: GPT(config), checkpoint_dir)
-    method = training.Method(name="full", weights_file="lit_model.pth")
+    model = load_model(fabric, lambda: GPT(run.config), run.checkpoint_dir)
+    method = Method(name="full")
 
-    wrapped, opt = fabric.setup(model, training.build_optimizer(model, train, optimizer))
-    return training.fit(
-        fabric, wrapped, model, opt, run_data, method, checkpoint_dir=checkpoint_dir, out_dir=out_dir, train=train,
-        eval=eval, resume=resume, run_config=run_config, runtime=runtime, xla_metrics=xla_metrics,
-    )
+    wrapped, opt = fabric.setup(model, build_optimizer(model, run.train, run.optimizer))
+    return fit(fabric, runtime, wrapped, model, opt, data, method, run)
 
 
 if __name__ == "__main__":

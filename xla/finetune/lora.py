@@ -3,22 +3,26 @@
     python scripts/prepare_alpaca.py --checkpoint_dir checkpoints/HuggingFaceTB/SmolLM2-135M-Instruct
     python xla/finetune/lora.py --checkpoint_dir checkpoints/HuggingFaceTB/SmolLM2-135M-Instruct
     python generate/lora.py --checkpoint_dir checkpoints/HuggingFaceTB/SmolLM2-135M-Instruct \\
-        --lora_path out/xla/lora/alpaca/final/lit_model.pth.lora --prompt_style alpaca --prompt "..."
+        --lora_path out/xla/lora/alpaca/final/lit_model.lora.safetensors --prompt_style alpaca --prompt "..."
 
 The base weights stay frozen; low-rank updates of the chosen linear layers train. Only the method differs from
-xla/finetune/adapter.py and full.py; the loop (lit_gpt/xla/finetune.py) writes sharded checkpoints to
+xla/finetune/adapter.py and full.py; the loop (lit_gpt/training.py, with lit_gpt/recipes/xla_finetune.py) writes sharded checkpoints to
 out_dir/step-XXXXXX/ (`--resume auto` continues from the newest complete one) and, at the end,
-out_dir/final/lit_model.pth.lora: the same file finetune/lora.py writes, loadable on any machine.
+out_dir/final/lit_model.lora.safetensors: the same file finetune/lora.py writes, loadable on any machine.
 See xla/README.md for TPU VMs.
 """
 
 from pathlib import Path
 from typing import Literal, Optional, Union
 
-from lit_gpt import lora, training
+from lit_gpt import lora
 from lit_gpt.args import DataArgs, EvalArgs, TrainArgs
 from lit_gpt.peft import finetuned_filter, finetuned_metadata
+from lit_gpt.recipes.finetune import FinetuneRun, build_optimizer, load_config, load_run_data
+from lit_gpt.recipes.xla_finetune import fit, load_model, setup_fabric
+from lit_gpt.training import Method
 from lit_gpt.utils import DEFAULT_CHECKPOINT_DIR, run_cli
+from lit_gpt.xla.runtime import XLARuntime
 
 
 def setup(
@@ -46,7 +50,7 @@ def setup(
     compile_cache_dir: Optional[Path] = None,
     xla_metrics: bool = False,
     accelerator: str = "auto",
-) -> None:
+) -> dict:
     """Finetune a model with LoRA on prepared instruction data, on XLA devices.
 
     Args:
@@ -82,43 +86,30 @@ def setup(
         xla_metrics: Print torch_xla's metrics report (compilations, transfers, timings) at the end.
         accelerator: The PJRT device: "auto" (the TPU when there is one, else the CPU), "tpu", "cpu" or "cuda".
     """
-    from lit_gpt.xla import finetune
-
-    config = training.load_config(
+    config = load_config(
         checkpoint_dir, lora.Config, lora_r=lora_r, lora_alpha=lora_alpha, lora_dropout=lora_dropout,
         lora_query=lora_query, lora_key=lora_key, lora_value=lora_value, lora_projection=lora_projection,
         lora_mlp=lora_mlp, lora_head=lora_head,
     )
-    fabric = finetune.setup_fabric(devices, precision, train, out_dir, logger_name, activation_checkpointing,
-                                   compile_cache_dir, resume=resume, accelerator=accelerator, scan_layers=scan_layers)
-    run_config = training.run_config(method="lora", checkpoint_dir=checkpoint_dir, data=data, train=train,
-                                     eval=eval, optimizer=optimizer, platform="xla")
-    fabric.launch(main, checkpoint_dir, out_dir, config, data, train, eval, resume, optimizer, run_config,
-                  xla_metrics)
+    fabric = setup_fabric(devices, precision, train, out_dir, logger_name, activation_checkpointing,
+                          compile_cache_dir, resume=resume, accelerator=accelerator, scan_layers=scan_layers)
+    run = FinetuneRun("lora", checkpoint_dir, out_dir, config, data, train, eval, resume, optimizer, platform="xla",
+                      options={"xla_metrics": xla_metrics})
+    return fabric.launch(main, run)
 
 
-def main(fabric, checkpoint_dir, out_dir, config, data, train, eval, resume, optimizer, run_config,
-         xla_metrics) -> dict:
-    from lit_gpt.xla import finetune
-    from lit_gpt.xla.runtime import XLARuntime
-
-    fabric.seed_everything(train.seed)
+def main(fabric, run: FinetuneRun) -> dict:
+    fabric.seed_everything(run.train.seed)
     runtime = XLARuntime(fabric)  # the one training loop, with XLA's placement, graph cuts and checkpoints
-    run_data = training.load_data(runtime, data, train, eval, checkpoint_dir, config.block_size)
+    data = load_run_data(runtime, run)
 
     # the method: LoRA layers on the frozen base model; only the LoRA matrices train and are saved
-    model = finetune.load_model(fabric, lambda: lora.GPT(config), checkpoint_dir, own_filter=lora.lora_filter)
+    model = load_model(fabric, lambda: lora.GPT(run.config), run.checkpoint_dir, own_filter=lora.lora_filter)
     lora.mark_only_lora_as_trainable(model)
-    method = training.Method(
-        name="lora", weights_file="lit_model.pth.lora",
-        save_filter=finetuned_filter(model), metadata=finetuned_metadata(model),
-    )
+    method = Method(name="lora", save_filter=finetuned_filter(model), metadata=finetuned_metadata(model))
 
-    wrapped, opt = fabric.setup(model, training.build_optimizer(model, train, optimizer))
-    return training.fit(
-        fabric, wrapped, model, opt, run_data, method, checkpoint_dir=checkpoint_dir, out_dir=out_dir, train=train,
-        eval=eval, resume=resume, run_config=run_config, runtime=runtime, xla_metrics=xla_metrics,
-    )
+    wrapped, opt = fabric.setup(model, build_optimizer(model, run.train, run.optimizer))
+    return fit(fabric, runtime, wrapped, model, opt, data, method, run)
 
 
 if __name__ == "__main__":

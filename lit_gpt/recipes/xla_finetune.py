@@ -1,8 +1,9 @@
 """Set-up of the XLA finetuning recipes (xla/finetune/{adapter,lora,full}.py). The loop is `lit_gpt.training.fit`,
 the same as on the CPU and on GPUs; `lit_gpt.xla.runtime.XLARuntime` carries what XLA does differently (batches
 split over the SPMD mesh, a graph cut per micro-batch, the whole padded batch in the loss, sharded checkpoints
-consolidated at the end, compilations counted). What is here: the Fabric over every PJRT device, and the staged
-loading of the base weights (block by block onto the devices, host RAM low).
+consolidated at the end, compilations counted). What is here: the Fabric over every PJRT device, the staged
+loading of the base weights (block by block onto the devices, host RAM low), and `fit`, the loop with XLA's
+runtime and its closing metrics report.
 """
 
 from pathlib import Path
@@ -12,6 +13,7 @@ import torch.nn as nn
 
 from lit_gpt import training
 from lit_gpt.args import TrainArgs
+from lit_gpt.recipes.finetune import FinetuneRun, check_out_dir, make_logger
 from lit_gpt.utils import LitError
 
 
@@ -32,7 +34,7 @@ def setup_fabric(
     from lit_gpt.xla.accelerator import select_pjrt_device
 
     select_pjrt_device(accelerator)
-    training.check_out_dir(out_dir, resume)
+    check_out_dir(out_dir, resume)
     check_scan_layers(scan_layers)
     if getattr(train, "compile", False):
         raise LitError("--train.compile (torch.compile) is for the GPU/CPU recipes: XLA compiles every step already")
@@ -41,7 +43,7 @@ def setup_fabric(
 
     fabric = make_fabric(
         devices, default_precision(precision), activation_checkpointing=activation_checkpointing,
-        compile_cache_dir=compile_cache_dir, loggers=training.make_logger(out_dir, logger_name),
+        compile_cache_dir=compile_cache_dir, loggers=make_logger(out_dir, logger_name),
         scan_layers=scan_layers,
     )
     n = pjrt_device_count()
@@ -78,3 +80,18 @@ def load_model(fabric: Any, build: Callable[[], nn.Module], checkpoint_dir: Path
 
     allow = (lambda name: bool(own_filter(name, None))) if own_filter is not None else None
     return load_staged(build, check_checkpoint_dir(checkpoint_dir), fabric, allow_missing=allow)
+
+
+
+def fit(fabric: Any, runtime: Any, model: nn.Module, raw_model: nn.Module, optimizer: Any, data: Any,
+        method: "training.Method", run: FinetuneRun) -> dict:
+    """`lit_gpt.recipes.finetune.fit` (the one loop) with `XLARuntime`, then torch_xla's metrics report when
+    `run.options["xla_metrics"]`."""
+    from lit_gpt.recipes.finetune import fit as fit_run
+
+    summary = fit_run(fabric, runtime, model, raw_model, optimizer, data, method, run)
+    if run.options.get("xla_metrics"):
+        from lit_gpt.xla.diagnostics import metrics_report
+
+        fabric.print(metrics_report())
+    return summary
