@@ -1,19 +1,23 @@
-"""What the one training loop (`lit_gpt.training.fit`) and the one generation loop (`lit_gpt.generate`) need from a
-backend, and its CPU / CUDA implementation. `lit_gpt.xla.runtime.XLARuntime` is the XLA one.
+"""The backend policy: what the one training loop (`lit_gpt.training.fit`) and the one generation loop
+(`lit_gpt.generate`) need from a backend beyond its Fabric strategy, and its CPU / CUDA implementation.
+`lit_gpt.xla.runtime.XLARuntime` is the XLA one. A recipe builds the policy and passes it in explicitly (there is
+no factory that picks one from a device); collectives, barriers and saving/loading files go through Fabric, whose
+strategy is the other half of the backend layer.
 
 The loops are written once; a `Runtime` answers the questions on which backends differ:
 
-* placement: how a host batch reaches the devices (`place`: one device, or split over an SPMD mesh), how a
+* placement: how a host batch reaches the devices (`place`: Fabric's `to_device`, which the XLA strategy splits
+  over the SPMD mesh), how a
   long-lived tensor is created (`to_device`, `zeros`), and whether the loss head may take data-dependent shapes
   (`targets_only`: eager backends skip unlabelled positions, tracing backends keep every shape static);
 * graph cuts: `end_micro_batch` and `end_step` (XLA ends its lazy graph there; eager backends do nothing);
 * data parallelism: how many devices split the global batch (`data_parallel_size`), how many of them one
   process feeds (`local_devices`), and how gradients are combined (`grad_scale`: DDP/FSDP average over
   processes, an SPMD program computes the global gradient at once);
-* collectives on host numbers (`sum_over_processes`, `gather_objects`, `broadcast_object`);
 * RNG states (`rng_state` / `set_rng_state`: every generator in play on this backend);
 * checkpoints: a step checkpoint is one file written by Fabric (CPU/CUDA) or a directory of per-host shards
-  (XLA); both are written under a temporary name with the run's files inside and renamed when complete;
+  written by the XLA strategy; both under a temporary name with the run's files inside, renamed when complete;
+  the final export is the project's weights format (`lit_gpt.weights`, `lit_gpt.export`);
 * generation: KV-cache allocation, prompt buckets, how often the host looks at the stop flag;
 * diagnostics: compilations so far, the device's peak FLOP/s for MFU.
 """

@@ -1,12 +1,12 @@
 """The finetuning loop of every recipe: `finetune/{full,lora,adapter,adapter_v2}.py` on CPU/CUDA and
 `xla/finetune/{full,lora,adapter}.py` on XLA devices.
 
-A recipe builds its model and says which parameters train and what gets saved (a `Method`); everything else is
-here: the Fabric set-up, loading the base weights, the optimizer and its warmup + cosine schedule, the data
-streams, `fit` (gradient accumulation, clipping, logging, validation with a generated sample, checkpoints,
-resuming, the final export). What differs between backends is asked of a `lit_gpt.runtime.Runtime` (CPU/CUDA) or
-`lit_gpt.xla.runtime.XLARuntime`: how a batch is placed, where a graph is cut, how gradients combine, how a
-checkpoint is stored, which generators exist. There is no second loop.
+A recipe builds its model and says which parameters train and what gets saved (a `Method`; the set-up steps are
+`lit_gpt.recipes.finetune`); here are the warmup + cosine schedule, the data streams, and `fit` (gradient
+accumulation, clipping, logging, validation with a generated sample, checkpoints, resuming, the final export).
+What differs between backends is a Fabric strategy plus the runtime policy passed in (`lit_gpt.runtime.Runtime`
+for CPU/CUDA, `lit_gpt.xla.runtime.XLARuntime`): how a batch is placed, where a graph is cut, how gradients
+combine, how a checkpoint is stored, which generators exist. There is no second loop.
 
 The logged training loss is the mean cross-entropy per target token over the whole optimizer step (all
 micro-batches and all devices), on every backend; gradients are those of that mean. A step's micro-batches are
@@ -17,16 +17,16 @@ Steps: every optimizer step consumes `global_batch_size` samples, on any number 
 floor(samples / global_batch_size) steps (the tail, a different one each epoch, waits for the next epoch), so
 `--train.epochs` gives the same steps, samples and losses on 1 CPU process, 1 XLA device or 8.
 
-Checkpoints. `out_dir/step-000010/` holds the trained weights, the optimizer, and the train state (step, data
-position, every RNG of every process), next to the base model's config and tokenizer files and the run's
-arguments (`finetune.json`); written under a temporary name and renamed when complete, so a killed run never
-leaves a half checkpoint that `--resume auto` would pick. `out_dir/final/` holds the trained weights of the run's
-last step without optimizer state: the deliverable that the generate recipes load, in one format on every backend.
+Checkpoints (`lit_gpt.checkpoints`). `out_dir/step-000010/` holds the trained weights, the optimizer, and the train
+state (step, data position, every RNG of every process), next to the base model's config and tokenizer files and
+the run's arguments (`finetune.json`); written under a temporary name and renamed when complete, so a killed run
+never leaves a half checkpoint that `--resume auto` would pick. `out_dir/final/` holds the trained weights of the
+run's last step without optimizer state, in the project's weights format (`lit_gpt.weights`, safetensors): the
+deliverable that the generate recipes load, the same on every backend.
 """
 
 import json
 import math
-import shutil
 import sys
 import time
 from dataclasses import dataclass, field, replace
@@ -38,26 +38,13 @@ import torch
 import torch.nn as nn
 
 from lit_gpt.args import DataArgs, EvalArgs, TrainArgs
+from lit_gpt.checkpoints import resume_path, resume_run, run_files, step_dir
 from lit_gpt.data import IGNORE_INDEX, PreparedData, TrainBatches, count_cropped, load_prepared, val_batches
 from lit_gpt.losses import cross_entropy_sum, labelled_rows, loss_sum
 from lit_gpt.runtime import FINAL_DIR, Runtime
 from lit_gpt.storage import location
 from lit_gpt.utils import LitError
 
-COPIED_FILES = (
-    "lit_config.json",
-    "config.json",
-    "tokenizer.json",
-    "tokenizer.model",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "generation_config.json",
-)
-RUN_FILE = "finetune.json"
-# arguments that may change between a run and its resumption: they do not change what is computed
-# (and the run's length: a resumed run may be extended or cut, which changes its schedule from then on)
-RESUMABLE_CHANGES = {"train.save_interval", "train.log_interval", "train.max_steps", "train.epochs", "eval",
-                     "logger_name"}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -293,118 +280,6 @@ def generate_sample(
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Checkpoints and resuming
-# ---------------------------------------------------------------------------------------------------------------
-def step_dir(out_dir: Path, step: int) -> Path:
-    return location(out_dir) / f"step-{step:06d}"
-
-
-def copy_model_files(checkpoint_dir: Path, destination: Path) -> None:
-    """The base config and tokenizer next to the weights: a checkpoint directory is then self-describing."""
-    for name in COPIED_FILES:
-        src = Path(checkpoint_dir) / name
-        if src.is_file():
-            shutil.copy2(src, Path(destination) / name)
-
-
-def run_files(checkpoint_dir: Path, run_config: Optional[Dict[str, Any]]) -> Callable[[Path], None]:
-    """What every checkpoint folder gets beside the weights, before it is committed."""
-
-    def write(folder: Path) -> None:
-        copy_model_files(checkpoint_dir, folder)
-        if run_config is not None:
-            (Path(folder) / RUN_FILE).write_text(json.dumps(run_config, indent=2, default=str) + "\n")
-
-    return write
-
-
-def _flatten(d: Dict[str, Any], prefix: str = "") -> Dict[str, Any]:
-    out: Dict[str, Any] = {}
-    for k, v in d.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict) and v:
-            out.update(_flatten(v, key + "."))
-        else:
-            out[key] = v
-    return out
-
-
-def check_same_run(saved: Dict[str, Any], current: Dict[str, Any], path: Path) -> None:
-    """A resumed run must compute what the interrupted one would have: refuse when the arguments that decide it
-    differ (only logging, validation and checkpoint intervals may change)."""
-    a = json.loads(json.dumps(saved, default=str))
-    b = json.loads(json.dumps(current, default=str))
-    fa, fb = _flatten(a), _flatten(b)
-    differ = sorted(
-        k for k in set(fa) | set(fb)
-        if fa.get(k) != fb.get(k) and not any(k == p or k.startswith(p + ".") for p in RESUMABLE_CHANGES)
-    )
-    if differ:
-        shown = "; ".join(f"{k}: {fa.get(k)!r} -> {fb.get(k)!r}" for k in differ[:3])
-        more = f" (and {len(differ) - 3} more)" if len(differ) > 3 else ""
-        raise LitError(
-            f"{str(path)!r} belongs to a run with other arguments ({shown}{more}): resume with the same arguments,"
-            " or start a new run in a new --out_dir"
-        )
-
-
-def _resume_path(runtime: Runtime, resume: Union[bool, str, Path], out_dir: Path) -> Optional[Path]:
-    """`--resume`: False = start fresh; "auto" = the newest complete checkpoint in out_dir if any; True = the
-    newest one, which must exist; a path = that step checkpoint."""
-    if resume is False or resume is None or resume == "false":
-        return None
-    if resume in (True, "auto", "true"):
-        found = runtime.latest_step(out_dir)
-        if found is None and resume != "auto":
-            raise LitError(f"--resume: no complete checkpoint in {str(out_dir)!r}; use --resume auto to start fresh")
-        return found
-    path = location(resume)
-    if not path.exists():
-        raise LitError(f"--resume {str(path)!r} does not exist")
-    if path.is_file():  # the weights file of a step folder
-        path = path.parent
-    if not runtime.step_file(path).is_file():
-        raise LitError(
-            f"--resume {str(path)!r} is not a complete step checkpoint of this recipe (no"
-            f" {runtime.step_file(path).name}): pass an out_dir/step-XXXXXX folder that it wrote"
-        )
-    return path
-
-
-def resume_run(
-    runtime: Runtime, path: Path, model: nn.Module, optimizer: Any, method: Method, data: RunData,
-    run_config: Optional[Dict[str, Any]],
-) -> Dict[str, Any]:
-    """Restore model, optimizer, data position and every generator of every process from a step checkpoint."""
-    saved_method = runtime.saved_method(path)
-    if saved_method != method.name:
-        raise LitError(
-            f"{str(path)!r} was written by a {saved_method} finetuning run, not {method.name}: resume it with the"
-            f" {saved_method} recipe, or pass a step folder of a {method.name} run"
-        )
-    saved_run = Path(path) / RUN_FILE
-    if run_config is not None and saved_run.is_file():
-        check_same_run(json.loads(saved_run.read_text()), run_config, path)
-    state: Dict[str, Any] = {"model": model, "optimizer": optimizer, "train_state": None}
-    runtime.load_step(path, state)
-    train_state = state["train_state"]
-    if not isinstance(train_state, dict):
-        raise LitError(f"{str(path)!r} holds no training state (a final checkpoint?): resume from a step-XXXXXX one")
-    rows = train_state.get("rows", data.rows)
-    if rows != data.rows:
-        raise LitError(
-            f"{str(path)!r} was written with {rows} rows per forward (micro_batch_size x devices per process), this"
-            f" run has {data.rows}: resume with the same --devices and --train.micro_batch_size"
-        )
-    data.train.load_state_dict(train_state["data"])
-    rng = train_state["rng"]
-    if len(rng) != runtime.fabric.world_size:
-        raise LitError(f"{str(path)!r} was written by {len(rng)} processes: resume with as many")
-    runtime.set_rng_state(rng[runtime.fabric.global_rank])
-    return train_state
-
-
-# ---------------------------------------------------------------------------------------------------------------
 # The loop
 # ---------------------------------------------------------------------------------------------------------------
 def fit(
@@ -466,7 +341,7 @@ def fit(
 
     step = 0
     last_saved: Optional[Path] = None
-    resume_from = _resume_path(runtime, resume, out_dir)
+    resume_from = resume_path(runtime, resume, out_dir)
     if resume_from is not None:
         train_state = resume_run(runtime, resume_from, model, optimizer, method, data, run_config)
         step = int(train_state["step"])

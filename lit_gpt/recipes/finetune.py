@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 
 from lit_gpt.args import DataArgs, EvalArgs, TrainArgs
-from lit_gpt.config import Config, load_config  # noqa: F401  (the recipes' `load_config`: the one loader)
+from lit_gpt.config import Config, load_config  # noqa: F401  (the recipes import `load_config` from here)
 from lit_gpt.runtime import FINAL_DIR, STEP_DIR, param_dtype, resolve_accelerator
 from lit_gpt.storage import location, log_folder
 from lit_gpt import training
