@@ -6,7 +6,7 @@ from dataclasses import fields
 import pytest
 import torch
 
-import lit_gpt.config as config_module
+import lit_gpt.config_registry as config_module  # the named configs (data)
 from lit_gpt import Config
 from lit_gpt.convert import _HFToLit, _check_state, _expected_state, hf_config_dict, hf_model_type
 
