@@ -1,22 +1,17 @@
-"""Convert checkpoints between the Hugging Face layout and ours (`lit_model.pth` + `lit_config.json`).
+"""Convert checkpoints between the Hugging Face layout and ours (`lit_model.safetensors` + `lit_config.json`).
 
 HF -> lit (`convert_hf_checkpoint`) streams the HF weights tensor by tensor (safetensors headers or memory-mapped
 `.bin` files), renames them, and fuses each layer's query/key/value projections into one `attn.qkv` matrix whose
-rows are [all q heads | all k heads | all v heads]. lit -> HF (`convert_lit_checkpoint`) is the exact inverse and
-writes `model.safetensors` (sharded above a size limit) plus a `config.json` that `transformers` loads.
-
-Fused HF qkv layouts all fit one pattern: the rows form `n_groups` blocks of `q_per_kv` query heads followed by
-one key head and one value head. GPT-NeoX and non-multi-query Falcon interleave per head (n_groups = n_head,
-q_per_kv = 1), multi-query Falcon-7B stores [q heads, k, v] (n_groups = 1) and Falcon-40B's new decoder
-architecture stores one block per KV group.
+rows are [all q heads | all k heads | all v heads] (the layouts: `lit_gpt.convert_layouts`); the result is written
+in the project's weights format (`lit_gpt.weights`: safetensors, sharded with an index above a size limit).
+lit -> HF (`convert_lit_checkpoint`) is the exact inverse: it reads any lit weights (`lit_gpt.weights.load_weights`)
+and writes `model.safetensors` (sharded above a size limit) plus a `config.json` that `transformers` loads.
 """
 
 import json
-import os
 import re
 import sys
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 
@@ -24,18 +19,27 @@ import torch
 from tqdm import tqdm
 
 from lit_gpt.config import Config
-from lit_gpt.hf_write import SUPPORTED_MODEL_TYPES, _falcon_arch, hf_config_dict, hf_model_type
+from lit_gpt.convert_layouts import FUSED_MLP, LAYOUTS, group_qkv, layer_map, qkv_grouping, split_qkv, ungroup_qkv
+from lit_gpt.hf_write import SUPPORTED_MODEL_TYPES, hf_config_dict, hf_model_type
 from lit_gpt.model import GPT
 from lit_gpt.utils import (
     LitError,
+    cannot_write,
     check_checkpoint_dir,
     copy_file_atomic,
     error_reason,
     load_state_dict,
     refuse_overwrite,
-    remove_stale_temp_files,
-    save_atomic,
     write_text_atomic,
+)
+from lit_gpt.weights import (
+    DEFAULT_MAX_SHARD_SIZE,
+    LEGACY,
+    STEM,
+    index_name,
+    load_weights,
+    save_weights,
+    save_weights_streaming,
 )
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -51,195 +55,6 @@ HF_SIDE_FILES = (
     "generation_config.json",
     "chat_template.jinja",  # transformers 5 and newer Hub repos (SmolLM3) keep the template in its own file
 )
-# ---------------------------------------------------------------------------------------------------------------
-# Name layouts
-# ---------------------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class _Layout:
-    top: Dict[str, str]  # HF module -> lit module, outside the layers
-    layers: str  # HF prefix of layer i is f"{layers}.{i}."
-    layer: Dict[str, str]  # HF sub-module -> lit sub-module inside a layer
-    qkv: Tuple[str, ...]  # HF q, k, v projections (three names) or the fused projection (one name)
-    skip: Tuple[str, ...] = ()  # regexes of HF tensors that hold no weights (buffers some checkpoints carry)
-    rename: Tuple[Tuple[str, str], ...] = ()  # (regex, replacement) applied to HF names before mapping (import)
-
-
-_GATED_MLP = {"mlp.gate_proj": "mlp.fc_1", "mlp.up_proj": "mlp.fc_2", "mlp.down_proj": "mlp.proj"}
-_LLAMA_LAYER = {
-    "input_layernorm": "norm_1",
-    "post_attention_layernorm": "norm_2",
-    "self_attn.o_proj": "attn.proj",
-    **_GATED_MLP,
-}
-_LLAMA = _Layout(
-    top={"model.embed_tokens": "transformer.wte", "model.norm": "transformer.ln_f", "lm_head": "lm_head"},
-    layers="model.layers",
-    layer=_LLAMA_LAYER,
-    qkv=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    skip=(r"\.rotary_emb\.inv_freq$",),
-)
-_QK_NORMS = {"self_attn.q_norm": "attn.norm_q", "self_attn.k_norm": "attn.norm_k"}
-_QWEN3 = _Layout(
-    top=_LLAMA.top, layers=_LLAMA.layers, layer={**_LLAMA_LAYER, **_QK_NORMS}, qkv=_LLAMA.qkv, skip=_LLAMA.skip
-)
-_OLMO2 = _Layout(
-    top=_LLAMA.top,
-    layers=_LLAMA.layers,
-    layer={
-        "post_attention_layernorm": "post_attention_norm",
-        "post_feedforward_layernorm": "post_mlp_norm",
-        "self_attn.o_proj": "attn.proj",
-        **_GATED_MLP,
-        **_QK_NORMS,
-    },
-    qkv=_LLAMA.qkv,
-    skip=_LLAMA.skip,
-)
-_GEMMA2_LAYER = {
-    "input_layernorm": "norm_1",
-    "post_attention_layernorm": "post_attention_norm",
-    "pre_feedforward_layernorm": "norm_2",
-    "post_feedforward_layernorm": "post_mlp_norm",
-    "self_attn.o_proj": "attn.proj",
-    **_GATED_MLP,
-}
-_GEMMA2 = _Layout(top=_LLAMA.top, layers=_LLAMA.layers, layer=_GEMMA2_LAYER, qkv=_LLAMA.qkv, skip=_LLAMA.skip)
-_GEMMA3 = _Layout(
-    top=_LLAMA.top,
-    layers=_LLAMA.layers,
-    layer={**_GEMMA2_LAYER, **_QK_NORMS},
-    qkv=_LLAMA.qkv,
-    # the multimodal checkpoint (model_type gemma3): its text tower under `language_model.model.` (Hub files) or
-    # `model.language_model.` (transformers 5), and the vision tower and projector, which are left out
-    skip=_LLAMA.skip + (r"(^|\.)vision_tower\.", r"(^|\.)multi_modal_projector\."),
-    rename=((r"^language_model\.model\.", "model."), (r"^model\.language_model\.", "model."),
-            (r"^language_model\.lm_head\.", "lm_head.")),
-)
-# Phi-3's fused qkv_proj already holds [q heads | k heads | v heads]; gate_up_proj is [gate | up] (`_FUSED_MLP`)
-_PHI3 = _Layout(
-    top=_LLAMA.top,
-    layers=_LLAMA.layers,
-    layer={
-        "input_layernorm": "norm_1",
-        "post_attention_layernorm": "norm_2",
-        "self_attn.qkv_proj": "attn.qkv",
-        "self_attn.o_proj": "attn.proj",
-        "mlp.down_proj": "mlp.proj",
-    },
-    qkv=(),
-    skip=_LLAMA.skip,
-)
-_FUSED_MLP = {"phi3": ("mlp.gate_up_proj", ("mlp.fc_1", "mlp.fc_2"))}
-_PHI = _Layout(
-    top={"model.embed_tokens": "transformer.wte", "model.final_layernorm": "transformer.ln_f", "lm_head": "lm_head"},
-    layers="model.layers",
-    layer={"input_layernorm": "norm_1", "self_attn.dense": "attn.proj", "mlp.fc1": "mlp.fc", "mlp.fc2": "mlp.proj"},
-    qkv=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    skip=(r"\.rotary_emb\.inv_freq$",),
-)
-_GPT_NEOX = _Layout(
-    # checkpoints name the head `embed_out`; transformers 5 renames it to `lm_head` in memory (export writes the first)
-    top={
-        "gpt_neox.embed_in": "transformer.wte",
-        "gpt_neox.final_layer_norm": "transformer.ln_f",
-        "embed_out": "lm_head",
-        "lm_head": "lm_head",
-    },
-    layers="gpt_neox.layers",
-    layer={
-        "input_layernorm": "norm_1",
-        "post_attention_layernorm": "norm_2",
-        "attention.dense": "attn.proj",
-        "mlp.dense_h_to_4h": "mlp.fc",
-        "mlp.dense_4h_to_h": "mlp.proj",
-    },
-    qkv=("attention.query_key_value",),
-    # older checkpoints store the causal-mask and RoPE buffers
-    skip=(r"\.attention\.(bias|masked_bias)$", r"\.rotary_emb\.inv_freq$"),
-)
-_FALCON_COMMON = {"self_attention.dense": "attn.proj", "mlp.dense_h_to_4h": "mlp.fc", "mlp.dense_4h_to_h": "mlp.proj"}
-_FALCON = _Layout(
-    top={"transformer.word_embeddings": "transformer.wte", "transformer.ln_f": "transformer.ln_f", "lm_head": "lm_head"},
-    layers="transformer.h",
-    # import accepts every norm naming; export picks the one the config's architecture uses (`_falcon_layer`)
-    layer={
-        "input_layernorm": "norm_1",
-        "post_attention_layernorm": "norm_2",
-        "ln_attn": "norm_1",
-        "ln_mlp": "norm_2",
-        **_FALCON_COMMON,
-    },
-    qkv=("self_attention.query_key_value",),
-    skip=(r"\.rotary_emb\.inv_freq$",),
-)
-_LAYOUTS = {
-    "llama": _LLAMA,
-    "mistral": _LLAMA,
-    "qwen2": _LLAMA,
-    "gemma": _LLAMA,
-    "stablelm": _LLAMA,
-    "phi": _PHI,
-    "gpt_neox": _GPT_NEOX,
-    "falcon": _FALCON,
-    "qwen3": _QWEN3,
-    "smollm3": _LLAMA,
-    "olmo2": _OLMO2,
-    "phi3": _PHI3,
-    "gemma2": _GEMMA2,
-    "gemma3_text": _GEMMA3,
-    "gemma3": _GEMMA3,
-}
-
-
-def _layer_map(model_type: str, config: Config) -> Dict[str, str]:
-    """HF sub-module -> lit sub-module for one layer, one-to-one for this config (what export uses)."""
-    if model_type != "falcon":
-        layer = dict(_LAYOUTS[model_type].layer)
-        if config.shared_attention_norm:
-            layer.pop("post_attention_layernorm", None)
-        return layer
-    new_arch, _ = _falcon_arch(config)
-    if config.shared_attention_norm:
-        norms = {"input_layernorm": "norm_1"}
-    elif new_arch:
-        norms = {"ln_attn": "norm_1", "ln_mlp": "norm_2"}
-    else:
-        norms = {"input_layernorm": "norm_1", "post_attention_layernorm": "norm_2"}
-    return {**norms, **_FALCON_COMMON}
-
-
-def _qkv_grouping(model_type: str, config: Config) -> Tuple[int, int]:
-    """(n_groups, q_per_kv) of a fused HF qkv tensor (see the module docstring)."""
-    if model_type == "gpt_neox":
-        return config.n_head, 1
-    return config.n_query_groups, config.n_head // config.n_query_groups
-
-
-def _ungroup_qkv(t: torch.Tensor, n_groups: int, q_per_kv: int, head_size: int) -> torch.Tensor:
-    """HF fused rows (n_groups, q_per_kv + 2, head_size) -> lit rows [q heads | k heads | v heads]."""
-    rest = t.shape[1:]
-    g = t.reshape(n_groups, q_per_kv + 2, head_size, *rest)
-    q = g[:, :q_per_kv].reshape(-1, *rest)
-    k = g[:, q_per_kv].reshape(-1, *rest)
-    v = g[:, q_per_kv + 1].reshape(-1, *rest)
-    return torch.cat((q, k, v))
-
-
-def _group_qkv(t: torch.Tensor, n_groups: int, q_per_kv: int, head_size: int) -> torch.Tensor:
-    """lit rows [q heads | k heads | v heads] -> HF fused rows (n_groups, q_per_kv + 2, head_size)."""
-    rest = t.shape[1:]
-    q_rows = n_groups * q_per_kv * head_size
-    kv_rows = n_groups * head_size
-    q, k, v = t.split((q_rows, kv_rows, kv_rows))
-    q = q.reshape(n_groups, q_per_kv, head_size, *rest)
-    k = k.reshape(n_groups, 1, head_size, *rest)
-    v = v.reshape(n_groups, 1, head_size, *rest)
-    return torch.cat((q, k, v), dim=1).reshape(-1, *rest)
-
-
-def _split_qkv(t: torch.Tensor, config: Config) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    kv_rows = config.n_query_groups * config.head_size
-    return t.split((config.n_head * config.head_size, kv_rows, kv_rows))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -290,8 +105,8 @@ def _write_text_atomic(path: Path, text: str) -> None:
 def _weight_files(checkpoint_dir: Path) -> List[Path]:
     """The HF weight files: the shards an index names, else every `*.safetensors`, else `pytorch_model*.bin`."""
     kinds = (("model.safetensors.index.json", "*.safetensors"), ("pytorch_model.bin.index.json", "pytorch_model*.bin"))
-    for index_name, pattern in kinds:
-        index = checkpoint_dir / index_name
+    for index_file, pattern in kinds:
+        index = checkpoint_dir / index_file
         if index.is_file():
             weight_map = _read_json(index).get("weight_map")
             if not isinstance(weight_map, dict) or not weight_map:
@@ -303,8 +118,9 @@ def _weight_files(checkpoint_dir: Path) -> List[Path]:
                     f"{str(index)!r} names shards that are missing: {', '.join(absent[:3])}. Download the checkpoint again"
                 )
             return files
-        # Mistral repos also ship `consolidated.safetensors` in Mistral's own layout: never mix it in
-        files = sorted(f for f in checkpoint_dir.glob(pattern) if not f.name.startswith("consolidated"))
+        # Mistral repos also ship `consolidated.safetensors` in Mistral's own layout, and a converted folder holds
+        # the lit weights (`lit_model*.safetensors`) beside the HF ones: never mix them in
+        files = sorted(f for f in checkpoint_dir.glob(pattern) if not f.name.startswith(("consolidated", STEM)))
         if files:
             return files
     raise LitError(
@@ -343,7 +159,7 @@ class _HFToLit:
     def __init__(self, model_type: str, config: Config) -> None:
         self.model_type = model_type
         self.config = config
-        self.layout = _LAYOUTS[model_type]
+        self.layout = LAYOUTS[model_type]
         self.skip = [re.compile(p) for p in self.layout.skip]
         self.layer_re = re.compile(rf"^{re.escape(self.layout.layers)}\.(\d+)\.(.+)\.(weight|bias)$")
         self.pending: Dict[Tuple[int, str], Dict[str, torch.Tensor]] = {}
@@ -365,7 +181,7 @@ class _HFToLit:
         lit_prefix = f"transformer.h.{i}"
         if sub in self.layout.layer:
             return [(f"{lit_prefix}.{self.layout.layer[sub]}.{param}", tensor)]
-        fused = _FUSED_MLP.get(self.model_type)
+        fused = FUSED_MLP.get(self.model_type)
         if fused is not None and sub == fused[0]:
             gate, up = tensor.chunk(2, dim=0)
             return [(f"{lit_prefix}.{fused[1][0]}.{param}", gate), (f"{lit_prefix}.{fused[1][1]}.{param}", up)]
@@ -374,7 +190,7 @@ class _HFToLit:
         target = f"{lit_prefix}.attn.qkv.{param}"
         c = self.config
         if len(self.layout.qkv) == 1:
-            return [(target, _ungroup_qkv(tensor, *_qkv_grouping(self.model_type, c), c.head_size))]
+            return [(target, ungroup_qkv(tensor, *qkv_grouping(self.model_type, c), c.head_size))]
         parts = self.pending.setdefault((i, param), {})
         parts[sub] = tensor
         if len(parts) < 3:
@@ -399,13 +215,20 @@ def _mismatch_hint(model_name: Optional[str]) -> str:
 
 
 def convert_hf_checkpoint(
-    checkpoint_dir: Path, model_name: Optional[str] = None, dtype: Optional[str] = None, overwrite: bool = False
+    checkpoint_dir: Path,
+    model_name: Optional[str] = None,
+    dtype: Optional[str] = None,
+    overwrite: bool = False,
+    max_shard_size: Union[int, str] = DEFAULT_MAX_SHARD_SIZE,
 ) -> Path:
-    """Convert the HF checkpoint in `checkpoint_dir` into `lit_model.pth` + `lit_config.json` in the same folder.
+    """Convert the HF checkpoint in `checkpoint_dir` into `lit_model.safetensors` + `lit_config.json` in the same
+    folder (above `max_shard_size` the weights are sharded: `lit_model-0000k-of-0000n.safetensors` and
+    `lit_model.safetensors.index.json`; see `lit_gpt.weights`).
 
     The config comes from the registry entry `model_name` when given, else from `config.json` (named like the
-    folder). `dtype` casts floating-point weights (float32, bfloat16 or float16). An existing `lit_model.pth` /
-    `lit_config.json` is replaced only with `overwrite`. Returns the `lit_model.pth` path.
+    folder). `dtype` casts floating-point weights (float32, bfloat16 or float16). Existing lit weights (also an
+    earlier version's `lit_model.pth`) or `lit_config.json` are replaced only with `overwrite`. Returns the path that
+    `lit_gpt.weights.load_weights` reads: the weights file, or the index of the shards.
     """
     checkpoint_dir = Path(checkpoint_dir)
     if not checkpoint_dir.is_dir():
@@ -414,9 +237,10 @@ def convert_hf_checkpoint(
             " python scripts/download.py --repo_id ORG/NAME"
         )
     target_dtype = _parse_dtype(dtype)
+    shard_limit = _parse_size(max_shard_size)
     refuse_overwrite(
         checkpoint_dir,
-        ("lit_model.pth", "lit_config.json"),
+        ("lit_model.safetensors", index_name(), LEGACY, "lit_config.json"),
         overwrite,
         "It is converted already: use it as it is, or pass --overwrite true to convert again",
     )
@@ -464,19 +288,27 @@ def convert_hf_checkpoint(
                     for lit_name, tensor in out:
                         if target_dtype is not None and tensor.is_floating_point():
                             tensor = tensor.to(target_dtype)
-                        elif tensor.untyped_storage().nbytes() != tensor.nbytes:
-                            tensor = tensor.clone()  # half of a fused tensor: save only its own bytes
+                        if tensor.untyped_storage().nbytes() != tensor.nbytes:
+                            # half of a fused tensor (a view): safetensors stores a tensor's own bytes only
+                            tensor = tensor.clone()
                         state[lit_name] = tensor
     mapper.finish()
     if config.tie_embeddings and "transformer.wte.weight" in state:
-        # one tensor for both names, as in the model (torch.save stores shared storage once)
+        # one tensor for both names, as in the model (the weights file stores it once, under the embedding's name)
         state["lm_head.weight"] = state["transformer.wte.weight"]
     _check_state(state, expected, f"converting {str(checkpoint_dir)!r}", _mismatch_hint(model_name))
 
-    out_path = checkpoint_dir / "lit_model.pth"
-    save_atomic(state, out_path)
+    try:
+        written = save_weights(state, checkpoint_dir, max_shard_size=shard_limit)
+    except OSError as e:  # a full disk, a read-only folder: one line (the staging folder is removed)
+        raise cannot_write(e, checkpoint_dir, "lit_model.safetensors") from None
+    # an earlier version's conversion in this folder (reached only with `overwrite`): it would disagree with the new
+    # weights, so it goes (the new file is complete by now)
+    (checkpoint_dir / LEGACY).unlink(missing_ok=True)
     config.save(checkpoint_dir)
-    print(f"Saved {out_path} ({len(state)} tensors) and {checkpoint_dir / 'lit_config.json'}", file=sys.stderr)
+    out_path = written[-1]  # the single file, or the index (written last)
+    shards = f", {len(written) - 1} shards" if len(written) > 1 else ""
+    print(f"Saved {out_path} ({len(state)} tensors{shards}) and {checkpoint_dir / 'lit_config.json'}", file=sys.stderr)
     return out_path
 
 
@@ -485,15 +317,15 @@ def convert_hf_checkpoint(
 # ---------------------------------------------------------------------------------------------------------------
 def _lit_to_hf(
     name: str, config: Config, model_type: str, layer_map: Dict[str, str], state: Dict[str, torch.Tensor]
-) -> List[Tuple[str, Callable, float]]:
-    """HF names for one lit tensor, each with a function that makes the HF tensor from the lit one and the size of
-    that HF tensor as a multiple of the lit one's (a third of a fused qkv, twice a gate that takes its up along)."""
-    layout = _LAYOUTS[model_type]
+) -> List[Tuple[str, Callable[[torch.Tensor], torch.Tensor]]]:
+    """HF names for one lit tensor, each with the function that makes that HF tensor from the lit one (a third of a
+    fused qkv, a gate with its up projection appended from `state`); on meta tensors it gives the HF shapes."""
+    layout = LAYOUTS[model_type]
     module, _, param = name.rpartition(".")
     ident = lambda t: t  # noqa: E731
     for hf_module, lit_module in layout.top.items():
         if module == lit_module:
-            return [(f"{hf_module}.{param}", ident, 1.0)]
+            return [(f"{hf_module}.{param}", ident)]
     m = re.match(r"^transformer\.h\.(\d+)\.(.+)$", module)
     if m is None:
         raise LitError(f"unexpected tensor {name!r} in the lit checkpoint")
@@ -501,21 +333,21 @@ def _lit_to_hf(
     prefix = f"{layout.layers}.{i}"
     if sub == "attn.qkv" and layout.qkv:
         if len(layout.qkv) == 1:
-            groups = _qkv_grouping(model_type, config)
-            return [(f"{prefix}.{layout.qkv[0]}.{param}", lambda t: _group_qkv(t, *groups, config.head_size), 1.0)]
+            groups = qkv_grouping(model_type, config)
+            return [(f"{prefix}.{layout.qkv[0]}.{param}", lambda t: group_qkv(t, *groups, config.head_size))]
         return [
-            (f"{prefix}.{hf_sub}.{param}", lambda t, j=j: _split_qkv(t, config)[j], 1 / 3)
+            (f"{prefix}.{hf_sub}.{param}", lambda t, j=j: split_qkv(t, config)[j])
             for j, hf_sub in enumerate(layout.qkv)
         ]
-    fused = _FUSED_MLP.get(model_type)
+    fused = FUSED_MLP.get(model_type)
     if fused is not None and sub in fused[1]:
         if sub == fused[1][1]:
             return []  # written with the gate, below
         up = state[f"transformer.h.{i}.{fused[1][1]}.{param}"]
-        return [(f"{prefix}.{fused[0]}.{param}", lambda t: torch.cat((t, up.to(t.dtype))), 2.0)]
+        return [(f"{prefix}.{fused[0]}.{param}", lambda t: torch.cat((t, up.to(t.dtype))))]
     for hf_sub, lit_sub in layer_map.items():
         if sub == lit_sub:
-            return [(f"{prefix}.{hf_sub}.{param}", ident, 1.0)]
+            return [(f"{prefix}.{hf_sub}.{param}", ident)]
     raise LitError(f"unexpected tensor {name!r} in the lit checkpoint")
 
 
@@ -539,7 +371,8 @@ def convert_lit_checkpoint(
     """Export a lit checkpoint as an HF model folder that `transformers.AutoModelForCausalLM` loads.
 
     `checkpoint_dir` holds `lit_config.json` (and the tokenizer files, copied along); `checkpoint_path` picks other
-    weights than its `lit_model.pth`, e.g. a finetuned or LoRA-merged file. Writes `model.safetensors` (sharded
+    weights than its own (`lit_model.safetensors`, the index of its shards, or an earlier version's `lit_model.pth`),
+    e.g. a finetuned or LoRA-merged file. Writes `model.safetensors` (sharded
     with an index above `max_shard_size`) and `config.json` into `output_dir`, which it returns. An `output_dir`
     that already holds an HF model (`config.json`, `model*.safetensors`) is refused unless `overwrite`.
     """
@@ -562,85 +395,52 @@ def convert_lit_checkpoint(
     model_type = hf_model_type(config)
     hf_config = hf_config_dict(config, model_type)
 
-    state = load_state_dict(path, mmap=True)
+    state = load_weights(path)  # memory-mapped: read tensor by tensor as the shards are written
     if isinstance(state.get("model"), dict):  # training checkpoints wrap the weights with optimizer state
         state = state["model"]
     if any("lora_" in k for k in state):
         raise LitError(
             f"{str(path)!r} holds LoRA weights: merge them first with scripts/merge_lora.py and pass the merged"
-            " lit_model.pth as --checkpoint_path"
+            " lit_model.safetensors as --checkpoint_path"
         )
     if config.tie_embeddings and "lm_head.weight" not in state and "transformer.wte.weight" in state:
         state = {**state, "lm_head.weight": state["transformer.wte.weight"]}
     _check_state(state, _expected_state(config), f"{str(path)!r}", "Does it belong to this lit_config.json?")
 
-    # plan every HF tensor and its size before writing, so shards can be named -0000k-of-0000n up front
-    layer_map = _layer_map(model_type, config)
-    plan: List[Tuple[str, str, Callable, int]] = []
-    for name, tensor in state.items():
+    # every HF tensor's name, shape and dtype, from the lit tensors on the meta device (nothing is computed): the
+    # writer plans the shards from them (huggingface_hub's planning) and asks for the tensors one shard at a time
+    layers = layer_map(model_type, config)
+    meta = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in state.items()}
+    specs: Dict[str, torch.Tensor] = {}
+    source: Dict[str, str] = {}  # HF name -> the lit tensor it comes from
+    for name in state:
         if name == "lm_head.weight" and config.tie_embeddings:
             continue  # transformers ties lm_head to the embeddings itself
-        items = _lit_to_hf(name, config, model_type, layer_map, state)
-        itemsize = (target_dtype or tensor.dtype).itemsize if tensor.is_floating_point() else tensor.element_size()
-        for hf_name, fn, fraction in items:
-            plan.append((hf_name, name, fn, int(tensor.numel() * itemsize * fraction)))
-    shards: List[List[Tuple[str, str, Callable, int]]] = [[]]
-    size = 0
-    for item in plan:
-        if shards[-1] and size + item[3] > shard_limit:
-            shards.append([])
-            size = 0
-        shards[-1].append(item)
-        size += item[3]
+        for hf_name, fn in _lit_to_hf(name, config, model_type, layers, meta):
+            spec = fn(meta[name])
+            dtype = target_dtype if target_dtype is not None and spec.is_floating_point() else spec.dtype
+            specs[hf_name], source[hf_name] = torch.empty(spec.shape, dtype=dtype, device="meta"), name
+    out_dtype = next((s.dtype for s in specs.values() if s.is_floating_point()), None)
 
-    from safetensors import SafetensorError
-    from safetensors.torch import save_file
+    def materialize(names: List[str]) -> Dict[str, torch.Tensor]:
+        tensors: Dict[str, torch.Tensor] = {}
+        for lit_name in dict.fromkeys(source[n] for n in names):
+            for hf_name, fn in _lit_to_hf(lit_name, config, model_type, layers, state):
+                if hf_name in names:
+                    t = fn(state[lit_name]).to(specs[hf_name].dtype).contiguous()
+                    # a view (q/k/v rows of qkv) would make safetensors write, or refuse, the whole storage
+                    tensors[hf_name] = t.clone() if t.untyped_storage().nbytes() != t.nbytes else t
+        bar.update(len(tensors))
+        return tensors
 
-    try:
-        output_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise LitError(f"cannot write --output_dir {str(output_dir)!r}: {error_reason(e)}") from None
-    n = len(shards)
-    names = ["model.safetensors"] if n == 1 else [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
-    # earlier exports into this folder with another shard count would be picked up by transformers: remove them
-    for old in list(output_dir.glob("model*.safetensors")) + [output_dir / "model.safetensors.index.json"]:
-        ours = re.fullmatch(r"model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?", old.name)
-        if ours and old.name not in names and old.is_file():
-            old.unlink()
-    weight_map: Dict[str, str] = {}
-    total = 0
-    out_dtype = None
-    with tqdm(total=len(plan), desc="Exporting", unit="tensor", file=sys.stderr) as bar:
-        for shard_name, shard in zip(names, shards):
-            tensors: Dict[str, torch.Tensor] = {}
-            for hf_name, lit_name, fn, _ in shard:
-                t = fn(state[lit_name])
-                if target_dtype is not None and t.is_floating_point():
-                    t = t.to(target_dtype)
-                t = t.contiguous()
-                if t.untyped_storage().nbytes() != t.nbytes:
-                    # a view (q/k/v rows of qkv): safetensors refuses tensors that share storage
-                    t = t.clone()
-                tensors[hf_name] = t
-                if out_dtype is None and t.is_floating_point():
-                    out_dtype = t.dtype
-                weight_map[hf_name] = shard_name
-                total += t.nbytes
-                bar.update()
-            remove_stale_temp_files(output_dir / shard_name)
-            tmp = output_dir / f".{shard_name}.tmp{os.getpid()}"
-            try:
-                save_file(tensors, str(tmp), metadata={"format": "pt"})
-                os.replace(tmp, output_dir / shard_name)
-            except (OSError, SafetensorError) as e:  # a full disk: one line, and no partial file
-                raise LitError(f"cannot write {str(output_dir / shard_name)!r}: {error_reason(e)}") from None
-            finally:
-                if tmp.exists():
-                    tmp.unlink()
-            del tensors
-    if n > 1:
-        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-        _write_text_atomic(output_dir / "model.safetensors.index.json", json.dumps(index, indent=2))
+    with tqdm(total=len(specs), desc="Exporting", unit="tensor", file=sys.stderr) as bar:
+        try:
+            # model.safetensors, or model-0000k-of-0000n.safetensors + model.safetensors.index.json as transformers
+            # writes them; the files of an earlier export here (another shard count) are replaced
+            written = save_weights_streaming(specs, materialize, output_dir, stem="model", max_shard_size=shard_limit)
+        except OSError as e:  # a full disk, a read-only folder: one line, and no partial file
+            raise cannot_write(e, output_dir, "model.safetensors") from None
+    n = max(len(written) - 1, 1)  # the shards (the index is the last file), or the one file
 
     if out_dtype is not None:
         hf_config["torch_dtype"] = str(out_dtype).removeprefix("torch.")

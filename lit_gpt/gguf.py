@@ -40,6 +40,7 @@ import torch
 
 from lit_gpt.gguf_tokenizer import tokenizer_files
 from lit_gpt.utils import LitError, error_reason, remove_stale_temp_files
+from lit_gpt.weights import LEGACY, index_name
 
 # llama.cpp's per-layer tensor names (after "blk.{i}.") -> Hugging Face names (after "model.layers.{i}.")
 _ATTENTION = {
@@ -132,7 +133,7 @@ OUTPUT_FILES = (
     "tokenizer.json",
     "tokenizer.model",
     "model.safetensors",
-    "lit_model.pth",
+    "lit_model.safetensors",  # or, above the shard size, its index and shards (see `_present`)
     "lit_config.json",
 )
 # one of the two tokenizer files is written (byte-level BPE: tokenizer.json, sentencepiece: tokenizer.model)
@@ -147,7 +148,7 @@ def supported_architectures() -> str:
 def convert_gguf(
     gguf_path: Union[str, Path], checkpoint_dir: Union[str, Path], dtype: Optional[str] = None, overwrite: bool = False
 ) -> Path:
-    """Convert `gguf_path` into `checkpoint_dir` (HF files + `lit_model.pth` + `lit_config.json`).
+    """Convert `gguf_path` into `checkpoint_dir` (HF files + `lit_model.safetensors` + `lit_config.json`).
 
     `dtype` ("float32", "bfloat16", "float16") is the dtype of the written weights; by default float32,
     which holds every dequantized GGUF value exactly. A folder that already holds checkpoint files is refused
@@ -222,7 +223,7 @@ def _check_existing(
 ) -> bool:
     """True when `checkpoint_dir` already holds the complete conversion of this file (nothing to do); a LitError
     when it holds other checkpoint files; False when it holds none."""
-    present = [n for n in OUTPUT_FILES if (checkpoint_dir / n).exists()]
+    present = _present(checkpoint_dir)
     if not present:
         return False
 
@@ -245,6 +246,15 @@ def _check_existing(
         f"{str(checkpoint_dir)!r} already holds {shown} of another checkpoint: refusing to overwrite it. Pass"
         " --checkpoint_dir NEW_FOLDER, or --overwrite true to replace it"
     )
+
+
+def _present(checkpoint_dir: Path) -> List[str]:
+    """The conversion's files in `checkpoint_dir`; sharded lit weights (their index) count as lit_model.safetensors,
+    and an earlier version's lit_model.pth is listed by its name (a folder holding one is not this conversion)."""
+    present = [n for n in OUTPUT_FILES if (checkpoint_dir / n).exists()]
+    if "lit_model.safetensors" not in present and (checkpoint_dir / index_name()).exists():
+        present.append("lit_model.safetensors")
+    return [LEGACY] * (checkpoint_dir / LEGACY).exists() + present  # first: the message names it
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ model runs at base speed; `scripts/merge_lora.py` writes the result as a plain c
 QLoRA (Dettmers et al. 2023, arXiv:2305.14314): `lit_gpt.quantize.quantize_model(model, "bnb.nf4")` replaces the
 frozen base weight of each block's LoRA layer with a bitsandbytes 4-bit one; the layer then multiplies with
 bitsandbytes' kernel (`lit_gpt.quantize.linear`) and A, B train in the compute dtype as before. The saved file
-holds A and B only, so a QLoRA run's `lit_model.pth.lora` merges into the unquantized base like any other.
+holds A and B only, so a QLoRA run's `lit_model.lora.safetensors` merges into the unquantized base like any other.
 """
 
 import json
@@ -27,7 +27,8 @@ from lit_gpt.convert import HF_SIDE_FILES
 from lit_gpt.model import GPT as BaseModel
 from lit_gpt.peft import base_config, load_variant_model
 from lit_gpt.quantize import is_quantized, linear
-from lit_gpt.utils import LitError, copy_file_atomic, save_atomic, write_text_atomic
+from lit_gpt.utils import LitError, cannot_write, copy_file_atomic, write_text_atomic
+from lit_gpt.weights import save_weights, weights_name
 
 
 @dataclass
@@ -233,12 +234,12 @@ def unmerge_lora_weights(model: GPT) -> None:
 
 
 def merge_lora_checkpoint(checkpoint_dir: Path, lora_path: Path, out_dir: Optional[Path] = None) -> Path:
-    """Write base + LoRA as one standalone checkpoint folder (`lit_model.pth`, `lit_config.json`, tokenizer files)
-    whose model gives the LoRA model's outputs; `scripts/convert_lit_checkpoint.py` exports it to HF. Returns the
-    path of the merged `lit_model.pth` (in `out_dir`, default: the LoRA file's folder)."""
+    """Write base + LoRA as one standalone checkpoint folder (`lit_model.safetensors`, `lit_config.json`, tokenizer
+    files) whose model gives the LoRA model's outputs; `scripts/convert_lit_checkpoint.py` exports it to HF. Returns
+    the path of the merged weights (in `out_dir`, default: the LoRA file's folder)."""
     checkpoint_dir, lora_path = Path(checkpoint_dir), Path(lora_path)
     out_dir = lora_path.parent if out_dir is None else Path(out_dir)
-    out_path = out_dir / "lit_model.pth"
+    out_path = out_dir / weights_name()
     if out_path.resolve() == lora_path.resolve():
         raise LitError(f"the merged weights would overwrite the LoRA file {str(lora_path)!r}: pass another --out_dir")
     if out_dir.resolve() == checkpoint_dir.resolve():
@@ -247,7 +248,10 @@ def merge_lora_checkpoint(checkpoint_dir: Path, lora_path: Path, out_dir: Option
     model = load_variant_model(GPT, Config, checkpoint_dir, lora_path)
     merge_lora_weights(model)
     state = {k: v for k, v in model.state_dict().items() if not lora_filter(k)}
-    save_atomic(state, out_path)
+    try:
+        out_path = save_weights(state, out_dir)[-1]  # the file, or the index of its shards
+    except OSError as e:  # a full disk, a read-only folder: one line, and no partial file
+        raise cannot_write(e, out_dir, weights_name()) from None
     config = base_config(model.config)
     config.save(out_dir)
 

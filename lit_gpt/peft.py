@@ -1,21 +1,24 @@
 """What the parameter-efficient variants (`lit_gpt.adapter`, `lit_gpt.adapter_v2`, `lit_gpt.lora`) share: the
-finetuned-weights file and how a variant model is built from a base checkpoint plus that file.
+finetuned-weights files and how a variant model is built from a base checkpoint plus them.
 
 A variant model keeps the base state-dict keys and only adds its own parameters (`...attn.adapter_wte.weight`,
-`...attn.qkv.lora_A`, ...), so the base `lit_model.pth` loads into it unchanged with `strict=False`.
+`...attn.qkv.lora_A`, ...), so the base `lit_model.safetensors` loads into it unchanged with `strict=False`.
 
-Finetuned-weights file (`torch.save` of a dict, written atomically by `save_finetuned`):
-    {"method": "adapter" | "adapter_v2" | "lora",
-     "config": {the variant's Config fields, e.g. "lora_r": 8, "lora_alpha": 16, ...},
-     "model":  {parameter name: tensor} -- only the finetuned parameters}
-`generate/{adapter,adapter_v2,lora}.py` and `scripts/merge_lora.py` read it with `load_finetuned`. Recipes that
-save through Fabric write the same layout with
-    fabric.save(path, {"model": model, **finetuned_metadata(model)}, filter={"model": finetuned_filter(model)})
+Finetuned weights (`lit_gpt.weights` format), two files side by side, as `save_finetuned` / `export_finetuned`
+write them:
+    lit_model.<method>.safetensors  only the finetuned parameters, {parameter name: tensor}
+    lit_model.<method>.json         {"format": "lit_gpt.finetuned", "version": 1, "method": "adapter" | "adapter_v2"
+                                     | "lora", "config": {the variant's Config fields, e.g. "lora_r": 8, ...}}
+`generate/{adapter,adapter_v2,lora}.py` and `scripts/merge_lora.py` read them with `load_finetuned`, which also
+reads the single `torch.save` pickle that earlier versions wrote (`lit_model.pth.<method>`:
+`{"method", "config", "model"}`), weights-only. The training loop picks what it saves with `finetuned_filter` and
+records `finetuned_metadata` with it; its final export goes through `export_finetuned`.
 """
 
+import re
 from dataclasses import fields
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional, Tuple, Type, Union
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple, Type, Union
 
 import torch
 import torch.nn as nn
@@ -23,9 +26,19 @@ import torch.nn as nn
 from lit_gpt.config import Config
 from lit_gpt.config import load_config
 from lit_gpt.model import GPT
-from lit_gpt.utils import LitError, load_error_detail, check_checkpoint_dir, load_state_dict, save_atomic
+from lit_gpt.utils import LitError, cannot_write, check_checkpoint_dir, load_error_detail, load_state_dict
+from lit_gpt.weights import (
+    finetuned_json,
+    finetuned_stem,
+    is_weights_file,
+    load_weights,
+    read_finetuned_metadata,
+    save_finetuned_weights,
+    weights_name,
+)
 
 METHODS = ("adapter", "adapter_v2", "lora")
+PathLike = Union[str, Path]
 
 
 def variant_fields(config: Config) -> Dict[str, Any]:
@@ -63,23 +76,106 @@ def finetuned_state_dict(model: nn.Module) -> Dict[str, torch.Tensor]:
     return {k: v for k, v in model.state_dict().items() if k in names}
 
 
-def save_finetuned(model: nn.Module, path: Union[str, Path]) -> None:
-    """Write only the finetuned weights (plus method and variant config) to `path`, atomically."""
-    save_atomic({**finetuned_metadata(model), "model": finetuned_state_dict(model)}, path)
+def finetuned_file_name(method: str) -> str:
+    """`lit_model.<method>.safetensors`: the name of a method's finetuned weights in an output folder."""
+    return weights_name(finetuned_stem(method))
 
 
-def load_finetuned(path: Union[str, Path], method: str) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
-    """(state dict, variant config fields) of a finetuned-weights file; a clear error for a file of another kind."""
+def export_finetuned(state: Mapping[str, torch.Tensor], directory: PathLike, method: str,
+                     config: Mapping[str, Any]) -> Path:
+    """Write finetuned tensors (already picked, e.g. with `finetuned_filter`) and their JSON (method, the variant's
+    config fields) into `directory`. Returns the weights path (`finetuned_file_name(method)` in `directory`)."""
+    if method not in METHODS:
+        raise ValueError(f"unknown parameter-efficient method {method!r}; one of {', '.join(METHODS)}")
+    try:
+        return save_finetuned_weights(state, directory, method, config)
+    except OSError as e:  # a full disk, a read-only folder: one line, and no partial weights file
+        raise cannot_write(e, directory, finetuned_file_name(method)) from None
+
+
+def save_finetuned(model: nn.Module, directory_or_path: PathLike) -> Path:
+    """Write only the finetuned weights (plus method and variant config) of `model` into a folder, or to the path
+    `<folder>/lit_model.<method>.safetensors` (a name with a suffix is taken for a file). Returns the weights
+    path."""
+    target = Path(directory_or_path)
+    method = model.peft_method
+    if target.suffix and not target.is_dir():
+        if target.name != finetuned_file_name(method):  # e.g. an earlier version's lit_model.pth.lora
+            raise ValueError(f"{method} weights are named {finetuned_file_name(method)}, not {target.name}: pass"
+                             " their folder")
+        target = target.parent
+    meta = finetuned_metadata(model)
+    return export_finetuned(finetuned_state_dict(model), target, meta["method"], meta["config"])
+
+
+def _recipe(method: str, path: PathLike) -> str:
+    flag = "--lora_path" if method == "lora" else "--adapter_path"
+    return f"generate/{method}.py {flag} {path}"
+
+
+_NAMED = re.compile(r"lit_model\.(\w+)\.safetensors(?:\.index\.json)?")
+
+
+def load_finetuned(path: PathLike, method: str) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
+    """(state dict, variant config fields) of a method's finetuned weights: `lit_model.<method>.safetensors` (or the
+    index of its shards) with its JSON beside it, or an earlier version's pickle. A file of another method, a whole
+    model, or weights without their JSON are one LitError line that says what to run instead."""
+    path = Path(path)
+    if not is_weights_file(path):
+        return _load_legacy_finetuned(path, method)
+    if not path.is_file():
+        raise LitError(f"finetuned weights {str(path)!r} not found: pass the {finetuned_file_name(method)} that"
+                       f" finetune/{method}.py wrote")
+    named = _NAMED.fullmatch(path.name)
+    if not finetuned_json(path).is_file():
+        if named is None or named.group(1) not in METHODS:  # e.g. lit_model.safetensors: a whole model
+            raise LitError(f"{str(path)!r} is not a finetuned-weights file (no {finetuned_json(path).name} beside"
+                           f" it): pass the {finetuned_file_name(method)} that finetune/{method}.py wrote")
+        found = named.group(1)
+        raise LitError(f"{str(path)!r} has no {finetuned_json(path).name} beside it (the method and its settings):"
+                       f" copy it along with the weights as finetune/{found}.py wrote them, then use"
+                       f" {_recipe(found, path)}")
+    meta = read_finetuned_metadata(path)
+    _check_method(path, meta["method"], method)
+    return load_weights(path), dict(meta["config"])
+
+
+def _check_method(path: Path, found: Any, method: str) -> None:
+    if found == method:
+        return
+    if found in METHODS:
+        raise LitError(f"{str(path)!r} holds {found} weights, not {method}: use {_recipe(found, path)}")
+    raise LitError(f"{str(path)!r} records the method {found!r}, not one of {', '.join(METHODS)}: it was not written"
+                   " by a finetuning recipe of this project")
+
+
+def _load_legacy_finetuned(path: Path, method: str) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
+    """An earlier version's finetuned file: a `torch.save` pickle of {"method", "config", "model"} (read-only)."""
     obj = load_state_dict(path, mmap=False)
     if not isinstance(obj, dict) or not isinstance(obj.get("model"), dict):
-        raise LitError(f"{str(path)!r} is not a finetuned-weights file (no 'model' entry); pass the file that the"
-                       f" {method} finetuning recipe wrote")
-    found = obj.get("method")
-    if found != method:
-        if found in METHODS:
-            raise LitError(f"{str(path)!r} holds {found} weights, not {method}: use generate/{found}.py")
+        raise LitError(f"{str(path)!r} is not a finetuned-weights file (no 'model' entry); pass the"
+                       f" {finetuned_file_name(method)} that finetune/{method}.py wrote")
+    if obj.get("method") is None:
         raise LitError(f"{str(path)!r} has no 'method' entry: it was not written by lit_gpt.peft.save_finetuned")
+    _check_method(path, obj["method"], method)
     return obj["model"], dict(obj.get("config") or {})
+
+
+def finetuned_method_of(path: PathLike, state: Optional[Mapping[str, Any]] = None) -> Optional[str]:
+    """The parameter-efficient method whose finetuned weights `path` holds (its JSON, its name, or an earlier
+    version's pickle entry `state["method"]`), or None for other weights (a whole model)."""
+    path = Path(path)
+    if is_weights_file(path):
+        if finetuned_json(path).is_file():
+            try:
+                found = read_finetuned_metadata(path)["method"]
+            except LitError:  # some other JSON beside a whole model's weights
+                return None
+            return found if found in METHODS else None
+        named = _NAMED.fullmatch(path.name)
+        return named.group(1) if named and named.group(1) in METHODS else None
+    found = (state or {}).get("method")
+    return found if found in METHODS else None
 
 
 def load_variant_model(
@@ -89,7 +185,7 @@ def load_variant_model(
     finetuned_path: Optional[Union[str, Path]] = None,
     **config_overrides: Any,
 ) -> GPT:
-    """Build `model_cls` on the meta device and load the base `lit_model.pth`, then the finetuned file, with
+    """Build `model_cls` on the meta device and load the base weights, then the finetuned ones, with
     `assign=True`: no weight is allocated twice, and every tensor ends up as loaded (CPU, checkpoint dtype).
 
     Without `finetuned_path` the variant's own parameters keep no values (they stay on the meta device): use that
@@ -103,7 +199,7 @@ def load_variant_model(
     with torch.device("meta"):
         model = model_cls(config)
     own = {n for n, p in model.named_parameters(remove_duplicate=False) if model.peft_filter(n, p)}
-    _load_part(model, load_state_dict(base_path), base_path, allowed_missing=own)
+    _load_part(model, load_weights(base_path), base_path, allowed_missing=own)
     if finetuned_path is not None:
         _load_part(model, state, Path(finetuned_path), allowed_missing=None)
         left = [n for n, p in model.named_parameters() if p.is_meta]
@@ -130,13 +226,14 @@ def _load_part(model: nn.Module, state: Dict[str, torch.Tensor], path: Path, all
 
 def load_full_finetuned(checkpoint_dir: Union[str, Path], checkpoint_path: Union[str, Path]) -> GPT:
     """The base architecture (`checkpoint_dir/lit_config.json`) with all weights from a full-finetuning file
-    (a state dict, or `{"model": state dict, ...}` as finetune/full.py writes), built on the meta device."""
+    (`lit_model.safetensors` or its index as finetune/full.py writes; an earlier version's `.pth`: a state dict, or
+    `{"model": state dict, ...}`), built on the meta device."""
     config = load_config(checkpoint_dir)
-    state = load_state_dict(checkpoint_path)
-    if state.get("method") in METHODS:  # a finetuned-weights file of a PEFT method, not a whole model
-        flag = "--lora_path" if state["method"] == "lora" else "--adapter_path"
-        raise LitError(f"{str(checkpoint_path)!r} holds {state['method']} weights, not a whole model: use"
-                       f" generate/{state['method']}.py {flag} {checkpoint_path}")
+    state = load_weights(checkpoint_path)
+    method = finetuned_method_of(checkpoint_path, state)
+    if method is not None:  # a finetuned-weights file of a PEFT method, not a whole model
+        raise LitError(f"{str(checkpoint_path)!r} holds {method} weights, not a whole model: use"
+                       f" {_recipe(method, checkpoint_path)}")
     state = state["model"] if isinstance(state.get("model"), dict) else state
     head, wte = state.get("lm_head.weight"), state.get("transformer.wte.weight")
     if config.tie_embeddings and head is not None and wte is not None and not torch.equal(head, wte):

@@ -65,23 +65,34 @@ def download_command(checkpoint_dir: Path) -> str:
     return f"python scripts/download.py --repo_id {repo_id}"
 
 
-def check_checkpoint_dir(checkpoint_dir: Path, filename: str = "lit_model.pth") -> Path:
-    """Return `checkpoint_dir/filename`, or raise a LitError that says how to get it."""
+_FINETUNED_NAME = re.compile(r"lit_model\.(?:pth\.(\w+)|(\w+)\.safetensors(?:\.index\.json)?)")
+_GENERATE_FLAG = {"lora": "generate/lora.py --lora_path", "adapter": "generate/adapter.py --adapter_path",
+                  "adapter_v2": "generate/adapter_v2.py --adapter_path"}
+
+
+def check_checkpoint_dir(checkpoint_dir: Path, filename: Optional[str] = None) -> Path:
+    """The weights of `checkpoint_dir` (`lit_model.safetensors`, the index of its shards, or an earlier version's
+    `lit_model.pth`; or `filename` in it when given), or raise a LitError that says how to get them."""
+    # imported here: lit_gpt.weights builds on this module (LitError, load_state_dict, the atomic writers), so this
+    # module cannot import it at the top without an import cycle
+    from lit_gpt.weights import find_weights, weights_name
+
     checkpoint_dir = Path(checkpoint_dir)
-    path = checkpoint_dir / filename
-    if path.is_file():
+    path = checkpoint_dir / filename if filename is not None else find_weights(checkpoint_dir)
+    if path is not None and path.is_file():
         return path
     if not checkpoint_dir.is_dir():
         raise LitError(
             f"checkpoint directory {str(checkpoint_dir)!r} does not exist. Download and convert it with:"
             f" {download_command(checkpoint_dir)} (offline: python scripts/convert_gguf_checkpoint.py)"
         )
-    finetuned = sorted(checkpoint_dir.glob("lit_model.pth.*"))
+    # a finetuning run's output folder: parameter-efficient weights only (lit_model.<method>.safetensors, or an
+    # earlier version's lit_model.pth.<method>), which need their base model
+    finetuned = sorted(p for p in checkpoint_dir.iterdir() if _FINETUNED_NAME.fullmatch(p.name))
     if finetuned:
-        # a finetuning run's output folder: parameter-efficient weights only, which need their base model
-        kind = finetuned[0].name.split(".")[-1]
-        recipe = {"lora": "generate/lora.py --lora_path", "adapter": "generate/adapter.py --adapter_path",
-                  "adapter_v2": "generate/adapter_v2.py --adapter_path"}.get(kind, f"the {kind} generate recipe with")
+        m = _FINETUNED_NAME.fullmatch(finetuned[0].name)
+        kind = m.group(1) or m.group(2)
+        recipe = _GENERATE_FLAG.get(kind, f"the {kind} generate recipe with")
         merge = " (or merge them into a full model with scripts/merge_lora.py)" if kind == "lora" else ""
         raise LitError(
             f"{str(checkpoint_dir)!r} holds {kind} finetuned weights ({finetuned[0].name}), not a full model: pass the"
@@ -90,11 +101,12 @@ def check_checkpoint_dir(checkpoint_dir: Path, filename: str = "lit_model.pth") 
     hf_files = list(checkpoint_dir.glob("*.safetensors")) + list(checkpoint_dir.glob("pytorch_model*.bin"))
     if hf_files:
         raise LitError(
-            f"no lit_model.pth in {str(checkpoint_dir)!r}, only Hugging Face weights: convert them with"
+            f"no {weights_name()} in {str(checkpoint_dir)!r}, only Hugging Face weights: convert them with"
             f" python scripts/convert_hf_checkpoint.py --checkpoint_dir {checkpoint_dir}"
         )
+    missing = checkpoint_dir / (filename or weights_name())
     raise LitError(
-        f"{str(path)!r} not found. Download and convert the model with: {download_command(checkpoint_dir)}"
+        f"{str(missing)!r} not found. Download and convert the model with: {download_command(checkpoint_dir)}"
     )
 
 
@@ -167,7 +179,11 @@ def load_error_detail(error: BaseException) -> str:
 
 
 def load_checkpoint(model: nn.Module, path: Union[str, Path], strict: bool = True, assign: bool = False) -> Any:
-    state_dict = load_state_dict(path)
+    """Load lit weights (`lit_gpt.weights.load_weights`: safetensors, a sharded index, or an earlier version's
+    `.pth`) into `model`; a file that does not fit the model is one LitError line."""
+    from lit_gpt.weights import load_weights  # here, not at the top: see check_checkpoint_dir
+
+    state_dict = load_weights(path)
     state_dict = state_dict.get("model", state_dict)
     try:
         return model.load_state_dict(state_dict, strict=strict, assign=assign)
@@ -280,6 +296,15 @@ def write_failure(error: BaseException) -> Optional[str]:
     if torch_writer_failed:
         return "the write failed (is the disk full, or a file size limit reached?)"
     return None
+
+
+def cannot_write(error: OSError, directory: Union[str, Path], name: str) -> "LitError":
+    """The one line for weights that could not be written into `directory` (a full disk, a read-only folder): the
+    weights file the error names (a shard, written in a staging folder first) as it would have been named there,
+    else `name`."""
+    named = Path(error.filename).name if isinstance(error.filename, str) else ""
+    failed = named if named.endswith((".safetensors", ".json")) else name
+    return LitError(f"cannot write {str(Path(directory) / failed)!r}: {error_reason(error)}")
 
 
 def _link_fd(fd: int, target: Path) -> None:

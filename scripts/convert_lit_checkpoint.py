@@ -1,7 +1,7 @@
 """Export a lit checkpoint (e.g. finetuned, or LoRA-merged by scripts/merge_lora.py) as a Hugging Face model folder.
 
     python scripts/convert_lit_checkpoint.py --checkpoint_dir checkpoints/HuggingFaceTB/SmolLM2-135M-Instruct \\
-        --output_dir out/hf --checkpoint_path out/finetune/lora/final/lit_model.pth
+        --output_dir out/hf --checkpoint_path out/finetune/lora/merged/lit_model.safetensors
 """
 
 from pathlib import Path
@@ -22,9 +22,11 @@ def setup(
     """Write `model.safetensors` (sharded above `max_shard_size`), `config.json` and the tokenizer files.
 
     Args:
-        checkpoint_dir: folder with `lit_config.json`, the tokenizer files and (by default) `lit_model.pth`.
+        checkpoint_dir: folder with `lit_config.json`, the tokenizer files and (by default) its weights
+            (`lit_model.safetensors`, the index of its shards, or an earlier version's `lit_model.pth`).
         output_dir: where the HF model folder is written.
-        checkpoint_path: weights to export instead of `checkpoint_dir/lit_model.pth`.
+        checkpoint_path: weights to export instead of `checkpoint_dir`'s own (a `.safetensors` file or index, or
+            an earlier version's `.pth`).
         dtype: cast the weights to this dtype; default: keep the checkpoint's.
         max_shard_size: largest safetensors file, e.g. 5GB or 500MB.
         overwrite: replace an HF model already in `output_dir` (without it that is refused).

@@ -64,7 +64,7 @@ def setup(
         access_token: a Hugging Face token, needed for gated or private repos. Default: the HF_TOKEN
             environment variable (or the token saved by `hf auth login`).
         checkpoint_dir: the parent folder; the model goes to `checkpoint_dir/ORG/NAME`.
-        convert_checkpoint: write `lit_model.pth` + `lit_config.json` after the download.
+        convert_checkpoint: write `lit_model.safetensors` + `lit_config.json` after the download.
         dtype: cast the converted weights to this dtype; default: keep the checkpoint's.
         tokenizer_only: fetch only the config and tokenizer files.
     """

@@ -1,7 +1,7 @@
 """Merge LoRA weights into the base model: a standalone checkpoint folder that generates like the LoRA model.
 
     python scripts/merge_lora.py --checkpoint_dir checkpoints/HuggingFaceTB/SmolLM2-135M-Instruct \\
-        --lora_path out/finetune/lora/final/lit_model.pth.lora --out_dir out/finetune/lora/merged
+        --lora_path out/finetune/lora/final/lit_model.lora.safetensors --out_dir out/finetune/lora/merged
 
 Then `generate/base.py --checkpoint_dir out/finetune/lora/merged` runs it like any model, and
 `scripts/convert_lit_checkpoint.py --checkpoint_dir out/finetune/lora/merged --output_dir out/hf` exports it.
@@ -12,21 +12,22 @@ from pathlib import Path
 from typing import Optional
 
 from lit_gpt.lora import merge_lora_checkpoint
-from lit_gpt.utils import LitError, error_reason, refuse_overwrite, remove_stale_temp_files, run_cli
+from lit_gpt.utils import LitError, error_reason, refuse_overwrite, run_cli
+from lit_gpt.weights import LEGACY, index_name, weights_name
 
 
 def setup(checkpoint_dir: Path, lora_path: Path, out_dir: Optional[Path] = None, overwrite: bool = False) -> None:
-    """Write `lit_model.pth`, `lit_config.json` and the tokenizer files of the merged model.
+    """Write `lit_model.safetensors`, `lit_config.json` and the tokenizer files of the merged model.
 
-    The weights are written to a temporary file and renamed when complete: a run killed mid-write leaves no
-    `lit_model.pth`, and no temporary file either (on Linux it has no name until complete; elsewhere the next run
-    removes it).
+    The weights are written into a staging folder and moved in when complete: a run killed mid-write leaves no
+    `lit_model.safetensors` (see `lit_gpt.weights.save_weights`).
 
     Args:
         checkpoint_dir: the base model the LoRA weights were trained on.
-        lora_path: the LoRA file the finetuning recipe wrote.
+        lora_path: the LoRA weights the finetuning recipe wrote (`lit_model.lora.safetensors`, with its
+            `lit_model.lora.json` beside it; or an earlier version's `lit_model.pth.lora`).
         out_dir: where the merged folder is written; default: the folder of `lora_path`.
-        overwrite: replace a `lit_model.pth` already in `out_dir` (without it that is refused).
+        overwrite: replace merged weights already in `out_dir` (without it that is refused).
     """
     target = Path(lora_path).parent if out_dir is None else Path(out_dir)
     if target.exists() and not target.is_dir():
@@ -36,15 +37,14 @@ def setup(checkpoint_dir: Path, lora_path: Path, out_dir: Optional[Path] = None,
             target.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise LitError(f"cannot write --out_dir {str(target)!r}: {error_reason(e)}") from None
-    remove_stale_temp_files(target / "lit_model.pth")  # a killed earlier merge's partial file
     # a missing LoRA file, or an out_dir that is the base checkpoint or the LoRA file's, get their own errors
-    own_error = (target / "lit_model.pth").resolve() == Path(lora_path).resolve() or (
+    own_error = (target / weights_name()).resolve() == Path(lora_path).resolve() or (
         target.resolve() == Path(checkpoint_dir).resolve()
     )
     if Path(lora_path).is_file() and not own_error:
         refuse_overwrite(
             target,
-            ["lit_model.pth"],
+            [weights_name(), index_name(), LEGACY],
             overwrite,
             "Pass --out_dir NEW_FOLDER for the merged model, or --overwrite true to replace that file",
         )

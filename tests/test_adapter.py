@@ -20,6 +20,7 @@ from variants import (
 from lit_gpt import GPT, adapter
 from lit_gpt.peft import finetuned_state_dict, load_variant_model, save_finetuned
 from lit_gpt.utils import LitError, num_parameters
+from lit_gpt.weights import load_weights, read_finetuned_metadata, save_weights
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
@@ -70,12 +71,14 @@ def test_only_adapter_weights_train_and_are_saved(tmp_path):
         assert (p.grad is not None) == (n in trainable), n
 
     assert set(finetuned_state_dict(model)) == trainable
-    path = tmp_path / "out" / "lit_model.pth.adapter"
-    save_finetuned(model, path)
-    saved = torch.load(path, weights_only=True)
-    assert saved["method"] == "adapter"
-    assert saved["config"] == {"adapter_prompt_length": 10, "adapter_start_layer": 1}
-    assert set(saved["model"]) == trainable
+    path = save_finetuned(model, tmp_path / "out")
+    assert path == tmp_path / "out" / "lit_model.adapter.safetensors"
+    meta = read_finetuned_metadata(path)  # lit_model.adapter.json beside it
+    assert (meta["format"], meta["version"], meta["method"]) == ("lit_gpt.finetuned", 1, "adapter")
+    assert meta["config"] == {"adapter_prompt_length": 10, "adapter_start_layer": 1}
+    saved = load_weights(path)
+    assert set(saved) == trainable
+    assert all(torch.equal(saved[n], p) for n, p in model.named_parameters() if n in trainable)  # bit-identical
 
 
 @torch.no_grad()
@@ -84,9 +87,9 @@ def test_load_from_base_and_finetuned_files_on_meta(tmp_path):
     randomize_own_(model)
     write_base_checkpoint(base, tmp_path / "base")
     adapter.mark_only_adapter_as_trainable(model)
-    save_finetuned(model, tmp_path / "adapter.pth")
+    path = save_finetuned(model, tmp_path)
 
-    loaded = load_variant_model(adapter.GPT, adapter.Config, tmp_path / "base", tmp_path / "adapter.pth")
+    loaded = load_variant_model(adapter.GPT, adapter.Config, tmp_path / "base", path)
     assert loaded.config.adapter_prompt_length == 4 and loaded.config.adapter_start_layer == 1
     assert not any(p.is_meta for p in loaded.parameters())
     assert loaded.lm_head.weight is loaded.transformer.wte.weight  # still tied after assign=True
@@ -97,26 +100,53 @@ def test_load_from_base_and_finetuned_files_on_meta(tmp_path):
 def test_loading_the_wrong_kind_of_file_is_a_clear_error(tmp_path):
     base, model = base_and_variant("Llama-2-7b-hf", adapter, adapter_start_layer=1)
     write_base_checkpoint(base, tmp_path / "base")
-    save_finetuned(model, tmp_path / "adapter.pth")
+    path = save_finetuned(model, tmp_path / "run")
     from lit_gpt import adapter_v2, lora
 
-    with pytest.raises(LitError, match="holds adapter weights, not lora: use generate/adapter.py"):
-        load_variant_model(lora.GPT, lora.Config, tmp_path / "base", tmp_path / "adapter.pth")
-    with pytest.raises(LitError, match="not a finetuned-weights file"):
-        load_variant_model(adapter_v2.GPT, adapter_v2.Config, tmp_path / "base", tmp_path / "base" / "lit_model.pth")
-    with pytest.raises(LitError, match="not found"):
-        load_variant_model(adapter.GPT, adapter.Config, tmp_path / "base", tmp_path / "missing.pth")
+    with pytest.raises(LitError, match="holds adapter weights, not lora: use generate/adapter.py") as e:
+        load_variant_model(lora.GPT, lora.Config, tmp_path / "base", path)
+    assert "\n" not in str(e.value)
+    # a whole model, in either format, is not a finetuned-weights file
+    save_weights(base.state_dict(), tmp_path / "base_new")
+    for whole in (tmp_path / "base" / "lit_model.pth", tmp_path / "base_new" / "lit_model.safetensors"):
+        with pytest.raises(LitError, match="not a finetuned-weights file"):
+            load_variant_model(adapter_v2.GPT, adapter_v2.Config, tmp_path / "base", whole)
+    for missing in (tmp_path / "missing.pth", tmp_path / "missing" / "lit_model.adapter.safetensors"):
+        with pytest.raises(LitError, match="not found"):
+            load_variant_model(adapter.GPT, adapter.Config, tmp_path / "base", missing)
+    # the weights without their JSON (the method and its settings): one line naming the recipe
+    alone = tmp_path / "alone" / "lit_model.adapter.safetensors"
+    alone.parent.mkdir()
+    alone.write_bytes(path.read_bytes())
+    with pytest.raises(LitError, match=r"has no lit_model\.adapter\.json beside it.*generate/adapter\.py") as e:
+        load_variant_model(adapter.GPT, adapter.Config, tmp_path / "base", alone)
+    assert "\n" not in str(e.value)
     # a file trained with another base model
     other = GPT(tiny_config("Llama-2-7b-hf", n_embd=32, head_size=8))
     write_base_checkpoint(other, tmp_path / "other")
     with pytest.raises(LitError, match="does not match"):
-        load_variant_model(adapter.GPT, adapter.Config, tmp_path / "other", tmp_path / "adapter.pth")
+        load_variant_model(adapter.GPT, adapter.Config, tmp_path / "other", path)
+
+
+@torch.no_grad()
+def test_legacy_pth_adapter_file_still_loads(tmp_path):
+    """Earlier versions wrote `lit_model.pth.adapter` (a torch.save pickle of method, config and weights)."""
+    base, model = base_and_variant("Qwen2.5-0.5B", adapter, adapter_start_layer=1, adapter_prompt_length=4)
+    randomize_own_(model)
+    write_base_checkpoint(base, tmp_path / "base")
+    adapter.mark_only_adapter_as_trainable(model)
+    legacy = tmp_path / "lit_model.pth.adapter"
+    torch.save({"method": "adapter", "config": {"adapter_prompt_length": 4, "adapter_start_layer": 1},
+                "model": finetuned_state_dict(model)}, legacy)
+    loaded = load_variant_model(adapter.GPT, adapter.Config, tmp_path / "base", legacy)
+    assert loaded.config.adapter_prompt_length == 4
+    torch.testing.assert_close(loaded(tokens()), model.eval()(tokens()), atol=0, rtol=0)
 
 
 def test_generate_recipe_uses_the_adapter(tiny_dir, tmp_path, capsys):
     from lit_gpt.generate import load_model
 
-    path = tmp_path / "lit_model.pth.adapter"
+    path = tmp_path / "lit_model.adapter.safetensors"
     model = finetuned_on(tiny_dir, adapter, path, adapter_start_layer=0, adapter_prompt_length=4)
     prompt = "The capital of France is"
     run_recipe(

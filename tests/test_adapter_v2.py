@@ -18,6 +18,7 @@ from variants import (
 from lit_gpt import adapter, adapter_v2
 from lit_gpt.peft import load_variant_model, save_finetuned
 from lit_gpt.utils import num_parameters
+from lit_gpt.weights import load_weights, read_finetuned_metadata
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
@@ -74,10 +75,10 @@ def test_trainable_and_saved_weights(tmp_path):
 
     randomize_own_(model)
     write_base_checkpoint(base, tmp_path / "base")
-    save_finetuned(model, tmp_path / "v2.pth")
-    saved = torch.load(tmp_path / "v2.pth", weights_only=True)
-    assert saved["method"] == "adapter_v2" and set(saved["model"]) == trainable
-    loaded = load_variant_model(adapter_v2.GPT, adapter_v2.Config, tmp_path / "base", tmp_path / "v2.pth")
+    path = save_finetuned(model, tmp_path / "v2")
+    assert path.name == "lit_model.adapter_v2.safetensors" and (tmp_path / "v2" / "lit_model.adapter_v2.json").is_file()
+    assert read_finetuned_metadata(path)["method"] == "adapter_v2" and set(load_weights(path)) == trainable
+    loaded = load_variant_model(adapter_v2.GPT, adapter_v2.Config, tmp_path / "base", path)
     model.eval()
     with torch.no_grad():
         torch.testing.assert_close(loaded(tokens()), model(tokens()), atol=0, rtol=0)
@@ -86,7 +87,7 @@ def test_trainable_and_saved_weights(tmp_path):
 def test_generate_recipe_uses_the_adapter_v2(tiny_dir, tmp_path, capsys):
     from lit_gpt.generate import load_model
 
-    path = tmp_path / "lit_model.pth.adapter_v2"
+    path = tmp_path / "lit_model.adapter_v2.safetensors"
     model = finetuned_on(tiny_dir, adapter_v2, path, adapter_start_layer=1)
     prompt = "The capital of France is"
     run_recipe(

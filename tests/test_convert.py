@@ -21,21 +21,23 @@ from lit_gpt.convert import (  # noqa: E402
     hf_model_type,
 )
 from lit_gpt.utils import LitError  # noqa: E402
+from lit_gpt.weights import find_weights, load_weights, save_weights  # noqa: E402
 from tiny_hf import FAMILIES, VOCAB, build_hf_model  # noqa: E402  (the tiny HF configs of every family)
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def read_safetensors(directory: Path) -> dict:
+    """The HF weights of a folder (a converted folder also holds the lit weights: lit_model*.safetensors)."""
     out = {}
-    for path in sorted(directory.glob("*.safetensors")):
+    for path in sorted(directory.glob("model*.safetensors")):
         with safe_open(str(path), framework="pt") as f:
             out.update({k: f.get_tensor(k) for k in f.keys()})
     return out
 
 
 def lit_state(directory: Path) -> dict:
-    return torch.load(directory / "lit_model.pth", weights_only=True)
+    return load_weights(find_weights(directory))
 
 
 def assert_same_tensors(a: dict, b: dict) -> None:
@@ -77,7 +79,9 @@ def test_hf_to_lit_to_hf_is_bit_exact_and_loads_in_transformers(family, tmp_path
 
 def test_lit_checkpoint_matches_model_state_dict_and_ties(llama_dir, tmp_path):
     path = convert_hf_checkpoint(llama_dir)
-    assert path == llama_dir / "lit_model.pth"
+    assert path == llama_dir / "lit_model.safetensors"
+    with safe_open(str(path), framework="pt") as f:  # a plain safetensors file with lit_gpt's tensor names
+        assert "transformer.h.1.attn.qkv.weight" in f.keys()
     config = Config.from_checkpoint(llama_dir)
     assert config.name == "tiny-llama" and config.hf_model_type == "llama"
     state = lit_state(llama_dir)
@@ -144,10 +148,8 @@ def test_export_finetuned_weights_sharded_with_side_files(llama_dir, tmp_path):
     config = Config.from_checkpoint(llama_dir)
     state = lit_state(llama_dir)
     state["transformer.h.0.mlp.proj.weight"] = state["transformer.h.0.mlp.proj.weight"] + 1.0
-    finetuned = tmp_path / "finetune" / "lit_model.pth"
-    finetuned.parent.mkdir()
-    # training checkpoints wrap the weights: {"model": ..., ...}
-    torch.save({"model": state, "step": 3}, finetuned)
+    # what finetune/full.py leaves in final/ (an earlier version's wrapped .pth: test_legacy_lit_model_pth_...)
+    finetuned = save_weights(state, tmp_path / "finetune")[-1]
 
     out = convert_lit_checkpoint(llama_dir, tmp_path / "export", checkpoint_path=finetuned, max_shard_size="30KB")
     shards = sorted(p.name for p in out.glob("*.safetensors"))
@@ -178,6 +180,78 @@ def test_export_finetuned_weights_sharded_with_side_files(llama_dir, tmp_path):
     assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
 
 
+def test_sharded_lit_weights_load_bit_identical_and_export_the_same(llama_dir, tmp_path):
+    convert_hf_checkpoint(llama_dir)
+    reference = lit_state(llama_dir)
+    single_export = read_safetensors(convert_lit_checkpoint(llama_dir, tmp_path / "single"))
+
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    for name in ("config.json", "model.safetensors", "tokenizer_config.json"):
+        (sharded / name).write_bytes((llama_dir / name).read_bytes())
+    path = convert_hf_checkpoint(sharded, max_shard_size="20KB")
+    assert path == sharded / "lit_model.safetensors.index.json"
+    shards = sorted(p.name for p in sharded.glob("lit_model-*.safetensors"))
+    assert len(shards) > 1 and shards[0] == f"lit_model-00001-of-{len(shards):05d}.safetensors"
+    index = json.loads(path.read_text())
+    assert set(index["weight_map"].values()) == set(shards)
+    assert not (sharded / "lit_model.safetensors").exists()
+    assert_same_tensors(lit_state(sharded), reference)
+    assert_same_tensors(read_safetensors(convert_lit_checkpoint(sharded, tmp_path / "from_shards")), single_export)
+    # the HF weights beside the lit shards are still the only HF input of a conversion
+    convert_hf_checkpoint(sharded, overwrite=True)
+    assert sorted(p.name for p in sharded.glob("lit_model*")) == ["lit_model.safetensors"]  # no stale shards
+    assert_same_tensors(lit_state(sharded), reference)
+
+
+def test_legacy_lit_model_pth_still_loads_and_exports(llama_dir, tmp_path):
+    """Folders converted by earlier versions hold `lit_model.pth` (torch.save): read, never written."""
+    from lit_gpt.utils import check_checkpoint_dir
+
+    convert_hf_checkpoint(llama_dir)
+    state = lit_state(llama_dir)
+    expected = read_safetensors(convert_lit_checkpoint(llama_dir, tmp_path / "new"))
+    legacy = tmp_path / "legacy"
+    legacy.mkdir()
+    (legacy / "lit_config.json").write_bytes((llama_dir / "lit_config.json").read_bytes())
+    torch.save(state, legacy / "lit_model.pth")
+    assert check_checkpoint_dir(legacy) == legacy / "lit_model.pth"
+    assert_same_tensors(lit_state(legacy), state)
+    assert_same_tensors(read_safetensors(convert_lit_checkpoint(legacy, tmp_path / "old")), expected)
+    # an earlier full finetune's training checkpoint: the weights wrapped with the step
+    torch.save({"model": state, "step": 3}, tmp_path / "wrapped.pth")
+    out = convert_lit_checkpoint(legacy, tmp_path / "wrapped", checkpoint_path=tmp_path / "wrapped.pth")
+    assert_same_tensors(read_safetensors(out), expected)
+    # converting again over a legacy folder is refused without --overwrite, and replaces the .pth with it
+    (legacy / "model.safetensors").write_bytes((llama_dir / "model.safetensors").read_bytes())
+    (legacy / "config.json").write_bytes((llama_dir / "config.json").read_bytes())
+    with pytest.raises(LitError, match=r"already holds lit_model\.pth, lit_config\.json: refusing to overwrite"):
+        convert_hf_checkpoint(legacy)
+    convert_hf_checkpoint(legacy, overwrite=True)
+    assert not (legacy / "lit_model.pth").exists() and check_checkpoint_dir(legacy) == legacy / "lit_model.safetensors"
+    assert_same_tensors(lit_state(legacy), state)
+
+
+def test_damaged_lit_weights_are_one_line(llama_dir, tmp_path):
+    path = convert_hf_checkpoint(llama_dir)
+    data = path.read_bytes()
+    for name, content in (("truncated", data[: len(data) // 2]), ("header", data[:6]), ("garbage", b"\xff" * 64)):
+        bad = tmp_path / name / "lit_model.safetensors"
+        bad.parent.mkdir()
+        bad.write_bytes(content)
+        damaged = r"cannot read weights .*lit_model\.safetensors' \(corrupt or truncated"
+        with pytest.raises(LitError, match=damaged) as e:
+            convert_lit_checkpoint(llama_dir, tmp_path / f"out_{name}", checkpoint_path=bad)
+        assert "\n" not in str(e.value)
+    # an index whose shard is gone
+    sharded = tmp_path / "sharded"
+    index = save_weights(lit_state(llama_dir), sharded, max_shard_size="20KB")[-1]
+    sorted(sharded.glob("lit_model-*.safetensors"))[0].unlink()
+    with pytest.raises(LitError, match=r"names the shard 'lit_model-00001-of-.*', which is missing") as e:
+        convert_lit_checkpoint(llama_dir, tmp_path / "out_index", checkpoint_path=index)
+    assert "\n" not in str(e.value)
+
+
 def test_export_of_a_registry_config_without_hf_model_type(tmp_path):
     """A checkpoint whose lit_config.json came from the registry (no hf_model_type) exports by derived family."""
     config = Config(
@@ -189,7 +263,7 @@ def test_export_of_a_registry_config_without_hf_model_type(tmp_path):
     d.mkdir()
     config.save(d)
     torch.manual_seed(0)
-    torch.save(GPT(config).state_dict(), d / "lit_model.pth")
+    save_weights(GPT(config).state_dict(), d)
     out = convert_lit_checkpoint(d, tmp_path / "hf")
     hf = json.loads((out / "config.json").read_text())
     assert hf["model_type"] == "mistral" and hf["sliding_window"] == 4 and hf["num_key_value_heads"] == 2
@@ -200,16 +274,16 @@ def test_export_refuses_unmerged_lora_and_mismatched_weights(llama_dir, tmp_path
     convert_hf_checkpoint(llama_dir)
     state = lit_state(llama_dir)
     lora = dict(state, **{"transformer.h.0.attn.qkv.lora_A": torch.zeros(2, 2)})
-    torch.save(lora, tmp_path / "lora.pth")
+    save_weights(lora, tmp_path, stem="lora")
     with pytest.raises(LitError, match="merge_lora"):
-        convert_lit_checkpoint(llama_dir, tmp_path / "out", checkpoint_path=tmp_path / "lora.pth")
+        convert_lit_checkpoint(llama_dir, tmp_path / "out", checkpoint_path=tmp_path / "lora.safetensors")
     del state["transformer.h.1.mlp.fc_1.weight"]
-    torch.save(state, tmp_path / "partial.pth")
+    save_weights(state, tmp_path, stem="partial")
     with pytest.raises(LitError, match="1 missing tensor.*transformer.h.1.mlp.fc_1.weight"):
-        convert_lit_checkpoint(llama_dir, tmp_path / "out", checkpoint_path=tmp_path / "partial.pth")
+        convert_lit_checkpoint(llama_dir, tmp_path / "out", checkpoint_path=tmp_path / "partial.safetensors")
     with pytest.raises(LitError, match="does not exist"):
         convert_lit_checkpoint(tmp_path / "nothing-here", tmp_path / "out")
-    (llama_dir / "lit_model.pth").unlink()
+    (llama_dir / "lit_model.safetensors").unlink()
     with pytest.raises(LitError, match="convert_hf_checkpoint.py"):
         convert_lit_checkpoint(llama_dir, tmp_path / "out")
 
@@ -297,9 +371,13 @@ def test_cli_scripts(llama_dir, tmp_path):
     out = tmp_path / "export"
     run_script_setup(
         "convert_lit_checkpoint.py", "--checkpoint_dir", str(llama_dir), "--output_dir", str(out),
-        "--checkpoint_path", str(llama_dir / "lit_model.pth"), "--max_shard_size", "20KB",
+        "--checkpoint_path", str(llama_dir / "lit_model.safetensors"), "--max_shard_size", "20KB",
     )
     assert (out / "model.safetensors.index.json").is_file() and (out / "config.json").is_file()
+    run_script_setup("convert_hf_checkpoint.py", "--checkpoint_dir", str(llama_dir), "--max_shard_size", "20KB",
+                     "--overwrite", "true")
+    assert (llama_dir / "lit_model.safetensors.index.json").is_file()
+    assert not (llama_dir / "lit_model.safetensors").exists()
     with pytest.raises(SystemExit):
         run_script_setup("convert_hf_checkpoint.py", "--checkpoint_dir", str(llama_dir), "--dtype", "float8")
 

@@ -90,7 +90,7 @@ def test_downloads_safetensors_and_converts(download, monkeypatch, tmp_path):
     assert "model*.safetensors" in patterns
     assert not any(p.endswith(".bin") or p == "*.safetensors" for p in patterns)
     assert {"config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json"} <= set(patterns)
-    assert (out / "lit_model.pth").is_file()
+    assert (out / "lit_model.safetensors").is_file()
     assert json.loads((out / "lit_config.json").read_text())["n_layer"] == 2
 
 
@@ -108,7 +108,7 @@ def test_token_and_options(download, monkeypatch, tmp_path):
     monkeypatch.setenv("HF_TOKEN", "hf_from_env")
     download.setup("org/m", checkpoint_dir=tmp_path, convert_checkpoint=False)
     assert hub.calls[0] == ("list", "org/m", "hf_from_env")
-    assert not (tmp_path / "org" / "m" / "lit_model.pth").exists()  # --convert_checkpoint false
+    assert not (tmp_path / "org" / "m" / "lit_model.safetensors").exists()  # --convert_checkpoint false
     download.setup("org/m", access_token="hf_explicit", checkpoint_dir=tmp_path, tokenizer_only=True)
     assert hub.calls[-2][2] == "hf_explicit"
     assert not any(p.endswith("safetensors") for p in hub.calls[-1][3])  # tokenizer only: no weights

@@ -31,7 +31,7 @@ def llamacpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 def load_lit(checkpoint_dir: Path) -> GPT:
     model = GPT(Config.from_checkpoint(checkpoint_dir))
-    load_checkpoint(model, checkpoint_dir / "lit_model.pth")
+    load_checkpoint(model, checkpoint_dir / "lit_model.safetensors")
     return model.eval()
 
 
@@ -253,10 +253,18 @@ def test_an_existing_checkpoint_folder_is_never_overwritten_silently(synthetic, 
         convert_gguf(gguf_path, out)
     assert files() == before
     (out / "config.json").unlink()
-    (out / "lit_model.pth").write_bytes(b"someone else's weights")
+    (out / "lit_model.safetensors").write_bytes(b"someone else's weights")
     with pytest.raises(LitError, match=str(out)):
         convert_gguf(gguf_path, out)
-    assert (out / "lit_model.pth").read_bytes() == b"someone else's weights"
+    assert (out / "lit_model.safetensors").read_bytes() == b"someone else's weights"
+    # an earlier version's conversion (lit_model.pth) is not this one either: replaced only with overwrite
+    shutil.rmtree(out)
+    shutil.copytree(synthetic["dir"], out)
+    (out / "lit_model.safetensors").unlink()
+    (out / "lit_model.pth").write_bytes(b"an earlier version's weights")
+    with pytest.raises(LitError, match=r"already holds .*lit_model\.pth.*--overwrite true"):
+        convert_gguf(gguf_path, out)
+    assert (out / "lit_model.pth").read_bytes() == b"an earlier version's weights"
     convert_gguf(gguf_path, out, overwrite=True)
     assert files() == {p.name: p.read_bytes() for p in synthetic["dir"].iterdir()}
     assert not [p for p in out.iterdir() if p.name.startswith(".")]
@@ -628,7 +636,7 @@ def test_smollm2_config(smollm2_dir):
     assert config.block_size == 8192
     assert (config.norm_class_name, config.mlp_class_name) == ("RMSNorm", "LLaMAMLP")
     for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                 "model.safetensors", "lit_model.pth", "lit_config.json"):
+                 "model.safetensors", "lit_model.safetensors", "lit_config.json"):
         assert (smollm2_dir / name).is_file(), name
     generation_config = json.loads((smollm2_dir / "generation_config.json").read_text())
     assert generation_config["eos_token_id"] == 2  # <|im_end|>

@@ -18,6 +18,7 @@ from variants import (
 from lit_gpt import GPT, lora
 from lit_gpt.peft import base_config, load_variant_model, save_finetuned
 from lit_gpt.utils import num_parameters
+from lit_gpt.weights import load_weights, read_finetuned_metadata
 
 ALL_ON = dict(lora_r=4, lora_alpha=8, lora_dropout=0.0, lora_query=True, lora_key=True, lora_value=True,
               lora_projection=True, lora_mlp=True, lora_head=True)
@@ -132,12 +133,13 @@ def test_trainable_weights_and_saved_file(bias, tmp_path):
     assert all((p.grad is not None) == (n in trainable) for n, p in model.named_parameters())
 
     randomize_own_(model)
-    save_finetuned(model, tmp_path / "lora.pth")
-    saved = torch.load(tmp_path / "lora.pth", weights_only=True)
-    assert saved["method"] == "lora" and set(saved["model"]) == trainable
-    assert saved["config"]["lora_r"] == 4 and saved["config"]["lora_value"] is False
+    path = save_finetuned(model, tmp_path / "out" / "lit_model.lora.safetensors")  # a folder, or the file in it
+    assert path == tmp_path / "out" / "lit_model.lora.safetensors"
+    meta = read_finetuned_metadata(path)
+    assert meta["method"] == "lora" and set(load_weights(path)) == trainable
+    assert meta["config"]["lora_r"] == 4 and meta["config"]["lora_value"] is False
     write_base_checkpoint(base, tmp_path / "base")
-    loaded = load_variant_model(lora.GPT, lora.Config, tmp_path / "base", tmp_path / "lora.pth").eval()
+    loaded = load_variant_model(lora.GPT, lora.Config, tmp_path / "base", path).eval()
     assert loaded.config.lora_value is False
     model.eval()
     with torch.no_grad():
@@ -147,7 +149,7 @@ def test_trainable_weights_and_saved_file(bias, tmp_path):
 def test_generate_recipe_uses_the_lora_weights(tiny_dir, tmp_path, capsys):
     from lit_gpt.generate import load_model
 
-    path = tmp_path / "lit_model.pth.lora"
+    path = tmp_path / "lit_model.lora.safetensors"
     model = finetuned_on(tiny_dir, lora, path, lora_r=4, lora_mlp=True)
     prompt = "The capital of France is"
     run_recipe(
@@ -162,7 +164,7 @@ def test_generate_recipe_uses_the_lora_weights(tiny_dir, tmp_path, capsys):
 def test_generate_recipe_refuses_another_method_s_file(tiny_dir, tmp_path, capsys):
     from lit_gpt import adapter
 
-    path = tmp_path / "lit_model.pth.adapter"
+    path = tmp_path / "lit_model.adapter.safetensors"
     finetuned_on(tiny_dir, adapter, path, adapter_start_layer=1)
     with pytest.raises(SystemExit) as exc:
         run_recipe("generate/lora.py", "--checkpoint_dir", str(tiny_dir), "--lora_path", str(path),

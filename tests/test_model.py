@@ -16,6 +16,7 @@ from tiny_hf import FAMILIES, NEW_FAMILIES, SEQ, VOCAB, build_hf_model, hf_to_li
 from lit_gpt import GPT, Config  # noqa: E402
 from lit_gpt.convert import convert_hf_checkpoint, convert_lit_checkpoint  # noqa: E402
 from lit_gpt.model import build_rope_cache  # noqa: E402
+from lit_gpt.weights import load_weights  # noqa: E402
 from tiny_hf import randomize_  # noqa: E402
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -129,7 +130,7 @@ def test_bf16_checkpoint_is_within_bf16_error_of_transformers(family, tmp_path):
     hf_error = (hf16(idx).logits.float() - expected).abs().max()
 
     convert_hf_checkpoint(tmp_path / family)
-    state = torch.load(tmp_path / family / "lit_model.pth", weights_only=True)
+    state = load_weights(tmp_path / family / "lit_model.safetensors")
     assert all(t.dtype == torch.bfloat16 for t in state.values())  # the converter keeps the file's dtype
     with torch.device("meta"):
         model = GPT(Config.from_checkpoint(tmp_path / family))
@@ -170,7 +171,7 @@ def test_gemma3_multimodal_folder_converts_its_text_tower(tmp_path, capsys):
     lit_config = Config.from_checkpoint(tmp_path / "gemma3-mm")
     assert lit_config.hf_model_type == "gemma3_text" and lit_config.rope_local_base == 10000.0
     model = GPT(lit_config)
-    model.load_state_dict(torch.load(tmp_path / "gemma3-mm" / "lit_model.pth", weights_only=True))
+    model.load_state_dict(load_weights(tmp_path / "gemma3-mm" / "lit_model.safetensors"))
     idx = torch.randint(0, VOCAB - 4, (2, SEQ), generator=torch.Generator().manual_seed(1))
     torch.testing.assert_close(model.eval()(idx), hf_model(input_ids=idx).logits, atol=1e-4, rtol=0)
     # exported back as the text model, with the multimodal config's special token ids

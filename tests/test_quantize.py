@@ -236,11 +236,14 @@ def test_qlora_recipe_saves_a_plain_lora_file_that_merges(tiny_dir, tmp_path):
                             save_interval=4, log_interval=1),
             eval=EvalArgs(interval=4, max_iters=1, max_new_tokens=2),
         )
-    plain = torch.load(tmp_path / "out_None" / "final" / "lit_model.pth.lora", weights_only=True)
-    qlora = torch.load(tmp_path / "out_bnb.nf4" / "final" / "lit_model.pth.lora", weights_only=True)
-    assert qlora["method"] == "lora" and qlora["config"] == plain["config"]
-    assert {k: v.shape for k, v in qlora["model"].items()} == {k: v.shape for k, v in plain["model"].items()}
-    assert all("lora_" in k for k in qlora["model"])
-    merged = merge_lora_checkpoint(tiny_dir, tmp_path / "out_bnb.nf4" / "final" / "lit_model.pth.lora",
-                                   tmp_path / "merged")
+    from lit_gpt.weights import load_weights, read_finetuned_metadata
+
+    plain_path = tmp_path / "out_None" / "final" / "lit_model.lora.safetensors"
+    qlora_path = tmp_path / "out_bnb.nf4" / "final" / "lit_model.lora.safetensors"
+    plain, qlora = load_weights(plain_path), load_weights(qlora_path)
+    plain_meta, qlora_meta = read_finetuned_metadata(plain_path), read_finetuned_metadata(qlora_path)
+    assert qlora_meta["method"] == "lora" and qlora_meta["config"] == plain_meta["config"]
+    assert {k: v.shape for k, v in qlora.items()} == {k: v.shape for k, v in plain.items()}
+    assert all("lora_" in k for k in qlora)
+    merged = merge_lora_checkpoint(tiny_dir, qlora_path, tmp_path / "merged")
     assert merged.is_file()

@@ -14,6 +14,7 @@ transformers = pytest.importorskip("transformers")
 
 from lit_gpt import GPT, Config  # noqa: E402
 from lit_gpt.convert import convert_hf_checkpoint  # noqa: E402
+from lit_gpt.weights import find_weights, load_weights  # noqa: E402
 
 VOCAB = 128
 SEQ = 12
@@ -244,5 +245,5 @@ def hf_to_lit(family: str, tmp_path, seed: int = 0):
     convert_hf_checkpoint(checkpoint_dir)
     config = Config.from_checkpoint(checkpoint_dir)
     model = GPT(config)
-    model.load_state_dict(torch.load(checkpoint_dir / "lit_model.pth", weights_only=True))
+    model.load_state_dict(load_weights(find_weights(checkpoint_dir)))
     return hf_model, model.eval()

@@ -1,12 +1,13 @@
 """Loading a checkpoint onto XLA devices block by block, so that host RAM stays low.
 
-    model = load_staged(config, checkpoint_dir / "lit_model.pth", fabric)
+    model = load_staged(config, checkpoint_dir / "lit_model.safetensors", fabric)
     model = load_staged(lambda: GPT(config), [base_path, adapter_path], fabric, strict=False)  # adapters, LoRA
 
 The model is built on the meta device (no memory). Then for each transformer block in turn, only that block's
-tensors are read from the checkpoint (`torch.load(..., mmap=True, weights_only=True)`, or `safe_open` for
-`.safetensors`), and sent to the devices already sharded the way FSDPv2 shards them (largest dimension over the
-"fsdp" axis, so no device ever holds a full copy): each device's shard is sliced from the mapped file and cast to
+tensors are read from the checkpoint (`safe_open` per tensor for `.safetensors` files and the shards a
+`.safetensors.index.json` names; `torch.load(..., mmap=True, weights_only=True)` for an earlier version's `.pth`),
+and sent to the devices already sharded the way FSDPv2 shards them (largest dimension over the "fsdp" axis, so no
+device ever holds a full copy): each device's shard is sliced from the mapped file and cast to
 the parameter dtype on the way (one host copy per shard, none for a contiguous shard that needs no cast), handed to
 torch_xla as that device's data (`_global_tensor_from_cpu_shards`), and dropped once transferred; then the
 embeddings, final norm and head. The loader waits for each large transfer before the next (under SPMD; on one
@@ -32,33 +33,68 @@ import torch.nn as nn
 
 from lit_gpt.config import Config
 from lit_gpt.utils import LitError, load_state_dict
+from lit_gpt.weights import INDEX_SUFFIX, SUFFIX, read_json
 
 PathLike = Union[str, Path]
 
 
 class _Sources:
-    """Key -> tensor lookup over one or more checkpoint files; a later file overrides an earlier one."""
+    """Key -> tensor lookup over one or more weights files; a later file overrides an earlier one.
+
+    safetensors files (one file, or the shards an index names) are opened with `safe_open` once per tensor taken:
+    it maps the file, so the tensor is read from the page cache, not copied into anonymous memory, and its mapping
+    ends with the tensor once it is placed (one handle kept open for the whole load would keep every page it had
+    touched resident, the whole file by the end). Names stored once for several (a tied head: `lit_gpt.weights`'
+    aliases) resolve to the kept tensor. An earlier version's `.pth` is memory-mapped with `torch.load(mmap=True)`."""
 
     def __init__(self, paths: Sequence[PathLike]) -> None:
-        self._where: Dict[str, Tuple[str, Any]] = {}
+        self._where: Dict[str, Tuple[str, Any, str]] = {}  # name -> (kind, file path or state dict, key in it)
         self._handles: List[Any] = []
         for path in paths:
             path = Path(path)
-            if path.suffix == ".safetensors":
-                from safetensors import safe_open
-
-                if not path.is_file():
-                    raise LitError(f"checkpoint file {str(path)!r} not found")
-                handle = safe_open(str(path), framework="pt", device="cpu")
-                self._handles.append(handle)
-                for key in handle.keys():
-                    self._where[key] = ("safetensors", handle)
+            if path.name.endswith(INDEX_SUFFIX):
+                index = read_json(path, "weights index")
+                weight_map = index.get("weight_map")
+                if not isinstance(weight_map, dict) or not weight_map:
+                    raise LitError(f"weights index {str(path)!r} has no weight_map: re-create it")
+                for shard in sorted(set(weight_map.values())):
+                    self._add_safetensors(path.parent / shard, named_by=path)
+                self._add_aliases(index.get("metadata") or {})
+            elif path.name.endswith(SUFFIX):
+                self._add_safetensors(path)
             else:
                 sd = load_state_dict(path, mmap=True)  # memory-mapped: nothing is read until a tensor is used
                 sd = sd.get("model", sd)
                 self._handles.append(sd)
                 for key in sd:
-                    self._where[key] = ("dict", sd)
+                    self._where[key] = ("dict", sd, key)
+
+    def _add_safetensors(self, path: Path, named_by: Optional[Path] = None) -> None:
+        from safetensors import SafetensorError, safe_open
+
+        if not path.is_file():
+            if named_by is not None:
+                raise LitError(f"{str(named_by)!r} names the shard {path.name!r}, which is missing: copy the whole"
+                               " folder")
+            raise LitError(f"checkpoint file {str(path)!r} not found")
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as f:  # the header only
+                keys, meta = list(f.keys()), f.metadata() or {}
+        except (SafetensorError, OSError) as e:
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise LitError(f"cannot read weights {str(path)!r} (corrupt or truncated: {first}). Re-create it, e.g."
+                           " by converting the model again") from None
+        for key in keys:
+            self._where[key] = ("safetensors", str(path), key)
+        self._add_aliases(meta)
+
+    def _add_aliases(self, meta: Dict[str, Any]) -> None:
+        # a name the file dropped because it shared storage with a kept tensor reads that tensor
+        for dropped, kept in meta.items():
+            if isinstance(kept, str) and dropped not in self._where and kept in self._where:
+                kind, source, key = self._where[kept]
+                if kind == "safetensors":
+                    self._where[dropped] = (kind, source, key)
 
     def __contains__(self, key: str) -> bool:
         return key in self._where
@@ -67,10 +103,13 @@ class _Sources:
         return self._where.keys()
 
     def take(self, key: str) -> torch.Tensor:
-        kind, handle = self._where.pop(key)
+        kind, source, name = self._where.pop(key)
         if kind == "safetensors":
-            return handle.get_tensor(key)
-        return handle.pop(key)  # drop the dict's reference: the mapped pages can go once the tensor is placed
+            from safetensors import safe_open
+
+            with safe_open(source, framework="pt", device="cpu") as f:
+                return f.get_tensor(name)
+        return source.pop(name)  # drop the dict's reference: the mapped pages can go once the tensor is placed
 
 
 def _fsdp_spec(t: torch.Tensor) -> Tuple[Optional[str], ...]:
