@@ -14,7 +14,7 @@ the one training loop, `lit_gpt.training.fit`:
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, Literal, Optional, Tuple, Type, Union
+from typing import Any, Callable, Dict, Literal, Optional, Sequence, Tuple, Type, Union
 
 import lightning as L
 import torch
@@ -25,6 +25,8 @@ from lit_gpt.config import Config, load_config  # noqa: F401  (the recipes impor
 from lit_gpt.runtime import FINAL_DIR, STEP_DIR, param_dtype, resolve_accelerator
 from lit_gpt.storage import location, log_folder
 from lit_gpt import training
+from lit_gpt.model import Block
+from lit_gpt.recipes.flags import FINETUNE, Flag, Precision, command, finetune_flags, values  # noqa: F401
 from lit_gpt.runtime import Runtime
 from lit_gpt.training import Method, RunData, uses_fsdp
 from lit_gpt.utils import LitError, cast_floating, check_checkpoint_dir, load_error_detail, num_parameters
@@ -64,9 +66,6 @@ class FinetuneRun:
             extra["platform"] = self.platform
         return run_config(method=self.method, checkpoint_dir=self.checkpoint_dir, data=self.data, train=self.train,
                           eval=self.eval, optimizer=self.optimizer, **extra)
-
-
-Precision = Literal["32-true", "bf16-true", "bf16-mixed", "16-true", "16-mixed"]
 
 
 def setup_fabric(
@@ -347,3 +346,33 @@ def fit(fabric: L.Fabric, runtime: Runtime, model: nn.Module, raw_model: nn.Modu
         fabric, model, raw_model, optimizer, data, method, checkpoint_dir=run.checkpoint_dir, out_dir=run.out_dir,
         train=run.train, eval=run.eval, resume=run.resume, run_config=run.run_config, runtime=runtime,
     )
+
+
+def finetune_command(
+    method: str,
+    main: Callable[[L.Fabric, FinetuneRun], Dict[str, Any]],
+    config_cls: Optional[Type[Config]],
+    summary: str,
+    own: Sequence[Flag] = (),
+    tail: Sequence[Flag] = (),
+    check: Optional[Callable[[Dict[str, Any]], None]] = None,
+    **defaults: Any,
+) -> Callable[..., Dict[str, Any]]:
+    """The `setup` of a CPU/CUDA finetune recipe: the shared flags (`lit_gpt.recipes.flags.FINETUNE`) plus the
+    method's `own` ones, with the recipe's `defaults`. It checks the settings (and `check(flags)`), reads the config
+    with the method's settings, builds Fabric and launches `main(fabric, run)` on every process."""
+
+    def setup(**flags: Any) -> Dict[str, Any]:
+        flags["train"].validate(flags["devices"] * flags["num_nodes"])
+        if check is not None:
+            check(flags)
+        config = load_config(flags["checkpoint_dir"], config_cls, **values(flags, own))
+        fabric = setup_fabric(
+            flags["devices"], flags["precision"], flags["out_dir"], flags["logger_name"], flags["strategy"],
+            block_cls=Block, accelerator=flags["accelerator"], num_nodes=flags["num_nodes"], resume=flags["resume"],
+        )
+        run = FinetuneRun(method, flags["checkpoint_dir"], flags["out_dir"], config, flags["data"], flags["train"],
+                          flags["eval"], flags["resume"], flags["optimizer"], quantize=flags.get("quantize"))
+        return fabric.launch(main, run)
+
+    return command(summary, finetune_flags(FINETUNE, own, tail, **defaults), setup)

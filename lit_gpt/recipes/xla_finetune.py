@@ -7,13 +7,15 @@ runtime and its closing metrics report.
 """
 
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Dict, Optional, Sequence, Type, Union
 
 import torch.nn as nn
 
 from lit_gpt import training
 from lit_gpt.args import TrainArgs
-from lit_gpt.recipes.finetune import FinetuneRun, check_out_dir, make_logger
+from lit_gpt.config import Config
+from lit_gpt.recipes.finetune import FinetuneRun, check_out_dir, load_config, make_logger
+from lit_gpt.recipes.flags import XLA_FINETUNE, Flag, command, finetune_flags, values
 from lit_gpt.utils import LitError
 
 
@@ -95,3 +97,30 @@ def fit(fabric: Any, runtime: Any, model: nn.Module, raw_model: nn.Module, optim
 
         fabric.print(metrics_report())
     return summary
+
+
+def xla_finetune_command(
+    method: str,
+    main: Callable[[Any, FinetuneRun], Dict[str, Any]],
+    config_cls: Optional[Type[Config]],
+    summary: str,
+    own: Sequence[Flag] = (),
+    **defaults: Any,
+) -> Callable[..., Dict[str, Any]]:
+    """The `setup` of an XLA finetune recipe: the shared flags (`lit_gpt.recipes.flags.XLA_FINETUNE`) plus the
+    method's `own` ones, with the recipe's `defaults`. It reads the config with the method's settings, builds the
+    Fabric over every PJRT device (checking the settings first) and launches `main(fabric, run)`."""
+
+    def setup(**flags: Any) -> Dict[str, Any]:
+        config = load_config(flags["checkpoint_dir"], config_cls, **values(flags, own))
+        fabric = setup_fabric(
+            flags["devices"], flags["precision"], flags["train"], flags["out_dir"], flags["logger_name"],
+            flags["activation_checkpointing"], flags["compile_cache_dir"], resume=flags["resume"],
+            accelerator=flags["accelerator"], scan_layers=flags["scan_layers"],
+        )
+        run = FinetuneRun(method, flags["checkpoint_dir"], flags["out_dir"], config, flags["data"], flags["train"],
+                          flags["eval"], flags["resume"], flags["optimizer"], platform="xla",
+                          options={"xla_metrics": flags["xla_metrics"]})
+        return fabric.launch(main, run)
+
+    return command(summary, finetune_flags(XLA_FINETUNE, own, **defaults), setup)

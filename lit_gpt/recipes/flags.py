@@ -1,0 +1,169 @@
+"""The recipes' command-line flags, written once.
+
+Sibling recipes take the same flags with the same defaults and the same help: every finetune recipe on CPU/CUDA
+takes `FINETUNE`, every XLA one `XLA_FINETUNE`, plus its method's own flags (`LORA`, `ADAPTER`, or none). A recipe's
+`setup` is built by `command` from such a list: its signature and docstring are what jsonargparse turns into the
+command line and `--help`, and a call checks its arguments as a written-out signature would (unknown names raise
+TypeError). What a recipe may set differently is only a default (`with_defaults`: the output folder, the learning
+rate), and tests/test_recipe_signatures.py names each difference.
+"""
+
+import inspect
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Literal, Optional, Sequence, Union
+
+from lit_gpt.args import DataArgs, EvalArgs, TrainArgs
+from lit_gpt.utils import DEFAULT_CHECKPOINT_DIR
+
+Precision = Literal["32-true", "bf16-true", "bf16-mixed", "16-true", "16-mixed"]
+
+
+@dataclass(frozen=True)
+class Flag:
+    name: str
+    annotation: Any
+    default: Any
+    doc: str
+
+
+def with_defaults(flags: Sequence[Flag], **defaults: Any) -> List[Flag]:
+    """`flags` with other defaults for the named ones (a name the list lacks is an error: no silent new flag)."""
+    names = {f.name for f in flags}
+    unknown = sorted(set(defaults) - names)
+    if unknown:
+        raise TypeError(f"no such flag: {', '.join(unknown)}")
+    return [replace(f, default=defaults[f.name]) if f.name in defaults else f for f in flags]
+
+
+def command(summary: str, flags: Sequence[Flag], body: Callable[..., Any]) -> Callable[..., Any]:
+    """A function `setup(**flags)` with `flags` as its signature and its docstring's Args, that calls
+    `body(**every flag's value)`."""
+    names = [f.name for f in flags]
+    if len(set(names)) != len(names):
+        raise TypeError(f"duplicate flags: {sorted(n for n in set(names) if names.count(n) > 1)}")
+    signature = inspect.Signature(
+        [inspect.Parameter(f.name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=f.default, annotation=f.annotation)
+         for f in flags],
+        return_annotation=dict,
+    )
+
+    def setup(*args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        return body(**bound.arguments)
+
+    setup.__signature__ = signature  # type: ignore[attr-defined]
+    setup.__annotations__ = {**{f.name: f.annotation for f in flags}, "return": dict}
+    setup.__doc__ = "\n".join([summary, "", "Args:"] + [f"    {f.name}: {_indent(f.doc)}" for f in flags])
+    setup.__name__ = setup.__qualname__ = "setup"
+    return setup
+
+
+def _indent(doc: str) -> str:
+    return doc.replace("\n", "\n        ")
+
+
+def values(flags: Dict[str, Any], group: Sequence[Flag]) -> Dict[str, Any]:
+    """The values of one group's flags (e.g. a method's settings for its Config)."""
+    return {f.name: flags[f.name] for f in group}
+
+
+_OUT_DIR_DOC = ("Where checkpoints (step-XXXXXX/, final/) and logs go:\n"
+                "a folder, or an fsspec URL such as gs://bucket/run (needs gcsfs) or s3://bucket/run (needs s3fs).")
+_LOGGER_DOC = ('"csv", "tensorboard" or "wandb" (under out_dir/logs; W&B: project from WANDB_PROJECT,\n'
+               "offline with WANDB_MODE=offline).")
+
+# ---------------------------------------------------------------------------------------------------------------
+# finetuning, CPU / CUDA (finetune/*.py)
+# ---------------------------------------------------------------------------------------------------------------
+FINETUNE: List[Flag] = [
+    Flag("checkpoint_dir", Path, DEFAULT_CHECKPOINT_DIR, "The base model (a converted lit checkpoint directory)."),
+    Flag("out_dir", str, "out/METHOD/alpaca", _OUT_DIR_DOC),
+    Flag("precision", Optional[Precision], None,
+         '"32-true", "bf16-true", "bf16-mixed", "16-true" or "16-mixed" (default: bf16-true on GPUs\n'
+         "that support it, else 32-true)."),
+    Flag("devices", int, 1, "How many devices (GPUs, or CPU processes) to train on."),
+    Flag("strategy", Literal["auto", "ddp", "fsdp"], "auto",
+         '"auto" = FSDP on several GPUs, DDP on several CPU processes.'),
+    Flag("resume", Union[bool, Literal["auto"], str], False,
+         'Continue from a checkpoint: a step directory, True (the newest in out_dir), or "auto" (the newest\n'
+         "if there is one, else start fresh)."),
+    Flag("optimizer", Literal["adamw", "sgd"], "adamw", '"adamw" or "sgd" (with momentum 0.9).'),
+    Flag("data", DataArgs, DataArgs(), "Where the prepared data is and how it is batched."),
+    Flag("train", TrainArgs, TrainArgs(), "Optimisation and checkpointing."),
+    Flag("eval", EvalArgs, EvalArgs(), "Validation."),
+    Flag("logger_name", Literal["csv", "tensorboard", "wandb"], "csv", _LOGGER_DOC),
+    Flag("accelerator", Literal["auto", "cpu", "cuda"], "auto",
+         '"cpu", "cuda" or "auto" (a GPU when one is visible, else the CPU).'),
+    Flag("num_nodes", int, 1,
+         "Machines to train on, `devices` processes each (launched by torchrun or SLURM on every node)."),
+]
+
+# ---------------------------------------------------------------------------------------------------------------
+# finetuning on XLA devices (xla/finetune/*.py): the same run, plus the mesh and compilation settings
+# ---------------------------------------------------------------------------------------------------------------
+XLA_FINETUNE: List[Flag] = [
+    Flag("checkpoint_dir", Path, DEFAULT_CHECKPOINT_DIR, "The base model (a converted lit checkpoint directory)."),
+    Flag("out_dir", str, "out/xla/METHOD/alpaca",
+         "Where sharded checkpoints (step-XXXXXX/), the final weights (final/) and logs go:\n"
+         "a folder, or an fsspec URL such as gs://bucket/run (needs gcsfs) or s3://bucket/run (needs s3fs)."),
+    Flag("precision", Optional[str], None,
+         '"32-true", "bf16-true" or "bf16-mixed" (default: bf16-true on TPUs, else 32-true).'),
+    Flag("devices", Union[int, str], "auto",
+         '"auto" (all devices of the XLA runtime) or their number: the SPMD mesh spans all of them.'),
+    Flag("resume", Union[bool, Literal["auto"], str], False,
+         'Continue from a checkpoint: a step directory, True (the newest complete one in out_dir), or "auto"\n'
+         "(the newest if there is one, else start fresh)."),
+    Flag("activation_checkpointing", bool, False,
+         "Recompute each block's activations in the backward pass (less memory, ~1/3\nmore compute)."),
+    Flag("scan_layers", Union[bool, Literal["auto"]], "auto",
+         "Run the blocks as one scanned layer (torch_xla's scan): the train step compiles in about the\n"
+         'same time at any depth; steady steps are slower on XLA:CPU. "auto": from 32 blocks on (see\n'
+         "bench/xla_scan.py), where jax and flax are installed (torch_xla's scan needs them under SPMD)."),
+    Flag("optimizer", Literal["adamw", "sgd"], "adamw", '"adamw" or "sgd" (with momentum 0.9).'),
+    Flag("data", DataArgs, DataArgs(pad_pow2=True),
+         "Where the prepared data is and how it is batched (pad_pow2: batches padded to powers of two, so\n"
+         "the train step compiles once per length bucket)."),
+    Flag("train", TrainArgs, TrainArgs(lr_warmup_steps=20),
+         "Optimisation and checkpointing (micro_batch_size is per device)."),
+    Flag("eval", EvalArgs, EvalArgs(), "Validation."),
+    Flag("logger_name", Literal["csv", "tensorboard", "wandb"], "csv", _LOGGER_DOC),
+    Flag("compile_cache_dir", Optional[Path], None,
+         "Persistent XLA compilation cache: a second run skips compiling (TPU/GPU)."),
+    Flag("xla_metrics", bool, False,
+         "Print torch_xla's metrics report (compilations, transfers, timings) at the end."),
+    Flag("accelerator", str, "auto",
+         'The PJRT device: "auto" (the TPU when there is one, else the CPU), "tpu", "cpu" or "cuda".'),
+]
+
+# ---------------------------------------------------------------------------------------------------------------
+# the methods' own flags (the same on every backend)
+# ---------------------------------------------------------------------------------------------------------------
+LORA: List[Flag] = [
+    Flag("lora_r", int, 8, "Rank of the updates."),
+    Flag("lora_alpha", int, 16, "The updates are scaled by alpha / r."),
+    Flag("lora_dropout", float, 0.05, "Dropout on the input of the updates."),
+    Flag("lora_query", bool, True, "Update the query projection (part of the fused qkv layer)."),
+    Flag("lora_key", bool, False, "Update the key projection."),
+    Flag("lora_value", bool, True, "Update the value projection."),
+    Flag("lora_projection", bool, False, "Update the attention output projection."),
+    Flag("lora_mlp", bool, False, "Update the MLP's linear layers."),
+    Flag("lora_head", bool, False, "Update the output head."),
+]
+ADAPTER: List[Flag] = [
+    Flag("adapter_prompt_length", int, 10, "Learned prompt vectors per adapted layer."),
+    Flag("adapter_start_layer", int, 2, "The first layer that gets an adapter."),
+]
+QLORA: List[Flag] = [
+    Flag("quantize", Optional[str], None,
+         '"bnb.nf4": QLoRA, the frozen base linear layers of the blocks in 4-bit NormalFloat (bitsandbytes,\n'
+         "CUDA only). The saved LoRA weights merge into the unquantized base as usual."),
+]
+
+
+def finetune_flags(base: Sequence[Flag], own: Sequence[Flag], tail: Sequence[Flag] = (), **defaults: Any) -> List[Flag]:
+    """A finetune recipe's flags: the backend's run flags with the method's own after `optimizer` (where they
+    always stood), then `tail` (QLoRA's --quantize), with the recipe's defaults."""
+    at = [f.name for f in base].index("optimizer") + 1
+    return with_defaults([*base[:at], *own, *base[at:], *tail], **defaults)
