@@ -191,6 +191,13 @@ def run_litgpt(method: str, litgpt_path: Path, checkpoint_dir: Path, rows_file: 
     ckpt = work / "litgpt_checkpoint" / "HuggingFaceTB" / checkpoint_dir.name
     if not (ckpt / "model_config.yaml").is_file():
         ckpt.mkdir(parents=True, exist_ok=True)
+        if not (checkpoint_dir / "lit_model.pth").is_file():
+            # litgpt reads torch.save files only: the same tensors (same state-dict names) in its format
+            import torch
+
+            from lit_gpt.weights import find_weights, load_weights
+
+            torch.save(load_weights(find_weights(checkpoint_dir)), ckpt / "lit_model.pth")
         for name in ("lit_model.pth", "tokenizer.json", "tokenizer_config.json", "generation_config.json",
                      "config.json"):
             if (checkpoint_dir / name).is_file() and not (ckpt / name).exists():

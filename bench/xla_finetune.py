@@ -95,7 +95,9 @@ def main(fabric, model_name, n_layer, method, steps, micro_batch_size, seq_len, 
     from lit_gpt.args import EvalArgs, TrainArgs
     from lit_gpt.data import PreparedData, TrainBatches
     from lit_gpt.peft import finetuned_filter, finetuned_metadata
-    from lit_gpt.xla import finetune
+    from lit_gpt.recipes.finetune import build_optimizer
+    from lit_gpt.recipes.xla_finetune import load_model
+    from lit_gpt.weights import save_weights
     from lit_gpt.xla.runtime import XLARuntime
 
     base = Config.from_name(model_name, **({"n_layer": n_layer} if n_layer else {}))
@@ -113,7 +115,7 @@ def main(fabric, model_name, n_layer, method, steps, micro_batch_size, seq_len, 
         plain = make_model()
         plain.apply(plain._init_weights)
         own = getattr(plain, "peft_filter", lambda key: False)  # the base checkpoint has no adapter/LoRA weights
-        torch.save({k: v for k, v in plain.state_dict().items() if not own(k)}, checkpoint_dir / "lit_model.pth")
+        save_weights({k: v for k, v in plain.state_dict().items() if not own(k)}, checkpoint_dir)
         del plain
         base.save(checkpoint_dir)
         g = torch.Generator().manual_seed(0)
@@ -125,14 +127,13 @@ def main(fabric, model_name, n_layer, method, steps, micro_batch_size, seq_len, 
         )
 
         runtime = XLARuntime(fabric)
-        model = finetune.load_model(fabric, make_model, checkpoint_dir, own_filter=lambda key, value: own(key))
+        model = load_model(fabric, make_model, checkpoint_dir, own_filter=lambda key, value: own(key))
         if mark_trainable is not None:
             mark_trainable(model)
-            m = training.Method(name=method, weights_file=f"lit_model.pth.{method}",
-                                save_filter=finetuned_filter(model), metadata=finetuned_metadata(model))
+            m = training.Method(name=method, save_filter=finetuned_filter(model), metadata=finetuned_metadata(model))
         else:
-            m = training.Method(name="full", weights_file="lit_model.pth")
-        wrapped, opt = fabric.setup(model, training.build_optimizer(model, train))
+            m = training.Method(name="full")
+        wrapped, opt = fabric.setup(model, build_optimizer(model, train))
         summary = training.fit(fabric, wrapped, model, opt, data, m, checkpoint_dir=checkpoint_dir,
                                out_dir=Path(tmp) / "out", train=train, eval=eval, runtime=runtime)
 
@@ -172,19 +173,21 @@ def main(fabric, model_name, n_layer, method, steps, micro_batch_size, seq_len, 
 
 def eager_step_time(make_model, mark_trainable, checkpoint_dir, train, rows, seq_len, config) -> float:
     """Median time of the same optimizer step (forward, backward, clip, AdamW) in eager PyTorch on the CPU."""
-    from lit_gpt import training
+    from lit_gpt.losses import loss_sum
+    from lit_gpt.recipes.finetune import build_optimizer
+    from lit_gpt.weights import find_weights, load_weights
 
     model = make_model()  # on the CPU, randomly initialised, then the same base weights
-    model.load_state_dict(torch.load(checkpoint_dir / "lit_model.pth", weights_only=True), strict=False)
+    model.load_state_dict(load_weights(find_weights(checkpoint_dir)), strict=False)
     if mark_trainable is not None:
         mark_trainable(model)
     model.max_seq_length = seq_len
-    opt = training.build_optimizer(model, train)
+    opt = build_optimizer(model, train)
     x = torch.randint(0, config.vocab_size, (rows, seq_len))
     times = []
     for _ in range(4):
         t0 = time.perf_counter()
-        loss = training.loss_sum(model, x, x, targets_only=False) / x.numel()
+        loss = loss_sum(model, x, x, targets_only=False) / x.numel()
         loss.backward()
         torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
         opt.step()
