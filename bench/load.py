@@ -41,6 +41,7 @@ from lit_gpt import GPT, Config
 from lit_gpt.utils import run_cli
 
 import result_files  # bench/result_files.py (this script's folder is on sys.path)
+from instruments import AnonMemorySampler  # bench/instruments.py
 
 BOUND = 1.2  # x the larger of the largest block and the host copies of the largest tensor (1 uncast, 2 cast)
 FILES = {"pth": "lit_model.pth", "safetensors": "model.safetensors"}
@@ -114,7 +115,6 @@ def _file_tensors(checkpoint: Path) -> Dict[str, torch.Tensor]:
 def measure(mode: str, checkpoint: Path, precision: str) -> dict:
     """Runs inside the measuring process."""
     import lit_gpt.xla as lx
-    from lit_gpt.xla.diagnostics import AnonMemorySampler
     from lit_gpt.xla.loader import _release_host_memory
 
     config = Config.from_file(checkpoint.parent / "lit_config.json")

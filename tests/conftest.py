@@ -39,29 +39,10 @@ def smollm2_dir(smollm2_gguf, tmp_path_factory) -> Path:
 
 def make_tiny_checkpoint(directory: Path, tokenizer_dir: Path, seed: int = 0, **overrides) -> Path:
     """A random tiny Llama-style checkpoint that uses the real SmolLM2 tokenizer (vocab 49152)."""
-    from lit_gpt import GPT, Config
+    from tiny import random_model, tiny_llama_config, write_checkpoint
 
-    kwargs = dict(
-        name="tiny-llama",
-        block_size=256,
-        vocab_size=49152,
-        n_layer=2,
-        n_head=4,
-        n_query_groups=2,
-        n_embd=64,
-        intermediate_size=128,
-        norm_class_name="RMSNorm",
-        mlp_class_name="LLaMAMLP",
-        tie_embeddings=True,
-    )
-    kwargs.update(overrides)
-    config = Config(**kwargs)
-    torch.manual_seed(seed)
-    model = GPT(config)
-    model.apply(model._init_weights)
-    directory.mkdir(parents=True, exist_ok=True)
-    torch.save(model.state_dict(), directory / "lit_model.pth")
-    config.save(directory)
+    config = tiny_llama_config(**{"block_size": 256, "vocab_size": 49152, **overrides})
+    write_checkpoint(random_model(config, seed), directory)
     for name in TOKENIZER_FILES:
         if (tokenizer_dir / name).is_file():
             shutil.copy(tokenizer_dir / name, directory / name)

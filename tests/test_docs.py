@@ -8,9 +8,9 @@ How a block is run:
   2-layer model with SmolLM2's tokenizer under the same path (finetuning the real model is too slow for the suite).
   The blocks of one page run in order in one directory, so a later block uses what an earlier one wrote.
 * By bash, with `set -eo pipefail`, so every command must succeed. `python SCRIPT.py ...` and `python -c ...` are
-  run by a fork server that has torch, Lightning and lit_gpt imported already (a recipe costs its own work, not
-  5 s of imports). The server adds the flags of `CHEAP_FLAGS` that the command does not set itself (fewer steps,
-  fewer new tokens): the script paths and every flag the page writes are used as written.
+  run by a fork server (tests/fork_server.py) that has torch, Lightning and lit_gpt imported already (a recipe costs
+  its own work, not 5 s of imports). The server adds the flags of `CHEAP_FLAGS` that the command does not set itself
+  (fewer steps, fewer new tokens): the script paths and every flag the page writes are used as written.
 * `pip`, `git`, `gcloud`, `sudo`, `curl`, `wget` and `nvidia-smi` are stubs that fail: a block that needs them must be
   marked. A marked block starts with the line `<!-- docs-test: parse-only (REASON) -->` right before its fence, and
   the page says why in its text; REASON is one of `PARSE_ONLY_REASONS`. Its `python SCRIPT.py ...` commands are
@@ -26,16 +26,16 @@ import os
 import re
 import shlex
 import shutil
-import signal
-import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
+
+from fork_server import ForkServer, serve
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = sorted((ROOT / "tutorials").glob("*.md")) + [ROOT / "README.md", ROOT / "xla" / "README.md"]
@@ -135,7 +135,7 @@ def python_commands(code: str) -> List[List[str]]:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# the fork server: `python SCRIPT.py ...` without paying torch/Lightning's import time per command
+# the fork server (tests/fork_server.py) with this file's rewrite, and the `python` shim that calls it
 # ---------------------------------------------------------------------------------------------------------------
 def with_cheap_flags(argv: List[str], cwd: str) -> List[str]:
     """argv (script first) plus the CHEAP_FLAGS of its folder that it does not set itself."""
@@ -150,110 +150,15 @@ def with_cheap_flags(argv: List[str], cwd: str) -> List[str]:
     return argv + added
 
 
-def _run_child(request: dict, fds: List[int]) -> None:
-    """In the forked child: become the requested command and exit with its status."""
-    import runpy
-    import traceback
-
-    for target, fd in zip((0, 1, 2), fds):
-        os.dup2(fd, target)
-        os.close(fd)
-    os.chdir(request["cwd"])
-    os.environ.clear()
-    os.environ.update(request["env"])
-    argv = request["argv"]
-    code = 0
-    try:
-        if argv[0] == "-c":
-            sys.argv = ["-c", *argv[2:]]
-            sys.path[0] = ""
-            exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__"})
-        else:
-            argv = with_cheap_flags(argv, request["cwd"]) if request.get("cheap", True) else argv
-            sys.argv = argv
-            sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
-            runpy.run_path(argv[0], run_name="__main__")
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-        if not isinstance(e.code, (int, type(None))):
-            print(e.code, file=sys.stderr)
-    except BaseException:  # noqa: BLE001  (report like python would)
-        traceback.print_exc()
-        code = 1
-    try:
-        sys.stdout.flush()
-        sys.stderr.flush()
-    finally:
-        os._exit(code)
-
-
-def serve(socket_path: str) -> None:
-    """Import the heavy modules once, then fork one child per request."""
-    import jsonargparse  # noqa: F401
-    import lightning  # noqa: F401
-    import torch  # noqa: F401
-
-    import lit_gpt.adapter  # noqa: F401
-    import lit_gpt.adapter_v2  # noqa: F401
-    import lit_gpt.data  # noqa: F401
-    import lit_gpt.generate  # noqa: F401
-    import lit_gpt.lora  # noqa: F401
-    import lit_gpt.tokenizer  # noqa: F401
-    import lit_gpt.training  # noqa: F401
-
-    children = set()
-    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    server.bind(socket_path)
-    server.listen(8)
-    print("ready", flush=True)
-
-    def handle(conn: socket.socket) -> None:
-        with conn:
-            message, fds, _, _ = socket.recv_fds(conn, 1 << 16, 3)
-            while chunk := conn.recv(1 << 16):  # the rest of a long request (the client closes its side after it)
-                message += chunk
-            request = json.loads(message)
-            pid = os.fork()
-            if pid == 0:
-                server.close()
-                _run_child(request, list(fds))
-            for fd in fds:
-                os.close(fd)
-            children.add(pid)
-            _, status = os.waitpid(pid, 0)
-            children.discard(pid)
-            conn.sendall(str(os.waitstatus_to_exitcode(status)).encode())
-
-    try:
-        while True:
-            conn, _ = server.accept()
-            threading.Thread(target=handle, args=(conn,), daemon=True).start()
-    finally:
-        for pid in list(children):
-            try:
-                os.kill(pid, 9)
-            except ProcessLookupError:
-                pass
-
-
 CLIENT = '''\
 #!{python} -S
 # docs test shim: `python SCRIPT.py ...` / `python -c CODE` go to the fork server; anything else is real python
-import json, os, socket, sys
+import os, sys
 argv = sys.argv[1:]
 if argv and (argv[0].endswith(".py") or (argv[0] == "-c" and len(argv) > 1)):
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.connect({socket!r})
-    request = {{"argv": argv, "cwd": os.getcwd(), "env": dict(os.environ)}}
-    socket.send_fds(s, [json.dumps(request).encode()], [0, 1, 2])
-    s.shutdown(socket.SHUT_WR)
-    reply = b""
-    while True:
-        chunk = s.recv(64)
-        if not chunk:
-            break
-        reply += chunk
-    sys.exit(int(reply or b"1"))
+    sys.path.insert(0, {tests!r})
+    from fork_server import request
+    sys.exit(request({socket!r}, argv, os.getcwd(), os.environ, (0, 1, 2)))
 os.execv({python!r}, [{python!r}, *argv])
 '''
 
@@ -284,25 +189,18 @@ class DocsRunner:
         }
         for name in ("python", "python3"):
             path = self.bin / name
-            path.write_text(CLIENT.format(python=sys.executable, socket=self.socket_path))
+            path.write_text(CLIENT.format(python=sys.executable, socket=self.socket_path, tests=str(ROOT / "tests")))
             path.chmod(0o755)
         for name in STUBBED:
             path = self.bin / name
             path.write_text(STUB.format(name=name))
             path.chmod(0o755)
-        self.server = subprocess.Popen(
-            [sys.executable, str(Path(__file__).resolve()), "--serve", self.socket_path], cwd=base, env={**os.environ, **self.env},
-            stdout=subprocess.PIPE, text=True, start_new_session=True,
-        )
-        assert self.server.stdout.readline().strip() == "ready", "the docs fork server did not start"
+        # this file's server: the fork server that adds CHEAP_FLAGS (see `with_cheap_flags`)
+        self.server = ForkServer(self.socket_path, {**os.environ, **self.env}, base,
+                                 command=[sys.executable, str(Path(__file__).resolve()), "--serve"])
 
     def close(self) -> None:
-        # the server leads its own process group, with every forked command in it (also one a timed-out block left)
-        try:
-            os.killpg(self.server.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.server.wait(10)
+        self.server.close()  # also ends a command that a timed-out block left running
 
     def workdir(self, name: str, model: Path) -> Path:
         work = self.base / name
@@ -324,22 +222,11 @@ class DocsRunner:
 
     def parse(self, argv: List[str], cwd: Path) -> Tuple[int, str]:
         """Parse a command's arguments only (`--print_config`), in the fork server."""
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        s.connect(self.socket_path)
-        r_out, w_out = os.pipe()
-        devnull = os.open(os.devnull, os.O_RDONLY)
-        request = {"argv": [*argv, "--print_config"], "cwd": str(cwd), "env": self.env, "cheap": False}
-        socket.send_fds(s, [json.dumps(request).encode()], [devnull, w_out, w_out])
-        os.close(w_out)
-        os.close(devnull)
-        s.shutdown(socket.SHUT_WR)
-        with os.fdopen(r_out, encoding="utf-8", errors="replace") as f:
-            output = f.read()
-        reply = b""
-        while chunk := s.recv(64):
-            reply += chunk
-        s.close()
-        return int(reply or b"1"), output
+        with tempfile.TemporaryFile() as out, open(os.devnull, "rb") as devnull:
+            code = self.server.run([*argv, "--print_config"], cwd, self.env, (devnull.fileno(), out.fileno(),
+                                   out.fileno()), rewrite=False)
+            out.seek(0)
+            return code, out.read().decode("utf-8", "replace")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -480,6 +367,6 @@ if "pytest" in sys.modules:
         assert "QLoRA (nf4) peak memory: 0.45x bf16 LoRA's." in text
         assert "NVIDIA H100" in text and "bench/results/finetune_gpu.json" in text
 
-if __name__ == "__main__":  # the fork server (see `Runner`): python tests/test_docs.py --serve SOCKET
+if __name__ == "__main__":  # the fork server (see `DocsRunner`): python tests/test_docs.py --serve SOCKET
     if len(sys.argv) == 3 and sys.argv[1] == "--serve":
-        serve(sys.argv[2])
+        serve(sys.argv[2], rewrite=with_cheap_flags)

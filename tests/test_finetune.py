@@ -16,14 +16,15 @@ import torch
 
 from lit_gpt.args import DataArgs, EvalArgs, TrainArgs
 from lit_gpt.utils import LitError
+from tiny import TINY, tiny_llama_config
 
 ROOT = Path(__file__).resolve().parents[1]
 METHODS = ("full", "lora", "adapter", "adapter_v2")
 WEIGHTS_FILE = {
-    "full": "lit_model.pth",
-    "lora": "lit_model.pth.lora",
-    "adapter": "lit_model.pth.adapter",
-    "adapter_v2": "lit_model.pth.adapter_v2",
+    "full": "lit_model.safetensors",
+    "lora": "lit_model.lora.safetensors",
+    "adapter": "lit_model.adapter.safetensors",
+    "adapter_v2": "lit_model.adapter_v2.safetensors",
 }
 # per-method settings that make 10 steps on the tiny random model visibly lower the loss
 METHOD_ARGS = {
@@ -104,7 +105,18 @@ def read_metrics(out_dir: Path, key: str = "loss"):
 
 
 def saved_state(path: Path):
+    """A step checkpoint (Fabric's file: model, optimizer, train state)."""
     return torch.load(path, weights_only=True, map_location="cpu")
+
+
+def final_weights(path: Path):
+    """The exported weights (`lit_gpt.weights`: safetensors, tensors only)."""
+    from lit_gpt.weights import load_weights
+
+    return load_weights(path)
+
+
+STEP_FILE = "checkpoint.pth"
 
 
 # The reference run of each method: 10 steps of 4 samples (micro-batches of 1, accumulated), validation and a
@@ -134,17 +146,22 @@ def test_recipe_trains_and_saves_only_trained_weights(trained, tiny_dir):
     val = read_metrics(out, "val_loss")
     assert sorted(val) == [5, 10] and val[10] < val[5]
 
-    final = saved_state(out / "final" / WEIGHTS_FILE[method])
-    assert "model" in final and "optimizer" not in final and "train_state" not in final
-    base = saved_state(tiny_dir / "lit_model.pth")
+    final = final_weights(out / "final" / WEIGHTS_FILE[method])
+    # tensors only: no optimizer state, no train state (a safetensors file holds nothing else)
+    assert final and all(isinstance(v, torch.Tensor) for v in final.values())
+    assert not any(k.startswith(("optimizer", "train_state")) for k in final)
+    from lit_gpt.weights import find_weights
+
+    base = final_weights(find_weights(tiny_dir))
     if method == "full":
-        assert set(final["model"]) == set(base)
-        assert any(not torch.equal(final["model"][k], base[k]) for k in base)
+        assert set(final) == set(base)
+        assert any(not torch.equal(final[k], base[k]) for k in base)
     else:
         from lit_gpt import adapter, adapter_v2, lora
+        from lit_gpt.weights import read_finetuned_metadata
 
-        assert final["method"] == method
-        keys = set(final["model"])
+        assert read_finetuned_metadata(out / "final" / WEIGHTS_FILE[method])["method"] == method
+        keys = set(final)
         # nothing but the method's own weights (adapter v2 also trains the norms, which the base has too)
         own = {"lora": lora.lora_filter, "adapter": adapter.adapter_filter, "adapter_v2": adapter_v2.adapter_v2_filter}
         assert keys and all(own[method](k) for k in keys)
@@ -152,7 +169,7 @@ def test_recipe_trains_and_saves_only_trained_weights(trained, tiny_dir):
     for name in ("lit_config.json", "tokenizer.json", "finetune.json"):
         assert (out / "final" / name).is_file()
     for step in (5, 10):
-        ckpt = saved_state(out / f"step-{step:06d}" / WEIGHTS_FILE[method])
+        ckpt = saved_state(out / f"step-{step:06d}" / STEP_FILE)
         assert ckpt["train_state"]["step"] == step and "optimizer" in ckpt
     assert not list(out.glob(".*partial"))
 
@@ -213,15 +230,15 @@ def test_resume_after_kill_equals_uninterrupted(trained, tiny_dir, data_dir, tmp
     assert not (resumed / "step-000010").exists()
     # a checkpoint being written when the process died must be ignored by --resume auto
     (resumed / ".step-000008.partial").mkdir()
-    (resumed / ".step-000008.partial" / WEIGHTS_FILE[method]).write_bytes(b"truncated")
+    (resumed / ".step-000008.partial" / STEP_FILE).write_bytes(b"truncated")
     recipe.setup(**run_args(method, tiny_dir, data_dir, resumed, resume="auto", **args))
 
     a, b = read_metrics(straight), read_metrics(resumed)
     assert sorted(b) == list(range(1, 11))
     assert [a[s] for s in range(1, 11)] == [b[s] for s in range(1, 11)]
     assert read_metrics(straight, "val_loss") == read_metrics(resumed, "val_loss")
-    wa = saved_state(straight / "final" / WEIGHTS_FILE[method])["model"]
-    wb = saved_state(resumed / "final" / WEIGHTS_FILE[method])["model"]
+    wa = final_weights(straight / "final" / WEIGHTS_FILE[method])
+    wb = final_weights(resumed / "final" / WEIGHTS_FILE[method])
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
@@ -259,7 +276,7 @@ def test_bucket_out_dir_resumes_after_kill_and_logs_there(trained, tiny_dir, dat
         recipe.setup(**run_args(method, tiny_dir, data_dir, bucket, **args))
     monkeypatch.setattr(Runtime, "save_step", original)
     root = UPath(bucket)
-    assert (root / "step-000005" / WEIGHTS_FILE[method]).is_file() and not (root / "step-000010").exists()
+    assert (root / "step-000005" / STEP_FILE).is_file() and not (root / "step-000010").exists()
     # a save that died before its commit (the weights file, written last) must be ignored by --resume auto
     (root / "step-000008").mkdir(parents=True, exist_ok=True)
     (root / "step-000008" / "finetune.json").write_text("{}")
@@ -274,9 +291,8 @@ def test_bucket_out_dir_resumes_after_kill_and_logs_there(trained, tiny_dir, dat
     a, b = read_metrics(straight), read_metrics(local)
     assert sorted(b) == list(range(1, 11)) and [a[s] for s in range(1, 11)] == [b[s] for s in range(1, 11)]
     assert read_metrics(straight, "val_loss") == read_metrics(local, "val_loss")
-    wa = saved_state(straight / "final" / WEIGHTS_FILE[method])["model"]
-    with (root / "final" / WEIGHTS_FILE[method]).open("rb") as f:
-        wb = torch.load(f, weights_only=True, map_location="cpu")["model"]
+    wa = final_weights(straight / "final" / WEIGHTS_FILE[method])
+    wb = final_weights(root / "final" / WEIGHTS_FILE[method])  # read from the bucket
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
     assert (root / "final" / "finetune.json").is_file() and (root / "final" / "lit_config.json").is_file()
 
@@ -367,8 +383,7 @@ def test_compiled_blocks_share_one_graph(method, monkeypatch):
 
     monkeypatch.setattr(Runtime, "compile_backend", "aot_eager")
     torch._dynamo.reset()  # graphs are cached on the compiled function's code: start without earlier tests' graphs
-    shape = dict(name="t", block_size=64, vocab_size=96, n_layer=12, n_head=4, n_query_groups=2, n_embd=32,
-                 intermediate_size=64, norm_class_name="RMSNorm", mlp_class_name="LLaMAMLP")
+    shape = dict(TINY, vocab_size=96, n_layer=12, n_embd=32, intermediate_size=64, tie_embeddings=False)
     if method == "lora":
         variant, per_length = lora, 2
         config = lora.Config(**shape, lora_r=4, lora_alpha=8, lora_dropout=0.1, lora_query=True, lora_value=True)
@@ -382,7 +397,7 @@ def test_compiled_blocks_share_one_graph(method, monkeypatch):
     mark = lora.mark_only_lora_as_trainable if method == "lora" else adapter.mark_only_adapter_as_trainable
     mark(model)
     mark(reference)
-    runtime = Runtime.on(torch.device("cpu"))
+    runtime = Runtime(device=torch.device("cpu"))
     assert runtime.compile_count() == 0
     runtime.compile_blocks(model)
     start = runtime.compile_count()
@@ -412,9 +427,9 @@ def test_inductor_compiled_blocks_match_eager():
     assert Runtime.compile_backend == "inductor"
     torch._dynamo.reset()
     torch.manual_seed(0)
-    config = lora.Config(name="t", block_size=64, vocab_size=96, n_layer=3, n_head=4, n_query_groups=2, n_embd=32,
-                         intermediate_size=64, norm_class_name="RMSNorm", mlp_class_name="LLaMAMLP",
-                         lora_r=4, lora_alpha=8, lora_dropout=0.0, lora_query=True, lora_value=True, lora_mlp=True)
+    config = tiny_llama_config(lora.Config, vocab_size=96, n_layer=3, n_embd=32, intermediate_size=64,
+                               tie_embeddings=False, lora_r=4, lora_alpha=8, lora_dropout=0.0, lora_query=True,
+                               lora_value=True, lora_mlp=True)
     model = lora.GPT(config)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -426,7 +441,7 @@ def test_inductor_compiled_blocks_match_eager():
     reference.load_state_dict(model.state_dict())
     for a, b in zip(model.parameters(), reference.parameters()):
         b.requires_grad_(a.requires_grad)
-    runtime = Runtime.on(torch.device("cpu"))
+    runtime = Runtime(device=torch.device("cpu"))
     runtime.compile_blocks(model)
     start = runtime.compile_count()
     for i in range(2):
@@ -506,8 +521,8 @@ def test_two_processes_ddp_match_one(trained, tiny_dir, data_dir, tmp_path):
         assert b[s] == pytest.approx(a[s], abs=2e-4), (a, b)
     va, vb = read_metrics(one, "val_loss"), read_metrics(two, "val_loss")
     assert vb.keys() == va.keys() and all(vb[s] == pytest.approx(va[s], abs=2e-4) for s in va)
-    wa = saved_state(one / "final" / WEIGHTS_FILE[method])["model"]
-    wb = saved_state(two / "final" / WEIGHTS_FILE[method])["model"]
+    wa = final_weights(one / "final" / WEIGHTS_FILE[method])
+    wb = final_weights(two / "final" / WEIGHTS_FILE[method])
     assert wa.keys() == wb.keys()
     assert all(torch.allclose(wa[k], wb[k], atol=1e-4) for k in wa)
 
@@ -550,7 +565,8 @@ def test_loss_runs_the_head_on_labelled_positions_only():
     """`targets_only`: the vocab projection sees exactly the positions that have a label, row by row (not the masked
     prompts, not the padding), and the loss and gradients equal those over full logits."""
     from lit_gpt import GPT, Config
-    from lit_gpt.training import IGNORE_INDEX, loss_sum
+    from lit_gpt.batches import IGNORE_INDEX
+    from lit_gpt.losses import loss_sum
 
     torch.manual_seed(0)
     model = GPT(Config.from_name("pythia-70m", n_layer=2, vocab_size=100, block_size=64))

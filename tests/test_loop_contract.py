@@ -28,6 +28,7 @@ import torch
 
 from lit_gpt.args import DataArgs, EvalArgs, TrainArgs
 from lit_gpt.utils import LitError
+from tiny import TINY
 
 ROOT = Path(__file__).resolve().parents[1]
 WORDS = "the a cat dog runs quickly over lazy river mountain blue red green small large happy sad".split()
@@ -38,8 +39,15 @@ METHOD_KWARGS = {
     "adapter": {"adapter_start_layer": 0},
     "adapter_v2": {"adapter_start_layer": 0},
 }
-WEIGHTS = {"full": "lit_model.pth", "lora": "lit_model.pth.lora", "adapter": "lit_model.pth.adapter",
-           "adapter_v2": "lit_model.pth.adapter_v2"}
+WEIGHTS = {"full": "lit_model.safetensors", "lora": "lit_model.lora.safetensors",
+           "adapter": "lit_model.adapter.safetensors", "adapter_v2": "lit_model.adapter_v2.safetensors"}
+STEP_FILE = "checkpoint.pth"  # a CPU/GPU step checkpoint: Fabric's file (model, optimizer, train state)
+
+
+def final_weights(path: Path) -> Dict[str, torch.Tensor]:
+    from lit_gpt.weights import load_weights
+
+    return load_weights(path)
 
 
 def load_recipe(name: str):
@@ -91,11 +99,14 @@ def stored(tiny_dir, tmp_path_factory) -> Dict[str, Path]:
     import shutil
 
     out = {}
-    state = torch.load(tiny_dir / "lit_model.pth", weights_only=True)
+    from lit_gpt.weights import find_weights, save_weights
+
+    state = final_weights(find_weights(tiny_dir))
     for name, dtype in DTYPES.items():
         d = tmp_path_factory.mktemp(f"stored_{name}") / "tiny-llama"
         shutil.copytree(tiny_dir, d)
-        torch.save({k: v.to(dtype) for k, v in state.items()}, d / "lit_model.pth")
+        find_weights(d).unlink()
+        save_weights({k: v.to(dtype) for k, v in state.items()}, d)
         out[name] = d
     return out
 
@@ -113,8 +124,7 @@ def test_every_method_on_every_stored_dtype_and_precision(method, dtype, precisi
                                                precision=precision))
     assert summary["steps"] == 1
     assert all(torch.isfinite(torch.tensor(v)) for v in summary["losses"].values()), summary["losses"]
-    saved = torch.load(tmp_path / "out" / "final" / WEIGHTS[method], weights_only=True)
-    saved = saved["model"] if isinstance(saved.get("model"), dict) else saved
+    saved = final_weights(tmp_path / "out" / "final" / WEIGHTS[method])
     expected = torch.bfloat16 if precision == "bf16-true" else torch.float32
     assert {t.dtype for t in saved.values() if t.is_floating_point()} == {expected}
 
@@ -122,14 +132,16 @@ def test_every_method_on_every_stored_dtype_and_precision(method, dtype, precisi
 @pytest.mark.slow
 def test_lora_on_real_smollm2_from_a_bf16_hub_folder_at_the_cpu_default(smollm2_bf16_dir, tmp_path):
     """The user's first run: the Hub's bf16 weights, LoRA, the CPU's default precision (32-true)."""
-    state = torch.load(smollm2_bf16_dir / "lit_model.pth", weights_only=True, mmap=True)
+    from lit_gpt.weights import find_weights
+
+    state = final_weights(find_weights(smollm2_bf16_dir))
     assert {v.dtype for v in state.values()} == {torch.bfloat16}
     data_dir = prepare(smollm2_bf16_dir, tmp_path / "prepared", rows(8))
     a = args("lora", smollm2_bf16_dir, data_dir, tmp_path / "out", steps=2, precision=None)
     summary = load_recipe("lora").setup(**a)
     assert summary["steps"] == 2 and all(v == v for v in summary["losses"].values())
-    saved = torch.load(tmp_path / "out" / "final" / "lit_model.pth.lora", weights_only=True)
-    assert {t.dtype for t in saved["model"].values()} == {torch.float32}
+    saved = final_weights(tmp_path / "out" / "final" / WEIGHTS["lora"])
+    assert {t.dtype for t in saved.values()} == {torch.float32}
 
 
 def test_used_out_dir_is_refused_and_a_resume_must_be_the_same_run(tiny_dir, data_dir, tmp_path):
@@ -178,7 +190,7 @@ from torch.distributed.fsdp import FullOptimStateDictConfig
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from lit_gpt.config import Config
 from lit_gpt.model import GPT, Block
-from lit_gpt.training import materialize_outside
+from lit_gpt.recipes.finetune import materialize_outside
 
 cfg = Config(name="t", block_size=32, vocab_size=64, n_layer=2, n_head=2, n_embd=16, tie_embeddings=True)
 torch.manual_seed(0)
@@ -288,7 +300,7 @@ def test_lora_with_dropout_survives_random_kills_bit_exactly(tiny_dir, data_dir,
                                 stdout=subprocess.DEVNULL, stderr=open(tmp_path / "straight.err", "w"), cwd=tmp_path)
     first_save = None
     while straight.poll() is None:
-        if first_save is None and (tmp_path / "straight" / "step-000002" / "lit_model.pth.lora").exists():
+        if first_save is None and (tmp_path / "straight" / "step-000002" / STEP_FILE).exists():
             first_save = time.monotonic() - t0
         time.sleep(0.02)
     straight.wait()
@@ -301,7 +313,7 @@ def test_lora_with_dropout_survives_random_kills_bit_exactly(tiny_dir, data_dir,
     # SIGKILL at a random moment of the start-up (loading, first steps), then at a random moment after the step-2,
     # -4 and -6 checkpoints (inside the next step or save); then to the end
     plans = [(None, rng.uniform(0.2, 0.9) * first_save)]
-    plans += [(soak / f"step-{s:06d}" / "lit_model.pth.lora", rng.uniform(0.0, 1.5) * step_time) for s in (2, 4, 6)]
+    plans += [(soak / f"step-{s:06d}" / STEP_FILE, rng.uniform(0.0, 1.5) * step_time) for s in (2, 4, 6)]
     kills = 0
     for trigger, delay in plans + [("end", None)]:
         err_file = tmp_path / "soak.err"
@@ -321,8 +333,8 @@ def test_lora_with_dropout_survives_random_kills_bit_exactly(tiny_dir, data_dir,
         assert proc.returncode == 0, err_file.read_text()[-3000:]
     assert kills >= 3
     assert csv_losses(tmp_path / "soak") == csv_losses(tmp_path / "straight")
-    a = torch.load(tmp_path / "straight" / "final" / "lit_model.pth.lora", weights_only=True)["model"]
-    b = torch.load(tmp_path / "soak" / "final" / "lit_model.pth.lora", weights_only=True)["model"]
+    a = final_weights(tmp_path / "straight" / "final" / WEIGHTS["lora"])
+    b = final_weights(tmp_path / "soak" / "final" / WEIGHTS["lora"])
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert not list((tmp_path / "soak").glob(".*partial"))
 
@@ -362,20 +374,17 @@ def test_cuda_resume_is_exact_with_dropout_and_fsdp_saves_a_tied_model(tiny_dir,
     monkeypatch.setattr(Runtime, "save_step", original)
     run(tmp_path / "resumed", resume="auto")
     assert csv_losses(tmp_path / "straight") == csv_losses(tmp_path / "resumed")
-    a = torch.load(tmp_path / "straight" / "final" / "lit_model.pth.lora", weights_only=True)["model"]
-    b = torch.load(tmp_path / "resumed" / "final" / "lit_model.pth.lora", weights_only=True)["model"]
+    a = final_weights(tmp_path / "straight" / "final" / WEIGHTS["lora"])
+    b = final_weights(tmp_path / "resumed" / "final" / WEIGHTS["lora"])
     assert all(torch.equal(a[k], b[k]) for k in a)
-
-
-TINY = dict(name="tiny", block_size=64, vocab_size=256, n_layer=2, n_head=4, n_query_groups=2, n_embd=64,
-            intermediate_size=128, norm_class_name="RMSNorm", mlp_class_name="LLaMAMLP", tie_embeddings=True)
 
 
 def test_cpu_path_refuses_the_same_incomplete_checkpoints(tmp_path):
     """The CPU/GPU loader applies the rule of the staged XLA loader (tests/xla/test_xla.py::test_clear_errors): a
     base checkpoint lacking a weight of the model is refused, naming it; only a variant's own may be missing."""
     from lit_gpt import GPT, Config, lora
-    from lit_gpt.training import load_base_weights
+    from lit_gpt.recipes.finetune import load_base_weights
+    from lit_gpt.weights import save_weights
 
     config = Config(**TINY)
     torch.manual_seed(0)
@@ -383,14 +392,14 @@ def test_cpu_path_refuses_the_same_incomplete_checkpoints(tmp_path):
     for missing, cfg in (("transformer.h.1.attn.proj.weight", config),
                          ("lm_head.weight", Config(**{**TINY, "tie_embeddings": False}))):
         (tmp_path / missing).mkdir()
-        torch.save({k: v for k, v in state.items() if k != missing}, tmp_path / missing / "lit_model.pth")
+        save_weights({k: v for k, v in state.items() if k != missing}, tmp_path / missing)
         with torch.device("meta"):
             model = GPT(cfg)
         with pytest.raises(LitError, match=rf"lacks 1 weight\(s\) of the model \({missing}\)"):
             load_base_weights(model, tmp_path / missing, None, assign=True)
     lora_model = lora.GPT(lora.Config(**TINY, lora_r=2, lora_alpha=4))
     (tmp_path / "base").mkdir()
-    torch.save(state, tmp_path / "base" / "lit_model.pth")
+    save_weights(state, tmp_path / "base")
     load_base_weights(lora_model, tmp_path / "base", lora.lora_filter, assign=False)  # its own may be missing
 
 
@@ -450,7 +459,7 @@ def test_a_full_disk_during_a_save_is_one_line_and_leaves_no_partial_checkpoint(
         load_recipe("lora").setup(**a)
     assert fabric_save["patched"]
     assert sorted(p.name for p in out.iterdir() if p.name != "logs") == ["step-000001"]
-    assert (out / "step-000001" / "lit_model.pth.lora").is_file()
+    assert (out / "step-000001" / STEP_FILE).is_file()
 
 
 def test_wandb_logger_offline_records_metrics_and_the_run_config(tiny_dir, data_dir, tmp_path, monkeypatch):

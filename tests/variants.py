@@ -10,8 +10,11 @@ from typing import Any, Dict, Type
 
 import torch
 
+from lit_gpt.weights import find_weights, load_weights
+
 from lit_gpt import GPT, Config
 from lit_gpt.peft import save_finetuned
+from tiny import write_checkpoint as write_base_checkpoint  # noqa: F401  (the variant tests' base checkpoints)
 
 VOCAB = 128
 SEQ = 12
@@ -126,12 +129,6 @@ def randomize_own_(model: GPT, seed: int = 3) -> None:
                 p.add_(0.5 * torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[-1]))
 
 
-def write_base_checkpoint(base: GPT, directory) -> None:
-    directory.mkdir(parents=True, exist_ok=True)
-    torch.save(base.state_dict(), directory / "lit_model.pth")
-    base.config.save(directory)
-
-
 def run_recipe(relative_path: str, *args: str) -> None:
     """Run a recipe or script as `python <path> <args>` does, in this process (no second interpreter start)."""
     argv = sys.argv
@@ -156,7 +153,7 @@ def greedy_text(model: GPT, checkpoint_dir: Path, prompt: str, max_new_tokens: i
 def finetuned_on(base_dir: Path, module, path: Path, **variant: Any):
     """A variant of the checkpoint in `base_dir` with random (trained-like) own weights, saved to `path`."""
     model = module.GPT(module.Config.from_checkpoint(base_dir, **variant))
-    model.load_state_dict(torch.load(base_dir / "lit_model.pth", weights_only=True), strict=False)
+    model.load_state_dict(load_weights(find_weights(base_dir)), strict=False)
     with torch.no_grad():
         gen = torch.Generator().manual_seed(5)
         for n, p in model.named_parameters():

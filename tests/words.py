@@ -75,8 +75,8 @@ def make_word_checkpoint(directory: Path, seed: int = 0, family: Optional[str] =
     of the Alpaca template and the data's words (unknown words become <unk>)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    from lit_gpt import GPT, Config
     from lit_gpt.prompts import Alpaca
+    from tiny import random_model, tiny_llama_config, write_checkpoint
 
     text = " ".join([Alpaca.header, Alpaca.header_with_input, Alpaca().apply(GEN_PROMPT, input="x"), *WORDS])
     specials = ["<unk>", "<s>", "</s>"]
@@ -92,19 +92,13 @@ def make_word_checkpoint(directory: Path, seed: int = 0, family: Optional[str] =
     (directory / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
     # every id the model can emit is a word the tokenizer decodes
     if family is None:
-        config = Config(name="tiny-words", block_size=128, vocab_size=len(vocab), n_layer=2, n_head=4,
-                        n_query_groups=2, n_embd=64, intermediate_size=128, norm_class_name="RMSNorm",
-                        mlp_class_name="LLaMAMLP", tie_embeddings=True)
+        config = tiny_llama_config(name="tiny-words", block_size=128, vocab_size=len(vocab))
     else:
         config = family_config(family, len(vocab))
-    torch.manual_seed(seed)
-    model = GPT(config)
-    model.apply(model._init_weights)
+    model = random_model(config, seed)
     if family is not None:
         with torch.no_grad():  # norm weights away from their init, so that every norm (q/k, post) matters
             for name, p in model.named_parameters():
                 if p.dim() == 1 and "norm" in name.split(".")[-2]:
                     p.add_(torch.randn_like(p) * 0.2)
-    torch.save(model.state_dict(), directory / "lit_model.pth")
-    config.save(directory)
-    return directory
+    return write_checkpoint(model, directory)

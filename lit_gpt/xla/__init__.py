@@ -29,12 +29,12 @@ Sharded checkpoints (lit_gpt.xla.checkpoint; fabric.save(dir, state) / fabric.lo
     consolidate(dir, output=None, key="model") -> Path  one lit_model.pth, streaming
                                                          (CLI: xla/scripts/consolidate_checkpoint.py)
 
-Diagnostics (lit_gpt.xla.diagnostics)
+Diagnostics (lit_gpt.xla.diagnostics; per-step compile counts and host-memory sampling for benchmarks and tests
+are in bench/instruments.py)
     sync()                                               torch_xla.sync(): end the lazy graph here
-    CompileCounter(warmup_steps=2): .step(), .report(), .compiles, .recompiles, .transfers
+    compile_count() -> int                               graphs compiled so far in this process
     metrics_report() -> str                              torch_xla's report, for --xla_metrics
     init_compile_cache(path)                             persistent compilation cache
-    AnonMemorySampler(), rss_anon_bytes()                peak anonymous host memory (staging measurements)
 """
 
 import importlib
@@ -60,12 +60,9 @@ _EXPORTS = {
     "consolidate": "checkpoint",
     "is_complete": "checkpoint",
     "sync": "diagnostics",
-    "CompileCounter": "diagnostics",
-    "RecompilationWarning": "diagnostics",
+    "compile_count": "diagnostics",
     "metrics_report": "diagnostics",
     "init_compile_cache": "diagnostics",
-    "rss_anon_bytes": "diagnostics",
-    "AnonMemorySampler": "diagnostics",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -93,20 +93,23 @@ def xla_workers(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("xla")
     from lit_gpt import GPT, Config
+    from tiny import TINY, random_model
+    from lit_gpt.weights import save_weights
 
     # the models the workers load, written before any of them starts (so they measure loading, not writing)
-    for name, config in (("tiny", _worker_dict("TINY")), ("mem", _worker_dict("MEMORY"))):
+    for name, config in (("tiny", TINY), ("mem", _worker_dict("MEMORY"))):
         torch.manual_seed(0)
         with torch.device("meta"):
             meta = GPT(Config(**config))
         if name == "tiny":
-            model = GPT(Config(**config))
-            model.apply(model._init_weights)
-            state = model.state_dict()
+            state = random_model(Config(**config)).state_dict()  # what worker.tiny_checkpoint writes
         else:
             state = {k: torch.randn(t.shape) * 0.02 for k, t in meta.state_dict().items()}
-        (out / name).mkdir()
-        torch.save(state, out / name / "lit_model.pth")
+        if name == "tiny":  # the project's format (the others test the staged loader on an earlier version's file)
+            save_weights(state, out / name)
+        else:
+            (out / name).mkdir()
+            torch.save(state, out / name / "lit_model.pth")
         del state
     workers = Workers(out)
     workers.start("train8", 8)
@@ -119,9 +122,9 @@ def xla_workers(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_config():
-    from lit_gpt import Config
+    from tiny import tiny_llama_config
 
-    return Config(**_worker_dict("TINY"))
+    return tiny_llama_config()
 
 
 @pytest.fixture(scope="session", name="xla_env")

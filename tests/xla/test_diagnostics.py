@@ -1,4 +1,4 @@
-"""lit_gpt.xla.diagnostics pieces that need no XLA runtime."""
+"""bench/instruments.py pieces that need no XLA runtime (the XLA tests' worker and bench/load.py use them)."""
 
 import json
 import os
@@ -18,7 +18,7 @@ NEEDS_XLA = False  # plain Python: runs without torch_xla
 # freed memory (the suite's own, after hundreds of tests), the bytes would reuse that and RssAnon would not move.
 GIL_HELD_PEAK = """
 import json
-from lit_gpt.xla.diagnostics import AnonMemorySampler
+from bench.instruments import AnonMemorySampler
 size = 128 << 20
 with AnonMemorySampler(interval=0.001) as mem:
     assert len((b"x" * size).replace(b"x", b"yy")) == 2 * size

@@ -16,23 +16,15 @@ from typing import Any, Dict, List
 
 import torch
 
-import lit_gpt.xla as lx
-from lit_gpt import GPT, Config
-from lit_gpt.utils import LitError, chunked_cross_entropy
+TESTS = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(TESTS), str(TESTS.parent)]  # a script: tests/tiny.py and bench/instruments.py from here too
 
-TINY = dict(
-    name="tiny-xla",
-    block_size=64,
-    vocab_size=256,
-    n_layer=2,
-    n_head=4,
-    n_query_groups=2,
-    n_embd=64,
-    intermediate_size=128,
-    norm_class_name="RMSNorm",
-    mlp_class_name="LLaMAMLP",
-    tie_embeddings=True,
-)
+import lit_gpt.xla as lx  # noqa: E402
+from bench.instruments import AnonMemorySampler, CompileCounter, RecompilationWarning, rss_anon_bytes  # noqa: E402
+from lit_gpt import GPT, Config  # noqa: E402
+from lit_gpt.utils import LitError, chunked_cross_entropy  # noqa: E402
+from tiny import TINY, random_model  # noqa: E402
+
 STEPS = 5
 SAVE_AFTER = 3
 BATCH = 8
@@ -40,14 +32,11 @@ BATCH = 8
 
 def tiny_checkpoint(out: Path) -> Path:
     """The same random tiny model in every process (written once by whoever comes first, atomically)."""
-    path = out / "tiny" / "lit_model.pth"
+    path = out / "tiny" / "lit_model.safetensors"
     if not path.is_file():
-        from lit_gpt.utils import save_atomic
+        from lit_gpt.weights import save_weights
 
-        torch.manual_seed(0)
-        model = GPT(Config(**TINY))
-        model.apply(model._init_weights)
-        save_atomic(model.state_dict(), path)
+        save_weights(random_model(Config(**TINY)).state_dict(), path.parent)  # staged, then renamed: atomic
     return path
 
 
@@ -111,7 +100,7 @@ def scenario_train(out: Path, result: Dict[str, Any], save: bool, **fabric_kwarg
     fabric = lx.make_fabric(**fabric_kwargs)
     fabric.launch()
     model, optimizer = setup_tiny(fabric, out)
-    counter = lx.CompileCounter(warmup_steps=2)
+    counter = CompileCounter(warmup_steps=2)
     losses: List[float] = []
     for step in range(STEPS):
         losses.append(train_step(fabric, model, optimizer, step))
@@ -140,7 +129,6 @@ def scenario_memory(out: Path, result: Dict[str, Any], mode: str) -> None:
     """Host memory of loading the ~160 MB checkpoint conftest wrote: staged, or naive (bench/load.py: >= 1 GB)."""
     import torch_xla
 
-    from lit_gpt.xla.diagnostics import AnonMemorySampler
     from lit_gpt.xla.loader import _release_host_memory
 
     config = Config(**MEMORY)
@@ -186,7 +174,6 @@ def scenario_cast_memory(out: Path, result: Dict[str, Any]) -> None:
     are already made, so a ~100 MB tensor measures the loader, not the runtime's start-up."""
     import torch_xla
 
-    from lit_gpt.xla.diagnostics import AnonMemorySampler, rss_anon_bytes
     from lit_gpt.xla.loader import _release_host_memory
 
     config = Config(**CAST)
@@ -281,7 +268,7 @@ def scenario_compile_counter(out: Path, result: Dict[str, Any]) -> None:
     fabric.launch()
     device = torch_xla.device()
     w = torch.randn(16, 16).to(device)
-    counter = lx.CompileCounter(warmup_steps=1)
+    counter = CompileCounter(warmup_steps=1)
     for _ in range(4):
         x = torch.randn(8, 16).to(device)
         (x @ w).relu().sum().item()
@@ -293,7 +280,7 @@ def scenario_compile_counter(out: Path, result: Dict[str, Any]) -> None:
         (x @ w).relu().sum().item()
         counter.step()
     result.update(fixed=fixed, recompiles=counter.recompiles, report=counter.report(),
-                  warnings=[str(w.message) for w in caught if issubclass(w.category, lx.RecompilationWarning)])
+                  warnings=[str(w.message) for w in caught if issubclass(w.category, RecompilationWarning)])
 
 
 def scenario_checkpointed_two_slices(out: Path, result: Dict[str, Any]) -> None:
@@ -334,7 +321,9 @@ def scenario_errors(out: Path, result: Dict[str, Any]) -> None:
         errors["devices"] = str(e)
     # the staged loader refuses a base checkpoint that lacks a weight of the model (never random values), like the
     # CPU/GPU path; only a variant's own new parameters may be missing
-    state = torch.load(tiny_checkpoint(out), weights_only=True)
+    from lit_gpt.weights import load_weights
+
+    state = load_weights(tiny_checkpoint(out))
     without_layer = out / "missing" / "no_layer.pth"
     without_layer.parent.mkdir(parents=True, exist_ok=True)
     torch.save({k: v for k, v in state.items() if k != "transformer.h.1.attn.proj.weight"}, without_layer)

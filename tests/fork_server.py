@@ -1,0 +1,231 @@
+"""A fork server for tests that run many `python SCRIPT ARGS...` / `python -c CODE` commands (tests/test_docs.py,
+tests/test_bad_inputs.py): most of such a command's time is the interpreter importing torch and Lightning, so one
+server process imports them (and lit_gpt) once and forks a child per command.
+
+Each command is still a process of its own that runs as `python` would run it: its own stdin/stdout/stderr (the
+client's file descriptors, passed over the server's Unix socket, under the stdio encodings python gives files and
+pipes), working directory, environment, argv, `sys.path[0]` (the script's folder, "" for -c), atexit handlers and
+exit status, and a process group of its own that a timeout, or the end of the server, kills whole.
+
+    server = ForkServer(tmp / "fork.sock", env, cwd)                     # python tests/fork_server.py SOCKET
+    code = server.run(["scripts/x.py", "--a", "1"], cwd, env, (0, 1, 2), timeout=60)   # None: ran past timeout
+    server.close()
+
+`request(socket_path, ...)` is the same client without the object (a separate process can call it: the `python`
+shim of tests/test_docs.py does). The server ends when its stdin closes (`close()`, or the end of the process that
+started it), and kills the commands still running then. `serve(socket_path, rewrite)` starts a server whose
+`rewrite(argv, cwd)` may change a script command's argv (tests/test_docs.py adds flags that keep runs short).
+"""
+
+import atexit
+import base64
+import importlib
+import io
+import json
+import os
+import runpy
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+
+# what the commands import anyway: torch and Lightning are most of an interpreter's start-up
+PRELOAD = ("jsonargparse", "lightning", "torch", "lit_gpt.adapter", "lit_gpt.adapter_v2", "lit_gpt.data",
+           "lit_gpt.generate", "lit_gpt.lora", "lit_gpt.tokenizer", "lit_gpt.training")
+Arg = Union[str, bytes, os.PathLike]
+Rewrite = Callable[[List[str], str], List[str]]
+
+
+def request(socket_path: Union[str, Path], argv: Sequence[Arg], cwd: Union[str, Path], env: Mapping[str, str],
+            stdio: Sequence[int], timeout: Optional[float] = None, fsize: Optional[int] = None,
+            rewrite: bool = True) -> Optional[int]:
+    """Run `python *argv` in the server at `socket_path` and wait for it: its exit status, or None when it ran past
+    `timeout` seconds (then it was killed, with its process group). `stdio`: its stdin, stdout and stderr file
+    descriptors; `fsize`: a file size limit in bytes (a write past it fails with EFBIG, as on a full disk);
+    `rewrite=False`: the server's rewrite function leaves this argv alone."""
+    message = json.dumps({
+        "argv": [base64.b64encode(os.fsencode(a)).decode() for a in argv],  # bytes that are not UTF-8 too
+        "cwd": str(cwd), "env": dict(env), "timeout": timeout, "fsize": fsize, "rewrite": rewrite,
+    }).encode()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.connect(str(socket_path))
+        socket.send_fds(s, [b"."], list(stdio))  # the descriptors ride on one byte; the request follows
+        s.sendall(message)
+        s.shutdown(socket.SHUT_WR)
+        reply = b""
+        while chunk := s.recv(64):
+            reply += chunk
+    if reply == b"timeout":
+        return None
+    return int(reply or b"1")  # no reply: the server ended while the command ran
+
+
+class ForkServer:
+    """A server process (this file, or `command` for one with a rewrite function) and its client."""
+
+    def __init__(self, socket_path: Union[str, Path], env: Mapping[str, str], cwd: Union[str, Path],
+                 command: Optional[List[str]] = None) -> None:
+        self.socket_path = str(socket_path)
+        self.proc = subprocess.Popen(
+            [*(command or [sys.executable, str(Path(__file__).resolve())]), self.socket_path], cwd=cwd, env=dict(env),
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True,
+        )
+        if self.proc.stdout.readline() != b"ready\n":
+            self.close()
+            raise RuntimeError("the fork server did not start")
+
+    def run(self, argv: Sequence[Arg], cwd: Union[str, Path], env: Mapping[str, str], stdio: Sequence[int],
+            timeout: Optional[float] = None, fsize: Optional[int] = None, rewrite: bool = True) -> Optional[int]:
+        return request(self.socket_path, argv, cwd, env, stdio, timeout, fsize, rewrite)
+
+    def close(self) -> None:
+        self.proc.stdin.close()  # the server kills the commands still running and ends
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # it leads its own session
+            self.proc.wait()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the server
+# ---------------------------------------------------------------------------------------------------------------
+def serve(socket_path: str, rewrite: Optional[Rewrite] = None) -> None:
+    for name in PRELOAD:
+        importlib.import_module(name)
+    # a fresh python's stdio: the encodings it would choose here (the server's own stdio are pipes, like a case's)
+    encodings = {n: (getattr(sys, n).encoding, getattr(sys, n).errors) for n in ("stdin", "stdout", "stderr")}
+    running: Dict[int, None] = {}
+    lock = threading.Lock()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(socket_path)
+    listener.listen(16)
+
+    def handle(conn: socket.socket) -> None:
+        with conn:
+            _, fds, _, _ = socket.recv_fds(conn, 1, 3)
+            message = b""
+            while chunk := conn.recv(1 << 16):
+                message += chunk
+            req = json.loads(message)
+            with lock:  # a shutdown in between would miss the child
+                pid = os.fork()
+                if pid == 0:
+                    _child(req, fds, encodings, rewrite)
+                running[pid] = None
+            try:
+                os.setpgid(pid, pid)  # also done by the child: whichever runs first (a kill needs the group)
+            except (PermissionError, ProcessLookupError):
+                pass
+            for fd in fds:
+                os.close(fd)
+            status, timed_out = _wait(pid, req["timeout"])
+            with lock:
+                del running[pid]
+            conn.sendall(b"timeout" if timed_out else str(os.waitstatus_to_exitcode(status)).encode())
+
+    def end_with_stdin() -> None:
+        while os.read(0, 1 << 16):  # os.read: no lock of sys.stdin held while forking
+            pass
+        with lock:
+            for pid in running:
+                _kill_group(pid)
+            os._exit(0)
+
+    threading.Thread(target=end_with_stdin, daemon=True).start()
+    print("ready", flush=True)
+    while True:
+        conn, _ = listener.accept()
+        threading.Thread(target=handle, args=(conn,), daemon=True).start()
+
+
+def _wait(pid: int, timeout: Optional[float]) -> Tuple[int, bool]:
+    if timeout is None:
+        return os.waitpid(pid, 0)[1], False
+    deadline = time.monotonic() + timeout
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return status, False
+        if time.monotonic() > deadline:
+            _kill_group(pid)
+            return os.waitpid(pid, 0)[1], True
+        time.sleep(0.05)
+
+
+def _kill_group(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def limit_file_size(fsize: int) -> None:
+    """This process's files can grow to `fsize` bytes; a write past that fails (EFBIG), as on a full disk."""
+    import resource
+
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the error, not the signal that would end the process
+    resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
+
+
+def _stdio(fd: int, mode: str, encoding: str, errors: str, line_buffering: bool) -> io.TextIOWrapper:
+    raw = io.FileIO(fd, mode, closefd=False)
+    buffered = io.BufferedReader(raw) if mode == "r" else io.BufferedWriter(raw)
+    return io.TextIOWrapper(buffered, encoding=encoding, errors=errors, line_buffering=line_buffering)
+
+
+def _child(req: dict, fds: List[int], encodings: Dict[str, Tuple[str, str]], rewrite: Optional[Rewrite]) -> None:
+    """In the forked child: become the requested command and exit with its status (never returns)."""
+    code = 1
+    try:
+        os.setpgid(0, 0)
+        for target, fd in zip((0, 1, 2), fds):
+            os.dup2(fd, target)
+        os.closerange(3, 256)  # the socket, other requests' descriptors: only what python would hold
+        if req["fsize"]:
+            limit_file_size(req["fsize"])
+        sys.stdin = sys.__stdin__ = _stdio(0, "r", *encodings["stdin"], line_buffering=False)
+        sys.stdout = sys.__stdout__ = _stdio(1, "w", *encodings["stdout"], line_buffering=False)
+        sys.stderr = sys.__stderr__ = _stdio(2, "w", *encodings["stderr"], line_buffering=True)  # as python's
+        os.chdir(req["cwd"])
+        os.environ.clear()
+        os.environ.update(req["env"])
+        argv = [os.fsdecode(base64.b64decode(a)) for a in req["argv"]]
+        code = 0
+        try:
+            if argv[0] == "-c":
+                sys.argv = ["-c", *argv[2:]]
+                sys.path[0] = ""
+                exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__"})
+            else:
+                if rewrite is not None and req["rewrite"]:
+                    argv = rewrite(argv, req["cwd"])
+                sys.argv = argv
+                sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
+                runpy.run_path(argv[0], run_name="__main__")
+        except SystemExit as e:
+            if e.code is None:
+                code = 0
+            elif isinstance(e.code, int):
+                code = e.code
+            else:
+                print(e.code, file=sys.stderr)
+                code = 1
+        except BaseException:  # noqa: BLE001  (reported as python reports it)
+            sys.excepthook(*sys.exc_info())
+            code = 1
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except BaseException:  # noqa: BLE001  (becoming the command failed: say why, exit 1)
+        sys.excepthook(*sys.exc_info())
+    finally:
+        os._exit(code)
+
+
+if __name__ == "__main__":  # python tests/fork_server.py SOCKET
+    serve(sys.argv[1])
