@@ -49,7 +49,10 @@ from typing import Any, Callable, Dict, List, Literal, NamedTuple, Optional
 import torch
 
 from lit_gpt.config import Config
-from lit_gpt.generate import Steps, compile_steps, load_model, resolve_compile, timed_generate, use_cpu_inference_layout
+from lit_gpt.compile_policy import Steps, resolve_compile
+from lit_gpt.cpu_layout import use_cpu_inference_layout
+from lit_gpt.generate import compile_steps, timed_generate
+from lit_gpt.loading import load_model
 from lit_gpt.quantize import check_quantize, quantize_model
 from lit_gpt.runtime import Runtime
 from lit_gpt.utils import DEFAULT_CHECKPOINT_DIR, LitError, process_status_bytes, run_cli
@@ -186,7 +189,7 @@ def measure_memory(folder: Path, name: str, ids: torch.Tensor, max_new_tokens: i
     if threads is not None:
         torch.set_num_threads(threads)
     dev, dtype = torch.device(device), DTYPES[precision]
-    runtime = Runtime.on(dev)
+    runtime = Runtime(None, dev)
     if name == "ours":
         model = load_model(folder).to(device=dev, dtype=dtype)
         if cpu_layout and device == "cpu" and dtype == torch.float32:
@@ -258,7 +261,7 @@ def setup(
         prompt: The prompt of --setting checkpoint (28 tokens by default), used as raw text.
         prompt_tokens: The prompt length of --setting random (default 28) and gemma3 (default 300; it must exceed
             the window).
-        compile: Our compiled variants to time, as `--compile` modes (`lit_gpt.generate.COMPILE_MODES`, "none" for
+        compile: Our compiled variants to time, as `--compile` modes (`lit_gpt.compile_policy.COMPILE_MODES`, "none" for
             none); default: "default" on the CPU, "default" and "reduce-overhead" on CUDA; none with --setting
             gemma3. "max-autotune" is not in the default: on a lent H100 (2026-11-24) a run with it and with
             --quantize torchao.int8wo did not finish its warm-up round in 9.5 minutes (which contender took the time
@@ -269,7 +272,7 @@ def setup(
             also compared with our unquantized model in the same mode (`<name>_decode_ratio_unquantized`, the median
             of per-run ratios). Default: none.
         cpu_layout: On the CPU in float32, lay our weights out as generate/base.py does
-            (`lit_gpt.generate.use_cpu_inference_layout`): oneDNN-packed linear layers for the eager loop,
+            (`lit_gpt.cpu_layout.use_cpu_inference_layout`): oneDNN-packed linear layers for the eager loop,
             column-major matrices for the compiled steps (a copy of the model); false measures nn.Linear's layout.
         memory: Measure the memory of `ours`, `transformers` and `transformers_static`, each in a fresh process
             (`measure_memory`; default: with --setting gemma3 only).
@@ -347,7 +350,7 @@ def setup(
             use_cpu_inference_layout(compiled_model, packed=False)
         use_cpu_inference_layout(ours, packed=True)
         layout = "packed eager" + (", column-major compiled" if modes else "")
-    runtime = Runtime.on(dev)
+    runtime = Runtime(None, dev)
 
     def ours_run(steps: Steps, model: Optional[torch.nn.Module] = None) -> Run:
         model = model if model is not None else ours if steps.mode is None else compiled_model

@@ -33,7 +33,9 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from lit_gpt.generate import decode_one_token, load_model, timed_generate, use_column_major_weights
+from lit_gpt.cpu_layout import use_column_major_weights
+from lit_gpt.generate import decode_one_token, timed_generate
+from lit_gpt.loading import load_model
 from lit_gpt.quantize import CHOICES, check_quantize, in_blocks, is_quantized, quantize_model
 from lit_gpt.tokenizer import Tokenizer
 from lit_gpt.utils import DEFAULT_CHECKPOINT_DIR, LitError, run_cli

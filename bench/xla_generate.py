@@ -49,9 +49,9 @@ def setup(
         results_file: Also write the results, the machine and the versions to this JSON file (bench/result_files.py).
         note: A remark stored in the results file (e.g. what else ran on the machine).
     """
-    from lit_gpt.generate import check_model_dir
+    from lit_gpt.loading import check_model_dir
+    from lit_gpt.recipes.xla_generate import default_precision
     from lit_gpt.xla import make_fabric
-    from lit_gpt.xla.generate import default_precision
 
     check_model_dir(checkpoint_dir)
     fabric = make_fabric(devices, default_precision(precision))
@@ -64,18 +64,18 @@ def setup(
 
 
 def main(fabric, checkpoint_dir: Path, max_new_tokens: Tuple[int, ...], eager_reference: bool) -> List[dict]:
-    from lit_gpt.generate import generate as eager_generate
     from lit_gpt.config import load_config
-    from lit_gpt.generate import load_model
-    from lit_gpt.tokenizer import Tokenizer
+    from lit_gpt.generate import generate as eager_generate
     from lit_gpt.generate import timed_generate
-    from lit_gpt.xla import load_staged
+    from lit_gpt.loading import load_model
+    from lit_gpt.recipes.xla_generate import load_base_staged
+    from lit_gpt.tokenizer import Tokenizer
     from lit_gpt.xla.runtime import XLARuntime
 
     tokenizer = Tokenizer(checkpoint_dir)
     t0 = time.perf_counter()
     model_config = load_config(checkpoint_dir)
-    model = fabric.setup_module(load_staged(model_config, checkpoint_dir / "lit_model.pth", fabric))
+    model = fabric.setup_module(load_base_staged(fabric, checkpoint_dir))  # as xla/generate/base.py loads it
     runtime = XLARuntime(fabric)  # the one generation loop with XLA's placement and graph cuts
     load_time = time.perf_counter() - t0
     cpu_model = load_model(checkpoint_dir) if eager_reference else None

@@ -9,95 +9,76 @@ Commands: /exit (or Ctrl-D) quits, /reset starts a new conversation; Ctrl-C stop
 """
 
 import sys
-import time
-from functools import partial
 from pathlib import Path
 from typing import Callable, List, Optional, TextIO, Tuple, Union
 
 import lightning as L
 import torch
 
+from lit_gpt.compile_policy import resolve_compile
 from lit_gpt.config import load_config
-from lit_gpt.generate import (
-    check_sampling_args,
-    compile_steps,
-    decode_one_token,
-    generate_stream,
-    generation_fabric,
-    load_model,
-    resolve_compile,
-    prepare_for_generation,
-)
+from lit_gpt.generate import compile_steps, decode_one_token, generate_stream
+from lit_gpt.loading import load_model
 from lit_gpt.prompts import PromptStyle
-from lit_gpt.quantize import check_quantize, loader
-from lit_gpt.runtime import param_dtype, resolve_accelerator
+from lit_gpt.recipes.generate import (
+    FLAG_HELP, flag_help, generation_fabric, loading, prepare_for_device, quantize_weights,
+)
+from lit_gpt.runtime import resolve_accelerator
+from lit_gpt.sampling import check_sampling_args
 from lit_gpt.tokenizer import Tokenizer
 from lit_gpt.utils import DEFAULT_CHECKPOINT_DIR, LitError, run_cli
 
 History = List[Tuple[str, str]]
 
 
+@flag_help(
+    FLAG_HELP,
+    checkpoint_dir="The model: a converted checkpoint folder (lit_model.safetensors, lit_config.json, tokenizer"
+    " files).",
+    max_new_tokens="The most tokens of one reply; a reply also ends at the model's end-of-turn token.",
+    system_prompt="A system message at the start of the conversation (templates that support one).",
+    compile='"auto" (default: the decode step compiled when a reply of max_new_tokens pays for it, with CUDA graphs'
+    ' on a GPU; eager on the CPU), "none", or a torch.compile mode: "default", "reduce-overhead" (CUDA graphs, GPUs'
+    ' only), "max-autotune".',
+)
 def setup(
     checkpoint_dir: Path = DEFAULT_CHECKPOINT_DIR,
     max_new_tokens: int = 512,
-    temperature: float = 0.7,
+    temperature: float = 0.8,
     top_k: Optional[int] = 50,
     top_p: float = 1.0,
+    precision: Optional[str] = None,
     prompt_style: Optional[str] = None,
     system_prompt: Optional[str] = None,
-    precision: Optional[str] = None,
     seed: int = 1234,
     compile: Union[bool, str] = "auto",
     accelerator: str = "auto",
     quantize: Optional[str] = None,
 ) -> None:
-    """Chat with a model interactively.
-
-    Args:
-        checkpoint_dir: The model (a converted lit checkpoint directory).
-        max_new_tokens: The most tokens of one reply.
-        temperature: Sampling temperature; 0 is greedy decoding.
-        top_k: Sample among the k most likely tokens only (null: all).
-        top_p: Nucleus sampling: among the most likely tokens whose probabilities add up to top_p (1.0: all).
-        prompt_style: "chat" (the checkpoint's template), "alpaca" or "raw"; default: chat for instruct checkpoints
-            with a template, else raw.
-        system_prompt: A system message at the start of the conversation (templates that support one).
-        precision: "32-true", "bf16-true", "16-true" (default: bf16-true on GPUs that support it, else 32-true).
-        seed: Seeds the sampling.
-        compile: "auto" (default: the decode step compiled when a reply of max_new_tokens pays for it, with CUDA
-            graphs on a GPU; eager on the CPU), "none", or a torch.compile mode: "default", "reduce-overhead"
-            (CUDA graphs, GPUs only), "max-autotune".
-        accelerator: "cpu", "cuda" or "auto".
-        quantize: Weight-only quantization of the block linear layers (see lit_gpt/quantize.py): "torchao.int8wo",
-            "torchao.int4wo", or on CUDA "bnb.int8", "bnb.nf4" (needs bitsandbytes). Default: none.
-    """
+    """Chat with a model interactively."""
     check_sampling_args(temperature, top_k, top_p)
     mode = resolve_compile(compile, resolve_accelerator(accelerator), max_new_tokens)  # checked before loading
     if max_new_tokens < 1:
         raise LitError(f"--max_new_tokens must be >= 1 (got {max_new_tokens})")
-    fabric = generation_fabric(accelerator, precision)
-    dtype = param_dtype(fabric.strategy.precision.precision)
-    check_quantize(quantize, fabric.device, dtype)
+    fabric = generation_fabric(accelerator, precision, quantize)
     tokenizer = Tokenizer(checkpoint_dir)
     style = PromptStyle.from_checkpoint(checkpoint_dir, prompt_style)
     block_size = load_config(checkpoint_dir).block_size
     if max_new_tokens >= block_size:
         raise LitError(f"--max_new_tokens {max_new_tokens} leaves no room for a prompt in the context ({block_size})")
+    # the decode step compiled once for its fixed shapes (a CUDA graph replayed per token on a GPU), or eager
+    steps = compile_steps(mode, compile_prefill=False)
 
-    t0 = time.perf_counter()
-    model = loader(partial(load_model, checkpoint_dir), quantize, fabric.device, dtype)()
-    prepare_for_generation(model, fabric.device.type, fabric.strategy.precision.precision, mode)  # dtype, CPU layout
-    model = fabric.setup_module(model)
-    print(f"Loaded {checkpoint_dir} in {time.perf_counter() - t0:.2f} s ({style.name} prompt style)", file=sys.stderr)
+    with loading(fabric, f"{checkpoint_dir} ({style.name} prompt style)"):
+        model = quantize_weights(fabric, load_model(checkpoint_dir), quantize)
+        model = prepare_for_device(fabric, model, steps)  # precision dtype, CPU layout, Fabric
     fabric.seed_everything(seed)
     if hasattr(sys.stdin, "reconfigure"):
         # bytes that are not UTF-8 reach `main` as lone surrogates (reported there) instead of raising inside
         # input(), which would end the session and lose the conversation
         sys.stdin.reconfigure(errors="surrogateescape")
-    # the decode step compiled once for its fixed shapes (a CUDA graph replayed per token on a GPU), or eager
-    decode_fn = compile_steps(mode, compile_prefill=False).decode
     main(fabric, model, tokenizer, style, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-         top_p=top_p, system_prompt=system_prompt, decode_fn=decode_fn)
+         top_p=top_p, system_prompt=system_prompt, decode_fn=steps.decode)
 
 
 def main(

@@ -1,27 +1,32 @@
 """Generate with the weights that `finetune/full.py` wrote, on the architecture of their base checkpoint.
 
     python generate/full.py --checkpoint_dir checkpoints/HuggingFaceTB/SmolLM2-135M-Instruct \\
-        --checkpoint_path out/full/alpaca/final/lit_model.pth --prompt_style alpaca --prompt "What food do llamas eat?"
+        --checkpoint_path out/full/alpaca/final/lit_model.safetensors --prompt_style alpaca \\
+        --prompt "What food do llamas eat?"
 
-Arguments and output as in `generate/base.py`, plus `--checkpoint_path`. (`out/full/alpaca/final` is itself a
+Flags and output as in `generate/base.py`, plus `--checkpoint_path`. (`out/full/alpaca/final` is itself a
 checkpoint folder: `generate/base.py --checkpoint_dir out/full/alpaca/final` runs it too.)
 """
 
-from functools import partial
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Union
 
 import lightning as L
 
-from lit_gpt.generate import generate_samples, generation_fabric
 from lit_gpt.peft import load_full_finetuned
+from lit_gpt.recipes.generate import (
+    FLAG_HELP, GenerationArgs, check_file, check_request, flag_help, generate_sample, generation_fabric,
+    generation_steps, loading, prepare_for_device, print_sample, quantize_weights, report,
+)
+from lit_gpt.runtime import Runtime
 from lit_gpt.utils import DEFAULT_CHECKPOINT_DIR, run_cli
 
 
+@flag_help(FLAG_HELP, checkpoint_path="The finetuned weights written by finetune/full.py (lit_model.safetensors).")
 def setup(
     prompt: str = "What food do llamas eat?",
     checkpoint_dir: Path = DEFAULT_CHECKPOINT_DIR,
-    checkpoint_path: Path = Path("out/full/alpaca/final/lit_model.pth"),
+    checkpoint_path: Path = Path("out/full/alpaca/final/lit_model.safetensors"),
     num_samples: int = 1,
     max_new_tokens: int = 100,
     temperature: float = 0.8,
@@ -30,39 +35,37 @@ def setup(
     precision: Optional[str] = None,
     prompt_style: Optional[str] = None,
     seed: int = 1234,
-    compile: bool = False,
+    compile: Union[bool, str] = "auto",
     accelerator: str = "auto",
+    quantize: Optional[str] = None,
 ) -> None:
-    """Generate `num_samples` continuations of a prompt with the fully finetuned model.
-
-    Args:
-        prompt: The text to continue (or the instruction, with a chat or alpaca template).
-        checkpoint_dir: The base checkpoint the model was finetuned from (lit_model.pth, lit_config.json,
-            tokenizer files).
-        checkpoint_path: The finetuned weights written by finetune/full.py.
-        num_samples: How many samples to draw, one after the other.
-        max_new_tokens: The most tokens to generate per sample; generation also stops at the model's stop tokens.
-        temperature: Sampling temperature; 0 is greedy decoding (top_k and top_p then do nothing).
-        top_k: Sample among the k most likely tokens only (null: all).
-        top_p: Nucleus sampling: among the most likely tokens whose probabilities add up to top_p (1.0: all).
-        precision: "32-true", "bf16-true", "16-true" (default: bf16-true on GPUs that support it, else 32-true).
-        prompt_style: "chat", "alpaca" or "raw": the style the model was finetuned with; default: chat for
-            instruct checkpoints with a template, else raw.
-        seed: Seeds the sampling.
-        compile: `torch.compile` the decode step (worth it for long generations; the first steps compile).
-        accelerator: "cpu", "cuda" or "auto".
-    """
-    fabric = generation_fabric(accelerator, precision)
-    sampling = dict(
-        num_samples=num_samples, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-        prompt_style=prompt_style, seed=seed, compile=compile,
+    """Generate `num_samples` continuations of a prompt with the fully finetuned model."""
+    fabric = generation_fabric(accelerator, precision, quantize)
+    args = GenerationArgs(
+        prompt=prompt, checkpoint_dir=checkpoint_dir, finetuned_path=checkpoint_path, num_samples=num_samples,
+        max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, prompt_style=prompt_style,
+        seed=seed, compile=compile, quantize=quantize,
     )
-    main(fabric, prompt, checkpoint_dir, checkpoint_path, sampling)
+    main(fabric, args)
 
 
-def main(fabric: L.Fabric, prompt: str, checkpoint_dir: Path, checkpoint_path: Path, sampling: dict) -> None:
-    load_model = partial(load_full_finetuned, checkpoint_dir, checkpoint_path)
-    generate_samples(fabric, load_model, checkpoint_dir, prompt, **sampling)
+def main(fabric: L.Fabric, args: GenerationArgs) -> None:
+    steps = generation_steps(args, fabric.device.type)  # --compile: the loop's two steps, eager or compiled
+    request = check_request(args)  # every input checked and the prompt encoded, before any weights are read
+    check_file(args.finetuned_path, "--checkpoint_path", "finetune/full.py")
+
+    with loading(fabric, args.finetuned_path):
+        model = load_full_finetuned(args.checkpoint_dir, args.finetuned_path)
+        model = quantize_weights(fabric, model, args.quantize)
+        model = prepare_for_device(fabric, model, steps)
+
+    runtime = Runtime(fabric)
+    runtime.seed(args.seed)
+    results = []
+    for i in range(args.num_samples):
+        results.append(generate_sample(model, request, runtime, steps))
+        print_sample(fabric, request, results[-1], i, steps, runtime)
+    report(fabric, runtime, results)
 
 
 if __name__ == "__main__":

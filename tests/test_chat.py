@@ -42,8 +42,10 @@ def scripted(messages):
 
 @pytest.fixture(scope="module")
 def smollm2(smollm2_dir):
-    from lit_gpt.generate import generation_fabric, load_model, prepare_for_generation
+    from lit_gpt.cpu_layout import prepare_for_generation
+    from lit_gpt.loading import load_model
     from lit_gpt.prompts import PromptStyle
+    from lit_gpt.recipes.generate import generation_fabric
     from lit_gpt.tokenizer import Tokenizer
 
     fabric = generation_fabric("cpu", "32-true")
@@ -84,8 +86,8 @@ def test_real_model_streams_answer_stops_at_end_of_turn_and_keeps_history(smollm
 
 
 def test_reset_exit_and_eof(tiny_dir):
-    from lit_gpt.generate import load_model
-    from lit_gpt.generate import generation_fabric
+    from lit_gpt.loading import load_model
+    from lit_gpt.recipes.generate import generation_fabric
     from lit_gpt.prompts import PromptStyle
     from lit_gpt.tokenizer import Tokenizer
 
@@ -138,7 +140,8 @@ def test_a_line_that_is_not_utf8_is_reported_and_the_conversation_goes_on(tiny_d
 
 
 def test_a_bad_line_keeps_the_history(tiny_dir):
-    from lit_gpt.generate import generation_fabric, load_model
+    from lit_gpt.loading import load_model
+    from lit_gpt.recipes.generate import generation_fabric
     from lit_gpt.prompts import PromptStyle
     from lit_gpt.tokenizer import Tokenizer
 

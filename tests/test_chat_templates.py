@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from lit_gpt.config import Config
-from lit_gpt.generate import check_request
+from lit_gpt.recipes.generate import GenerationArgs, check_request
 from lit_gpt.prompts import ChatTemplate, PromptStyle, is_chat_model
 from lit_gpt.tokenizer import Tokenizer
 from lit_gpt.utils import LitError
@@ -429,8 +429,7 @@ def assert_same(checkpoint_dir: Path, conversation: Sequence[Tuple[str, str]], *
     ids = encode_like_recipes(Tokenizer(checkpoint_dir), text, style)
     assert ids == hf_ids(checkpoint_dir, messages, **kwargs)
     if len(conversation) == 1 and not kwargs:  # one user message: what generate/*.py encode, through their own code
-        request = check_request(checkpoint_dir, prompt, num_samples=1, max_new_tokens=1, temperature=0.0, top_k=None,
-                                top_p=1.0, prompt_style=None)
+        request = check_request(GenerationArgs(prompt, checkpoint_dir, max_new_tokens=1, temperature=0.0, top_k=None))
         assert request.encoded.tolist() == ids
     return ids
 

@@ -1,58 +1,31 @@
-"""Generation: sampling, the static-cache loop against a no-cache reference, padding, stop tokens, the errors,
-and `generate/base.py` end to end (bad inputs as one-line errors; the real SmolLM2 answers "Paris")."""
-
-import json
-import os
-import runpy
-import subprocess
-import sys
-from pathlib import Path
+"""Generation: sampling, the static-cache loop against a no-cache reference, padding, stop tokens, the errors, the
+runtime it defaults to, the compiled steps and the CPU weight layout. The recipes end to end:
+tests/test_generate_recipes.py."""
 
 import pytest
 import torch
 
 from lit_gpt import GPT, Config
+from lit_gpt.compile_policy import Steps, compile_pays_after, resolve_compile
+from lit_gpt.cpu_layout import onednn_available, pack_linear_weights, use_column_major_weights, use_cpu_inference_layout
 from lit_gpt.generate import (
-    Steps,
-    bucket_length,
-    compile_pays_after,
     compile_steps,
     decode_one_token,
     generate,
     generate_stream,
     kv_cache_length,
-    load_model,
     prefill,
-    resolve_compile,
     sample,
     setup_kv_cache,
-    onednn_available,
-    pack_linear_weights,
-    use_column_major_weights,
-    use_cpu_inference_layout,
 )
+from lit_gpt.runtime import bucket_length
 from lit_gpt.utils import LitError
-
-REPO = Path(__file__).resolve().parents[1]
-SCRIPT = REPO / "generate" / "base.py"
+from tiny import tiny_llama_config
 
 
-def tiny_config(**overrides) -> Config:
-    kwargs = dict(
-        name="tiny-llama",
-        block_size=64,
-        vocab_size=320,
-        n_layer=2,
-        n_head=4,
-        n_query_groups=2,
-        n_embd=32,
-        intermediate_size=64,
-        norm_class_name="RMSNorm",
-        mlp_class_name="LLaMAMLP",
-        tie_embeddings=True,
-    )
-    kwargs.update(overrides)
-    return Config(**kwargs)
+def tiny_config(config_cls=Config, **overrides) -> Config:
+    """tests/tiny.py's model, narrower (32 wide) over a 320-token vocabulary."""
+    return tiny_llama_config(config_cls, **{"vocab_size": 320, "n_embd": 32, "intermediate_size": 64, **overrides})
 
 
 def tiny_model(seed: int = 0, **overrides) -> GPT:
@@ -312,6 +285,26 @@ def test_argument_errors(kwargs, message):
         generate(tiny_model(), torch.zeros(3, dtype=torch.long), 5, **kwargs)
 
 
+def test_an_xla_model_without_its_runtime_is_a_clear_error(monkeypatch):
+    """The loop defaults to the CPU/CUDA runtime; on XLA that would trace a new graph per step, so it asks for
+    XLARuntime instead of choosing a backend itself."""
+    import types
+
+    import lit_gpt.generate
+    from lit_gpt.generate import default_runtime
+
+    weight = types.SimpleNamespace(device=torch.device("xla"))
+    on_xla = types.SimpleNamespace(transformer=types.SimpleNamespace(wte=types.SimpleNamespace(weight=weight)),
+                                   config=types.SimpleNamespace(block_size=64))
+    monkeypatch.setattr(lit_gpt.generate, "unwrap", lambda model: on_xla)
+    for call in (lambda: default_runtime(on_xla), lambda: generate(on_xla, torch.zeros(3, dtype=torch.long), 2),
+                 lambda: setup_kv_cache(on_xla, 3, 2)):
+        with pytest.raises(ValueError, match=r"XLA device: pass runtime=XLARuntime\(fabric\)"):
+            call()
+    monkeypatch.undo()
+    assert default_runtime(tiny_model()).device == torch.device("cpu")
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Compiled steps (--compile)
 # ---------------------------------------------------------------------------------------------------------------
@@ -431,12 +424,12 @@ def test_column_major_weights_change_layout_only():
 @pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN (mkldnn) to pack weights for")
 @pytest.mark.parametrize(("tied", "memory"), [(False, "plenty"), (True, "plenty"), (True, "short"), (True, "unknown")])
 def test_packed_linear_weights_generate_the_same(tied, memory, monkeypatch):
-    import lit_gpt.generate
+    import lit_gpt.cpu_layout
 
     model = tiny_model(n_embd=32, intermediate_size=96, tie_embeddings=tied)
     head_bytes = model.lm_head.weight.numel() * 4
     available = {"plenty": 100 * head_bytes, "short": 4 * head_bytes, "unknown": None}[memory]
-    monkeypatch.setattr(lit_gpt.generate, "meminfo_bytes",
+    monkeypatch.setattr(lit_gpt.cpu_layout, "meminfo_bytes",
                         lambda field: available if field == "MemAvailable" else None)
     prompt = torch.randint(0, 320, (7,), generator=torch.Generator().manual_seed(1))
     expected = naive_greedy(model, prompt, 16)
@@ -467,9 +460,8 @@ def test_merged_lora_layers_are_packed_and_unmerged_ones_are_not():
     from lit_gpt import lora
 
     torch.manual_seed(0)
-    config = lora.Config(name="tiny-llama", block_size=64, vocab_size=320, n_layer=2, n_head=4, n_query_groups=2,
-                         n_embd=32, intermediate_size=96, norm_class_name="RMSNorm", mlp_class_name="LLaMAMLP",
-                         tie_embeddings=True, lora_r=4, lora_alpha=8, lora_query=True, lora_value=True, lora_mlp=True)
+    config = tiny_config(lora.Config, intermediate_size=96, lora_r=4, lora_alpha=8, lora_query=True, lora_value=True,
+                         lora_mlp=True)
     model = lora.GPT(config).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -495,171 +487,3 @@ def test_packing_skips_what_it_must_not_touch():
     model.transformer.h[0].mlp.fc_2.weight = model.transformer.h[0].mlp.fc_1.weight  # shared: not copied
     if onednn_available():
         assert pack_linear_weights(model, tied_head=True) == 5 * model.config.n_layer + 1 - 2
-
-
-def test_a_bf16_hub_checkpoint_generates_in_fp32_with_the_cpu_layout(smollm2_bf16_dir, capsys, monkeypatch):
-    """What users bring (the Hub's bf16 SmolLM2) at the CPU's default precision (32-true): the weights are cast to
-    fp32 and laid out for the eager loop, as an fp32 checkpoint is, and the answer is what the cast model gives."""
-    import lit_gpt.generate
-    from lit_gpt.generate import load_model, prepare_for_generation
-    from lit_gpt.tokenizer import Tokenizer
-
-    monkeypatch.setattr(lit_gpt.generate, "meminfo_bytes", lambda field: 2**40)  # plenty: the tied head is packed
-    tokenizer = Tokenizer(smollm2_bf16_dir)
-    prompt = tokenizer.encode("The capital of France is")
-    reference = load_model(smollm2_bf16_dir).float()
-    expected = naive_greedy(reference, prompt, 4)
-    model = load_model(smollm2_bf16_dir)
-    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
-    prepare_for_generation(model, "cpu", "32-true", None)
-    assert {p.dtype for p in model.parameters()} == {torch.float32}
-    assert model.transformer.wte.weight.dtype == torch.float32
-    if onednn_available():
-        assert type(model.lm_head).__name__ == "PackedLinear"
-        assert type(model.transformer.h[0].mlp.fc_1).__name__ == "PackedLinear"
-    with torch.inference_mode():
-        assert torch.equal(generate(model, prompt, 4), expected)
-    assert tokenizer.decode(expected.tolist()).startswith(" Paris")
-
-    proc = run_in_process(capsys, monkeypatch, "--checkpoint_dir", str(smollm2_bf16_dir), "--prompt",
-                          "The capital of France is", "--prompt_style", "raw", "--temperature", "0",
-                          "--max_new_tokens", "2", "--accelerator", "cpu")
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.startswith("The capital of France is Paris"), proc.stdout
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# loading and the recipe
-# ---------------------------------------------------------------------------------------------------------------
-def write_tokenizer(directory: Path) -> None:
-    """A small byte-level BPE tokenizer (vocab < 320) with SmolLM2's special tokens, so that the CLI tests do not
-    need the real model."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(["The capital of France is Paris. What food do llamas eat?"] * 20, trainer)
-    tok.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(
-        json.dumps({"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "add_bos_token": False})
-    )
-    (directory / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
-
-
-@pytest.fixture(scope="module")
-def tiny_checkpoint(tmp_path_factory) -> Path:
-    directory = tmp_path_factory.mktemp("gen") / "tiny-llama"
-    directory.mkdir()
-    model = tiny_model(block_size=32)
-    torch.save(model.state_dict(), directory / "lit_model.pth")
-    model.config.save(directory)
-    write_tokenizer(directory)
-    return directory
-
-
-def test_load_model_keeps_tied_embeddings_one_tensor(tiny_checkpoint):
-    model = load_model(tiny_checkpoint)
-    assert model.lm_head.weight is model.transformer.wte.weight
-    assert model.lm_head.weight.data_ptr() == model.transformer.wte.weight.data_ptr()
-    assert not any(p.is_meta for p in model.parameters())
-    saved = torch.load(tiny_checkpoint / "lit_model.pth", weights_only=True)
-    for name, value in model.state_dict().items():
-        assert torch.equal(value, saved[name]), name
-
-
-def run_script(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1")  # the machine is shared: do not oversubscribe its cores
-    return subprocess.run(
-        [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env
-    )
-
-
-def run_in_process(capsys, monkeypatch, *args: str) -> subprocess.CompletedProcess:
-    """The script's `__main__` block in this process (a subprocess costs seconds of imports per case); the exit
-    status and output are what a shell would see."""
-    monkeypatch.setattr(sys, "argv", [str(SCRIPT), *args])
-    code = 0
-    try:
-        runpy.run_path(str(SCRIPT), run_name="__main__")
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
-    out, err = capsys.readouterr()
-    return subprocess.CompletedProcess(args, code, out, err)
-
-
-def assert_one_line_error(proc: subprocess.CompletedProcess, *fragments: str) -> None:
-    assert proc.returncode != 0
-    assert "Traceback" not in proc.stderr, proc.stderr
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1, proc.stderr
-    assert proc.stderr.strip().splitlines()[-1] == errors[0]
-    for fragment in fragments:
-        assert fragment in errors[0], errors[0]
-
-
-def test_cli_runs_on_a_tiny_checkpoint(tiny_checkpoint):
-    proc = run_script("--checkpoint_dir", str(tiny_checkpoint), "--prompt", "The capital", "--max_new_tokens", "5",
-                      "--prompt_style", "raw", "--num_samples", "2")
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.count("The capital") == 2
-    assert proc.stderr.count("tokens/s") == 2
-    assert "Memory used" in proc.stderr
-
-
-def test_cli_error_in_a_subprocess(tmp_path):
-    """One bad input through a real process: exit status 1 and a single `error:` line, no traceback."""
-    proc = run_script("--checkpoint_dir", str(tmp_path / "nowhere" / "SmolLM2-135M-Instruct"))
-    assert proc.returncode == 1
-    assert_one_line_error(proc, "does not exist", "download.py --repo_id nowhere/SmolLM2-135M-Instruct")
-
-
-@pytest.mark.parametrize(
-    "make_args, fragments",
-    [
-        (lambda d: ["--checkpoint_dir", str(d.parent / "missing" / "SmolLM2-135M-Instruct")],
-         ["does not exist", "download.py"]),
-        (lambda d: ["--checkpoint_dir", str(d.parent / "HuggingFaceTB" / "SmolLM2-135M-Instrukt")],
-         ["not a known model name", "SmolLM2-135M-Instruct"]),
-        (lambda d: ["--checkpoint_dir", str(d), "--prompt", "The capital of France is Paris. " * 8],
-         ["the prompt has", "block_size", "shorten the prompt"]),
-        (lambda d: ["--checkpoint_dir", str(d), "--max_new_tokens", "30"], ["exceeds", "max_new_tokens <="]),
-        (lambda d: ["--checkpoint_dir", str(d), "--max_new_tokens", "0"], ["max_new_tokens must be > 0"]),
-        (lambda d: ["--checkpoint_dir", str(d), "--temperature", "-1"], ["temperature must be >= 0"]),
-        (lambda d: ["--checkpoint_dir", str(d), "--num_samples", "0"], ["num_samples must be >= 1"]),
-    ],
-    ids=["missing-dir", "unknown-model-name", "prompt-too-long", "too-many-new-tokens", "zero-new-tokens",
-         "negative-temperature", "zero-samples"],
-)
-def test_cli_bad_input(tiny_checkpoint, capsys, monkeypatch, make_args, fragments):
-    proc = run_in_process(capsys, monkeypatch, *make_args(tiny_checkpoint), "--prompt_style", "raw")
-    assert_one_line_error(proc, *fragments)
-
-
-@pytest.mark.parametrize("damage", ["truncated", "garbage"])
-def test_cli_bad_checkpoint_file(tiny_checkpoint, tmp_path, capsys, monkeypatch, damage):
-    directory = tmp_path / "tiny-llama"
-    directory.mkdir()
-    for f in tiny_checkpoint.iterdir():
-        (directory / f.name).write_bytes(f.read_bytes())
-    weights = directory / "lit_model.pth"
-    data = weights.read_bytes()
-    weights.write_bytes(data[: len(data) // 2] if damage == "truncated" else os.urandom(len(data)))
-    proc = run_in_process(capsys, monkeypatch, "--checkpoint_dir", str(directory), "--max_new_tokens", "3",
-                          "--prompt_style", "raw")
-    assert_one_line_error(proc, "cannot read checkpoint", "corrupt or truncated")
-
-
-@pytest.mark.slow
-def test_real_model_knows_the_capital_of_france(smollm2_dir):
-    proc = run_script("--checkpoint_dir", str(smollm2_dir), "--prompt", "The capital of France is",
-                      "--prompt_style", "raw", "--temperature", "0", "--max_new_tokens", "8", timeout=600)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.startswith("The capital of France is")
-    assert "Paris" in proc.stdout

@@ -21,7 +21,7 @@ DATA_MODULES = {"lit_gpt/config_registry.py"}
 def lint(cwd: Path) -> subprocess.CompletedProcess:
     exe = Path(sys.executable).with_name("lint-imports")
     cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "importlinter.cli"]
-    return subprocess.run([*cmd, "--config", ".importlinter", "--no-cache"], cwd=cwd, capture_output=True, text=True,
+    return subprocess.run([*cmd, ".importlinter", "--no-cache"], cwd=cwd, capture_output=True, text=True,
                           env={"PYTHONPATH": str(cwd), "PATH": "/usr/bin:/bin"})
 
 

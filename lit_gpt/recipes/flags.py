@@ -71,6 +71,9 @@ def values(flags: Dict[str, Any], group: Sequence[Flag]) -> Dict[str, Any]:
 
 _OUT_DIR_DOC = ("Where checkpoints (step-XXXXXX/, final/) and logs go:\n"
                 "a folder, or an fsspec URL such as gs://bucket/run (needs gcsfs) or s3://bucket/run (needs s3fs).")
+_RESUME_DOC = ('Continue from a checkpoint: a step directory, True (the newest complete one in out_dir), or "auto"\n'
+               "(the newest if there is one, else start fresh).")
+_TRAIN_DOC = "Optimisation and checkpointing (micro_batch_size is per device)."
 _LOGGER_DOC = ('"csv", "tensorboard" or "wandb" (under out_dir/logs; W&B: project from WANDB_PROJECT,\n'
                "offline with WANDB_MODE=offline).")
 
@@ -86,12 +89,10 @@ FINETUNE: List[Flag] = [
     Flag("devices", int, 1, "How many devices (GPUs, or CPU processes) to train on."),
     Flag("strategy", Literal["auto", "ddp", "fsdp"], "auto",
          '"auto" = FSDP on several GPUs, DDP on several CPU processes.'),
-    Flag("resume", Union[bool, Literal["auto"], str], False,
-         'Continue from a checkpoint: a step directory, True (the newest in out_dir), or "auto" (the newest\n'
-         "if there is one, else start fresh)."),
+    Flag("resume", Union[bool, Literal["auto"], str], False, _RESUME_DOC),
     Flag("optimizer", Literal["adamw", "sgd"], "adamw", '"adamw" or "sgd" (with momentum 0.9).'),
     Flag("data", DataArgs, DataArgs(), "Where the prepared data is and how it is batched."),
-    Flag("train", TrainArgs, TrainArgs(), "Optimisation and checkpointing."),
+    Flag("train", TrainArgs, TrainArgs(), _TRAIN_DOC),
     Flag("eval", EvalArgs, EvalArgs(), "Validation."),
     Flag("logger_name", Literal["csv", "tensorboard", "wandb"], "csv", _LOGGER_DOC),
     Flag("accelerator", Literal["auto", "cpu", "cuda"], "auto",
@@ -112,9 +113,7 @@ XLA_FINETUNE: List[Flag] = [
          '"32-true", "bf16-true" or "bf16-mixed" (default: bf16-true on TPUs, else 32-true).'),
     Flag("devices", Union[int, str], "auto",
          '"auto" (all devices of the XLA runtime) or their number: the SPMD mesh spans all of them.'),
-    Flag("resume", Union[bool, Literal["auto"], str], False,
-         'Continue from a checkpoint: a step directory, True (the newest complete one in out_dir), or "auto"\n'
-         "(the newest if there is one, else start fresh)."),
+    Flag("resume", Union[bool, Literal["auto"], str], False, _RESUME_DOC),
     Flag("activation_checkpointing", bool, False,
          "Recompute each block's activations in the backward pass (less memory, ~1/3\nmore compute)."),
     Flag("scan_layers", Union[bool, Literal["auto"]], "auto",
@@ -125,8 +124,7 @@ XLA_FINETUNE: List[Flag] = [
     Flag("data", DataArgs, DataArgs(pad_pow2=True),
          "Where the prepared data is and how it is batched (pad_pow2: batches padded to powers of two, so\n"
          "the train step compiles once per length bucket)."),
-    Flag("train", TrainArgs, TrainArgs(lr_warmup_steps=20),
-         "Optimisation and checkpointing (micro_batch_size is per device)."),
+    Flag("train", TrainArgs, TrainArgs(), _TRAIN_DOC),
     Flag("eval", EvalArgs, EvalArgs(), "Validation."),
     Flag("logger_name", Literal["csv", "tensorboard", "wandb"], "csv", _LOGGER_DOC),
     Flag("compile_cache_dir", Optional[Path], None,

@@ -24,16 +24,16 @@ DRIVER = r"""
 import json, sys
 from pathlib import Path
 import torch
-from lit_gpt.config import Config
 from lit_gpt.generate import timed_generate, unwrap
-from lit_gpt.xla import load_staged, make_fabric
+from lit_gpt.recipes.xla_generate import load_base_staged
+from lit_gpt.xla import make_fabric
 from lit_gpt.xla.runtime import XLARuntime
 
 checkpoint_dir, requests, out = Path(sys.argv[1]), json.loads(sys.argv[2]), Path(sys.argv[3])
 fabric = make_fabric("auto", "32-true")
 
 def main(fabric):
-    model = load_staged(Config.from_checkpoint(checkpoint_dir), checkpoint_dir / "lit_model.pth", fabric)
+    model = load_base_staged(fabric, checkpoint_dir)  # as xla/generate/base.py loads it
     model = fabric.setup_module(model)
     runtime = XLARuntime(fabric)
     results = []
@@ -50,7 +50,8 @@ fabric.launch(main)
 
 def _cpu_reference(checkpoint_dir: Path, prompt: List[int], max_new_tokens: int, stop_ids: List[int]) -> List[int]:
     """What generate/base.py computes on the CPU (its `generate` call, greedy)."""
-    from lit_gpt.generate import generate, load_model
+    from lit_gpt.generate import generate
+    from lit_gpt.loading import load_model
 
     model = load_model(checkpoint_dir)
     return generate(model, torch.tensor(prompt), max_new_tokens, temperature=0.0, stop_ids=stop_ids).tolist()

@@ -41,7 +41,7 @@ def main(fabric, run: FinetuneRun) -> dict:
 setup = xla_finetune_command(
     "adapter", main, adapter.Config,
     "Finetune a model with LLaMA-Adapter on prepared instruction data, on XLA devices.", own=ADAPTER, out_dir="out/xla/adapter/alpaca",
-    train=TrainArgs(global_batch_size=16, micro_batch_size=1, learning_rate=3e-3, lr_warmup_steps=20),
+    train=TrainArgs(global_batch_size=16, micro_batch_size=1, learning_rate=3e-3),
 )
 
 if __name__ == "__main__":

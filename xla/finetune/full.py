@@ -38,7 +38,7 @@ def main(fabric, run: FinetuneRun) -> dict:
 setup = xla_finetune_command(
     "full", main, None, "Finetune all weights of a model on prepared instruction data, on XLA devices.",
     out_dir="out/xla/full/alpaca",
-    train=TrainArgs(global_batch_size=16, micro_batch_size=1, learning_rate=3e-5, min_lr=3e-6, lr_warmup_steps=20),
+    train=TrainArgs(global_batch_size=16, micro_batch_size=1, learning_rate=3e-5, min_lr=3e-6),
 )
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ def main(fabric, run: FinetuneRun) -> dict:
 setup = xla_finetune_command(
     "lora", main, lora.Config, "Finetune a model with LoRA on prepared instruction data, on XLA devices.",
     own=LORA, out_dir="out/xla/lora/alpaca",
-    train=TrainArgs(global_batch_size=16, micro_batch_size=1, learning_rate=3e-4, lr_warmup_steps=20),
+    train=TrainArgs(global_batch_size=16, micro_batch_size=1, learning_rate=3e-4),
 )
 
 if __name__ == "__main__":

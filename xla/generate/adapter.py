@@ -2,24 +2,34 @@
 `xla/finetune/adapter.py` wrote.
 
     python xla/generate/adapter.py --checkpoint_dir checkpoints/HuggingFaceTB/SmolLM2-135M-Instruct \\
-        --adapter_path out/xla/adapter/alpaca/final/lit_model.pth.adapter \\
+        --adapter_path out/xla/adapter/alpaca/final/lit_model.adapter.safetensors \\
         --prompt_style alpaca --prompt "What food do llamas eat?"
 
-Arguments and output as in `xla/generate/base.py`, plus `--adapter_path`. The base weights and the Adapter weights are
+Flags and output as in `xla/generate/base.py`, plus `--adapter_path`. The base weights and the Adapter weights are
 loaded block by block onto the devices, sharded with FSDP over SPMD.
 """
 
 from pathlib import Path
 from typing import Optional, Union
 
-from lit_gpt.generate import check_model_dir
-from lit_gpt.utils import DEFAULT_CHECKPOINT_DIR, LitError, run_cli
+from lit_gpt.generate import compile_steps
+from lit_gpt.recipes.generate import (
+    XLA_FLAG_HELP, GenerationArgs, check_file, check_request, flag_help, generate_sample, loading,
+    prepare_for_device, print_sample, report,
+)
+from lit_gpt.recipes.xla_generate import default_precision, load_variant_staged
+from lit_gpt.utils import DEFAULT_CHECKPOINT_DIR, run_cli
 
 
+@flag_help(
+    XLA_FLAG_HELP,
+    adapter_path="The LLaMA-Adapter weights written by finetune/adapter.py or xla/finetune/adapter.py"
+    " (lit_model.adapter.safetensors).",
+)
 def setup(
     prompt: str = "What food do llamas eat?",
     checkpoint_dir: Path = DEFAULT_CHECKPOINT_DIR,
-    adapter_path: Path = Path("out/xla/adapter/alpaca/final/lit_model.pth.adapter"),
+    adapter_path: Path = Path("out/xla/adapter/alpaca/final/lit_model.adapter.safetensors"),
     num_samples: int = 1,
     max_new_tokens: int = 100,
     temperature: float = 0.8,
@@ -32,53 +42,41 @@ def setup(
     compile_cache_dir: Optional[Path] = None,
     accelerator: str = "auto",
 ) -> None:
-    """Generate `num_samples` continuations of a prompt with the Adapter-finetuned model on XLA devices.
-
-    Args:
-        prompt: The text to continue (or the instruction, with a chat or alpaca template).
-        checkpoint_dir: The base checkpoint the Adapter weights were trained on (lit_model.pth, lit_config.json,
-            tokenizer files).
-        adapter_path: The Adapter weights written by the adapter finetuning recipe.
-        num_samples: How many samples to draw, one after the other.
-        max_new_tokens: The most tokens to generate per sample; generation also stops at the model's stop tokens.
-        temperature: Sampling temperature; 0 is greedy decoding (top_k and top_p then do nothing).
-        top_k: Sample among the k most likely tokens only (null: all).
-        top_p: Nucleus sampling: among the most likely tokens whose probabilities add up to top_p (1.0: all).
-        precision: "32-true" or "bf16-true" (default: bf16-true on TPUs, else 32-true).
-        prompt_style: "chat", "alpaca" or "raw": the style the model was finetuned with; default: chat for
-            instruct checkpoints with a template, else raw.
-        seed: Seeds the sampling.
-        devices: "auto" (all devices of the XLA runtime) or their number: the SPMD mesh spans all of them.
-        compile_cache_dir: Persistent XLA compilation cache: a second run skips compiling (TPU/GPU).
-        accelerator: The PJRT device: "auto" (the TPU when there is one, else the CPU), "tpu", "cpu" or "cuda".
-    """
+    """Generate `num_samples` continuations of a prompt on XLA devices with the base model plus its Adapter weights."""
     from lit_gpt.xla import make_fabric
     from lit_gpt.xla.accelerator import select_pjrt_device
-    from lit_gpt.xla.generate import default_precision
 
-    check_model_dir(checkpoint_dir)  # before the XLA runtime starts: a typo fails fast
-    if not Path(adapter_path).is_file():
-        raise LitError(
-            f"--adapter_path {str(adapter_path)!r} not found: pass the lit_model.pth.adapter file that the adapter"
-            " finetuning wrote"
-        )
+    args = GenerationArgs(
+        prompt=prompt, checkpoint_dir=checkpoint_dir, finetuned_path=adapter_path, num_samples=num_samples,
+        max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, prompt_style=prompt_style,
+        seed=seed,
+    )
+    check_request(args)  # before the XLA runtime starts: bad input fails fast
+    check_file(adapter_path, "--adapter_path", "the adapter finetuning recipe")
     select_pjrt_device(accelerator)
     fabric = make_fabric(devices, default_precision(precision), compile_cache_dir=compile_cache_dir)
-    sampling = dict(
-        num_samples=num_samples, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-        prompt_style=prompt_style, seed=seed,
-    )
-    fabric.launch(main, prompt, checkpoint_dir, adapter_path, sampling)
+    fabric.launch(main, args)
 
 
-def main(fabric, prompt: str, checkpoint_dir: Path, adapter_path: Path, sampling: dict) -> None:
+def main(fabric, args: GenerationArgs) -> None:
     from lit_gpt import adapter
-    from lit_gpt.xla.generate import generate_samples, load_variant_staged
+    from lit_gpt.xla.runtime import XLARuntime
 
-    def load_model():
-        return load_variant_staged(fabric, adapter.GPT, adapter.Config, checkpoint_dir, adapter_path)
+    steps = compile_steps(None)  # eager steps: XLA traces and compiles the loop's graphs itself
+    request = check_request(args)
 
-    generate_samples(fabric, load_model, checkpoint_dir, prompt, **sampling)
+    with loading(fabric, args.finetuned_path):
+        # block by block onto the devices, sharded
+        model = load_variant_staged(fabric, adapter.GPT, adapter.Config, args.checkpoint_dir, args.finetuned_path)
+        model = prepare_for_device(fabric, model, steps)
+
+    runtime = XLARuntime(fabric)  # host-side prompt buckets, replicated caches, a graph cut per step
+    runtime.seed(args.seed)
+    results = []
+    for i in range(args.num_samples):
+        results.append(generate_sample(model, request, runtime, steps))
+        print_sample(fabric, request, results[-1], i, steps, runtime)
+    report(fabric, runtime, results)
 
 
 if __name__ == "__main__":

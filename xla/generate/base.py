@@ -4,21 +4,27 @@
     PJRT_DEVICE=CPU CPU_NUM_DEVICES=8 python xla/generate/base.py --prompt "The capital of France is" \\
         --prompt_style raw --temperature 0 --max_new_tokens 8
 
-Arguments and output as in `generate/base.py` (text on stdout; timings on stderr), plus `--devices` (an SPMD
-mesh spans every device: "auto" or their number). The weights are loaded block by block onto the devices
-(`lit_gpt.xla.load_staged`) and sharded with FSDP over SPMD. The prompt is padded to a power-of-two bucket, so XLA
-compiles two graphs (prefill, decode step) per bucket, whatever --max_new_tokens is; stderr reports the time to
-the first token (compilation included), the steady decode speed and the number of compilations.
+Flags and output as in `generate/base.py` (text on stdout; timings on stderr), less `--compile` and `--quantize`,
+plus `--devices` (an SPMD mesh spans every device: "auto" or their number) and `--compile_cache_dir`. The weights
+are loaded block by block onto the devices (`lit_gpt.xla.load_staged`) and sharded with FSDP over SPMD. The prompt
+is padded to a power-of-two bucket, so XLA compiles two graphs (prefill, decode step) per bucket, whatever
+--max_new_tokens is; stderr reports the time to the first token (compilation included), the steady decode speed
+and the number of compilations.
 """
 
 from pathlib import Path
 from typing import Optional, Union
 
-from lit_gpt.config import load_config
-from lit_gpt.generate import check_model_dir
+from lit_gpt.generate import compile_steps
+from lit_gpt.recipes.generate import (
+    XLA_FLAG_HELP, GenerationArgs, check_request, flag_help, generate_sample, loading, prepare_for_device,
+    print_sample, report,
+)
+from lit_gpt.recipes.xla_generate import default_precision, load_base_staged
 from lit_gpt.utils import DEFAULT_CHECKPOINT_DIR, run_cli
 
 
+@flag_help(XLA_FLAG_HELP)
 def setup(
     prompt: str = "What food do llamas eat?",
     checkpoint_dir: Path = DEFAULT_CHECKPOINT_DIR,
@@ -34,46 +40,37 @@ def setup(
     compile_cache_dir: Optional[Path] = None,
     accelerator: str = "auto",
 ) -> None:
-    """Generate `num_samples` continuations of a prompt on XLA devices.
-
-    Args:
-        prompt: The text to continue (or the question, with a chat template).
-        checkpoint_dir: A converted checkpoint directory (lit_model.pth, lit_config.json, tokenizer files).
-        num_samples: How many samples to draw, one after the other.
-        max_new_tokens: The most tokens to generate per sample; generation also stops at the model's stop tokens.
-        temperature: Sampling temperature; 0 is greedy decoding (top_k and top_p then do nothing).
-        top_k: Sample among the k most likely tokens only (null: all).
-        top_p: Nucleus sampling: among the most likely tokens whose probabilities add up to top_p (1.0: all).
-        precision: "32-true" or "bf16-true" (default: bf16-true on TPUs, else 32-true).
-        prompt_style: "chat" (the checkpoint's chat template), "alpaca" or "raw"; default: chat for instruct
-            checkpoints with a template, else raw.
-        seed: Seeds the sampling.
-        devices: "auto" (all devices of the XLA runtime) or their number: the SPMD mesh spans all of them.
-        compile_cache_dir: Persistent XLA compilation cache: a second run skips compiling (TPU/GPU).
-        accelerator: The PJRT device: "auto" (the TPU when there is one, else the CPU), "tpu", "cpu" or "cuda".
-    """
+    """Generate `num_samples` continuations of a prompt on XLA devices."""
     from lit_gpt.xla import make_fabric
     from lit_gpt.xla.accelerator import select_pjrt_device
-    from lit_gpt.xla.generate import default_precision
 
-    check_model_dir(checkpoint_dir)  # before the XLA runtime starts: a typo fails fast
+    args = GenerationArgs(
+        prompt=prompt, checkpoint_dir=checkpoint_dir, num_samples=num_samples, max_new_tokens=max_new_tokens,
+        temperature=temperature, top_k=top_k, top_p=top_p, prompt_style=prompt_style, seed=seed,
+    )
+    check_request(args)  # before the XLA runtime starts: bad input fails fast
     select_pjrt_device(accelerator)
     fabric = make_fabric(devices, default_precision(precision), compile_cache_dir=compile_cache_dir)
-    sampling = dict(
-        num_samples=num_samples, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-        prompt_style=prompt_style, seed=seed,
-    )
-    fabric.launch(main, prompt, checkpoint_dir, sampling)
+    fabric.launch(main, args)
 
 
-def main(fabric, prompt: str, checkpoint_dir: Path, sampling: dict) -> None:
-    from lit_gpt.xla import load_staged
-    from lit_gpt.xla.generate import generate_samples
+def main(fabric, args: GenerationArgs) -> None:
+    from lit_gpt.xla.runtime import XLARuntime
 
-    def load_model():
-        return load_staged(load_config(checkpoint_dir), checkpoint_dir / "lit_model.pth", fabric)
+    steps = compile_steps(None)  # eager steps: XLA traces and compiles the loop's graphs itself
+    request = check_request(args)
 
-    generate_samples(fabric, load_model, checkpoint_dir, prompt, **sampling)
+    with loading(fabric, args.checkpoint_dir):
+        model = load_base_staged(fabric, args.checkpoint_dir)  # block by block onto the devices, sharded
+        model = prepare_for_device(fabric, model, steps)
+
+    runtime = XLARuntime(fabric)  # host-side prompt buckets, replicated caches, a graph cut per step
+    runtime.seed(args.seed)
+    results = []
+    for i in range(args.num_samples):
+        results.append(generate_sample(model, request, runtime, steps))
+        print_sample(fabric, request, results[-1], i, steps, runtime)
+    report(fabric, runtime, results)
 
 
 if __name__ == "__main__":

@@ -1,21 +1,22 @@
-"""Generation on XLA devices: the XLA recipes' loading and set-up around the one generation loop.
-
-The loop itself is `lit_gpt.generate.generate_stream` (the same code as on the CPU and CUDA); `XLARuntime`
-(lit_gpt/xla/runtime.py) gives it what keeps the graphs fixed: prompts padded on the host to power-of-two
-buckets, caches built on the host and transferred replicated, a graph cut per step, host reads as transfers.
-Result: two compilations per prompt-length bucket (prefill + decode), whatever max_new_tokens is.
+"""The XLA generate recipes' own steps (xla/generate/*.py): their precision and the loading of a model block by block
+onto the devices, sharded over the SPMD mesh. Everything else they share with the CPU/GPU recipes
+(`lit_gpt.recipes.generate`), with `XLARuntime(fabric)` as the loop's runtime: prompts padded on the host to
+power-of-two buckets, caches built on the host and transferred replicated, a graph cut per step, host reads as
+transfers, hence two compilations per prompt-length bucket (prefill + decode), whatever max_new_tokens is.
 
     runtime = XLARuntime(fabric)
-    model = fabric.setup_module(load_staged(config, checkpoint_dir / "lit_model.pth", fabric))
+    model = fabric.setup_module(load_base_staged(fabric, checkpoint_dir))
     result = timed_generate(model, tokenizer.encode(prompt), 50, runtime, stop_ids=tokenizer.stop_ids)
     result.tokens, result.time_to_first_token, result.decode_tokens_per_sec, result.compiles
+
+torch_xla is imported when a function here runs, not with the module (so `--help` and the checks stay fast).
 """
 
 from pathlib import Path
-from typing import Any, Callable, List, Optional
+from typing import Any, Optional, Type
 
-import torch.nn as nn
-
+from lit_gpt.config import Config, load_config
+from lit_gpt.loading import check_model_dir
 from lit_gpt.model import GPT
 
 
@@ -26,8 +27,16 @@ def default_precision(precision: Optional[str]) -> str:
     return choose(precision, ("32-true", "bf16-true"), "for generation on XLA")
 
 
+def load_base_staged(fabric: Any, checkpoint_dir: Path) -> GPT:
+    """The model of a checkpoint folder (`lit_gpt.loading.check_model_dir` finds its weights file) loaded block by
+    block onto the devices."""
+    from lit_gpt.xla.loader import load_staged
+
+    return load_staged(load_config(checkpoint_dir), check_model_dir(checkpoint_dir), fabric)
+
+
 def load_variant_staged(
-    fabric: Any, model_cls: Any, config_cls: Any, checkpoint_dir: Path, finetuned_path: Path
+    fabric: Any, model_cls: Type[GPT], config_cls: Type[Config], checkpoint_dir: Path, finetuned_path: Path
 ) -> GPT:
     """An Adapter / LoRA model (`lit_gpt.adapter.GPT`, `lit_gpt.lora.GPT`, ...) with the base weights and the
     finetuned-weights file (`lit_gpt.peft` format) loaded block by block onto the devices. The variant's settings
@@ -36,10 +45,9 @@ def load_variant_staged(
     from lit_gpt.lora import GPT as LoRAGPT
     from lit_gpt.lora import merge_lora_weights
     from lit_gpt.peft import load_finetuned
-    from lit_gpt.utils import check_checkpoint_dir
     from lit_gpt.xla.loader import load_staged
 
-    base_path = check_checkpoint_dir(checkpoint_dir)
+    base_path = check_model_dir(checkpoint_dir)
     _, fields = load_finetuned(finetuned_path, model_cls.peft_method)  # also checks the file's method
     config = config_cls.from_checkpoint(checkpoint_dir, **fields)
     # the later file overrides: the finetuned weights on top of the base checkpoint
@@ -47,13 +55,3 @@ def load_variant_staged(
     if isinstance(model, LoRAGPT):
         merge_lora_weights(model)
     return model
-
-
-def generate_samples(fabric: Any, load_model: Callable[[], nn.Module], checkpoint_dir: Path, prompt: str,
-                     **sampling: Any) -> List[str]:
-    """`lit_gpt.generate.generate_samples` (the one recipe body) with the XLA runtime: to stderr it adds, per
-    sample, the compilations, and the total at the end (2 per prompt-length bucket)."""
-    from lit_gpt.generate import generate_samples as body
-    from lit_gpt.xla.runtime import XLARuntime
-
-    return body(fabric, load_model, checkpoint_dir, prompt, runtime=XLARuntime(fabric), **sampling)

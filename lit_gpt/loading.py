@@ -1,0 +1,49 @@
+"""A converted checkpoint folder's model, loaded for inference: the folder checked with errors that say what to do
+(`check_model_dir`), then the model built on the meta device and given the folder's weights (`load_model`).
+
+A folder holds `lit_model.safetensors` (or its shards with an index, or an earlier version's `lit_model.pth`; see
+`lit_gpt.weights`) and `lit_config.json`. The finetuned weights of a parameter-efficient method
+(`lit_model.lora.safetensors`, or an earlier version's `lit_model.pth.lora`) are not a model: they need their base
+model, through the method's generate recipe (`check_checkpoint_dir` says which). The variant models are loaded by
+`lit_gpt.peft`.
+"""
+
+import difflib
+from pathlib import Path
+from typing import Union
+
+import torch
+
+from lit_gpt.config import Config, load_config
+from lit_gpt.model import GPT
+from lit_gpt.utils import LitError, check_checkpoint_dir, download_command, load_checkpoint
+
+PathLike = Union[str, Path]
+
+
+def check_model_dir(checkpoint_dir: PathLike) -> Path:
+    """The weights file of a model folder, or one LitError line that says what to do: `check_checkpoint_dir`'s (how
+    to download or convert the model; the recipe to use for a folder of finetuned weights only), plus the nearest
+    known model names when the folder does not exist and its name is not a known model (a typo in
+    --checkpoint_dir)."""
+    checkpoint_dir = Path(checkpoint_dir)
+    if not checkpoint_dir.is_dir() and checkpoint_dir.name not in Config.names():
+        close = difflib.get_close_matches(checkpoint_dir.name, Config.names(), n=3, cutoff=0.5)
+        if close:
+            raise LitError(
+                f"checkpoint directory {str(checkpoint_dir)!r} does not exist and {checkpoint_dir.name!r} is not a"
+                f" known model name. Did you mean: {', '.join(close)}? Then download it with:"
+                f" {download_command(checkpoint_dir.with_name(close[0]))}"
+            )
+    return check_checkpoint_dir(checkpoint_dir)
+
+
+def load_model(checkpoint_dir: PathLike) -> GPT:
+    """Build the model on the meta device and assign the weights as read (memory-mapped: they exist once, in the page
+    cache, instead of once initialised and once loaded). Tied embeddings stay one tensor. In eval mode."""
+    path = check_model_dir(checkpoint_dir)
+    config = load_config(checkpoint_dir)
+    with torch.device("meta"):
+        model = GPT(config)
+    load_checkpoint(model, path, assign=True)
+    return model.eval()
