@@ -186,7 +186,7 @@ def describe(model: nn.Module) -> Dict[str, int]:
 def loader(load: Callable[[], nn.Module], mode: Optional[str], device: torch.device, dtype: torch.dtype
            ) -> Callable[[], nn.Module]:
     """`load` followed by a cast to the compute `dtype` and `quantize_model` on `device` (nothing more for None):
-    what the generation recipes pass to `generate_samples` as their loader."""
+    what the generation recipes load their model with (`lit_gpt.recipes.generate`)."""
     def load_quantized() -> nn.Module:
         model = load()
         if mode is None:

@@ -229,8 +229,10 @@ def script(path: Path, body: str) -> str:
 
 
 def weights(path: Path) -> Dict[str, torch.Tensor]:
-    """The LoRA tensors of a final `lit_model.pth.lora` (its "model" entry, beside "method" and "config")."""
-    return torch.load(path, map_location="cpu", weights_only=True)["model"]
+    """The LoRA tensors of a final `lit_model.lora.safetensors`."""
+    from lit_gpt.weights import load_weights
+
+    return load_weights(path)
 
 
 @pytest.fixture(scope="module")
@@ -302,8 +304,8 @@ def test_babysat_recipe_survives_a_failed_creation_and_two_preemptions_bit_exact
     # the runs really were cut short and resumed
     assert proc.stdout.count("Resumed from") == 2, proc.stdout[-3000:]
 
-    ref = weights(bucket / "reference" / "final" / "lit_model.pth.lora")
-    got = weights(out / "final" / "lit_model.pth.lora")
+    ref = weights(bucket / "reference" / "final" / "lit_model.lora.safetensors")
+    got = weights(out / "final" / "lit_model.lora.safetensors")
     assert ref.keys() == got.keys() and ref
     for name in ref:
         assert torch.equal(ref[name], got[name]), (name, (ref[name] - got[name]).abs().max())

@@ -65,11 +65,11 @@ WEIGHT_ATOL = {"full": 5e-5}
 METHODS = {
     # method: (recipe arguments, weights file, has an XLA recipe)
     "lora": (["--lora_r", "4", "--lora_alpha", "8", "--lora_mlp", "true", "--lora_dropout", "0",
-              "--train.learning_rate", "0.02"], "lit_model.pth.lora", True),
-    "adapter": (["--adapter_start_layer", "0", "--train.learning_rate", "0.05"], "lit_model.pth.adapter", True),
-    "adapter_v2": (["--adapter_start_layer", "0", "--train.learning_rate", "0.05"], "lit_model.pth.adapter_v2",
+              "--train.learning_rate", "0.02"], "lit_model.lora.safetensors", True),
+    "adapter": (["--adapter_start_layer", "0", "--train.learning_rate", "0.05"], "lit_model.adapter.safetensors", True),
+    "adapter_v2": (["--adapter_start_layer", "0", "--train.learning_rate", "0.05"], "lit_model.adapter_v2.safetensors",
                    False),
-    "full": (["--train.learning_rate", "0.002"], "lit_model.pth", True),
+    "full": (["--train.learning_rate", "0.002"], "lit_model.safetensors", True),
 }
 
 
@@ -112,8 +112,9 @@ def _losses(out_dir: Path) -> Dict[int, float]:
 
 
 def _weights(path: Path) -> Dict[str, torch.Tensor]:
-    obj = torch.load(path, map_location="cpu", weights_only=True)
-    return obj["model"] if isinstance(obj.get("model"), dict) else obj
+    from lit_gpt.weights import load_weights
+
+    return load_weights(path)
 
 
 class Workers:

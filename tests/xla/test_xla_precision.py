@@ -20,12 +20,14 @@ import torch
 from lit_gpt.args import DataArgs, EvalArgs, TrainArgs
 
 repo, src, data_dir, out = (Path(a) for a in sys.argv[1:5])
-state = torch.load(src / "lit_model.pth", weights_only=True)
+from lit_gpt.weights import find_weights, load_weights, save_weights
+state = load_weights(find_weights(src))
 stored = {}
 for name, dtype in {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}.items():
     d = out / f"ckpt_{name}" / src.name
     shutil.copytree(src, d)
-    torch.save({k: v.to(dtype) for k, v in state.items()}, d / "lit_model.pth")
+    find_weights(d).unlink()
+    save_weights({k: v.to(dtype) for k, v in state.items()}, d)
     stored[name] = d
 methods = {"full": {}, "lora": dict(lora_r=2, lora_alpha=4), "adapter": dict(adapter_start_layer=0)}
 results = {}
@@ -41,8 +43,9 @@ for method, kwargs in methods.items():
                          train=TrainArgs(global_batch_size=8, micro_batch_size=1, max_steps=1, save_interval=None,
                                          log_interval=1),
                          eval=EvalArgs(interval=1000, final_validation=False, max_new_tokens=0), **kwargs)
-            weights = torch.load(next((run / "final").glob("lit_model.pth*")), weights_only=True)
-            weights = weights["model"] if isinstance(weights.get("model"), dict) else weights
+            from lit_gpt.weights import load_weights
+
+            weights = load_weights(next((run / "final").glob("lit_model*.safetensors")))
             import csv
             with open(run / "logs" / "csv" / "version_0" / "metrics.csv") as f:
                 losses = [float(r["loss"]) for r in csv.DictReader(f) if r.get("loss")]
