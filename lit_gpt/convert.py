@@ -25,10 +25,8 @@ from lit_gpt.model import GPT
 from lit_gpt.utils import (
     LitError,
     cannot_write,
-    check_checkpoint_dir,
     copy_file_atomic,
     error_reason,
-    load_state_dict,
     refuse_overwrite,
     write_text_atomic,
 )
@@ -36,7 +34,9 @@ from lit_gpt.weights import (
     DEFAULT_MAX_SHARD_SIZE,
     LEGACY,
     STEM,
+    check_checkpoint_dir,
     index_name,
+    load_state_dict,
     load_weights,
     save_weights,
     save_weights_streaming,

@@ -16,7 +16,8 @@ import torch
 
 from lit_gpt.config import Config, load_config
 from lit_gpt.model import GPT
-from lit_gpt.utils import LitError, check_checkpoint_dir, download_command, load_checkpoint
+from lit_gpt.utils import LitError, download_command
+from lit_gpt.weights import check_checkpoint_dir, load_checkpoint
 
 PathLike = Union[str, Path]
 

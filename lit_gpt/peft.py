@@ -26,7 +26,8 @@ import torch.nn as nn
 from lit_gpt.config import Config
 from lit_gpt.config import load_config
 from lit_gpt.model import GPT
-from lit_gpt.utils import LitError, cannot_write, check_checkpoint_dir, load_error_detail, load_state_dict
+from lit_gpt.utils import LitError, cannot_write, load_error_detail
+from lit_gpt.weights import check_checkpoint_dir, load_state_dict
 from lit_gpt.weights import (
     finetuned_json,
     finetuned_stem,

@@ -286,7 +286,7 @@ class Runtime:
 
     def saved_method(self, directory: Path) -> str:
         """The method that wrote a step checkpoint ("full" when it records none), read before loading it."""
-        from lit_gpt.utils import load_state_dict
+        from lit_gpt.weights import load_state_dict
 
         saved = load_state_dict(self.step_file(directory))
         return saved.get("method") or "full"

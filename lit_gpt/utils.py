@@ -2,11 +2,9 @@
 
 import functools
 import os
-import pickle
 import re
 import shutil
 import sys
-import zipfile
 from pathlib import Path
 from typing import Any, Callable, Dict, Mapping, Optional, Union
 
@@ -65,90 +63,6 @@ def download_command(checkpoint_dir: Path) -> str:
     return f"python scripts/download.py --repo_id {repo_id}"
 
 
-_FINETUNED_NAME = re.compile(r"lit_model\.(?:pth\.(\w+)|(\w+)\.safetensors(?:\.index\.json)?)")
-_GENERATE_FLAG = {"lora": "generate/lora.py --lora_path", "adapter": "generate/adapter.py --adapter_path",
-                  "adapter_v2": "generate/adapter_v2.py --adapter_path"}
-
-
-def check_checkpoint_dir(checkpoint_dir: Path, filename: Optional[str] = None) -> Path:
-    """The weights of `checkpoint_dir` (`lit_model.safetensors`, the index of its shards, or an earlier version's
-    `lit_model.pth`; or `filename` in it when given), or raise a LitError that says how to get them."""
-    # imported here: lit_gpt.weights builds on this module (LitError, load_state_dict, the atomic writers), so this
-    # module cannot import it at the top without an import cycle
-    from lit_gpt.weights import find_weights, weights_name
-
-    checkpoint_dir = Path(checkpoint_dir)
-    path = checkpoint_dir / filename if filename is not None else find_weights(checkpoint_dir)
-    if path is not None and path.is_file():
-        return path
-    if not checkpoint_dir.is_dir():
-        raise LitError(
-            f"checkpoint directory {str(checkpoint_dir)!r} does not exist. Download and convert it with:"
-            f" {download_command(checkpoint_dir)} (offline: python scripts/convert_gguf_checkpoint.py)"
-        )
-    # a finetuning run's output folder: parameter-efficient weights only (lit_model.<method>.safetensors, or an
-    # earlier version's lit_model.pth.<method>), which need their base model
-    finetuned = sorted(p for p in checkpoint_dir.iterdir() if _FINETUNED_NAME.fullmatch(p.name))
-    if finetuned:
-        m = _FINETUNED_NAME.fullmatch(finetuned[0].name)
-        kind = m.group(1) or m.group(2)
-        recipe = _GENERATE_FLAG.get(kind, f"the {kind} generate recipe with")
-        merge = " (or merge them into a full model with scripts/merge_lora.py)" if kind == "lora" else ""
-        raise LitError(
-            f"{str(checkpoint_dir)!r} holds {kind} finetuned weights ({finetuned[0].name}), not a full model: pass the"
-            f" base model as --checkpoint_dir and use {recipe} {finetuned[0]}{merge}"
-        )
-    hf_files = list(checkpoint_dir.glob("*.safetensors")) + list(checkpoint_dir.glob("pytorch_model*.bin"))
-    if hf_files:
-        raise LitError(
-            f"no {weights_name()} in {str(checkpoint_dir)!r}, only Hugging Face weights: convert them with"
-            f" python scripts/convert_hf_checkpoint.py --checkpoint_dir {checkpoint_dir}"
-        )
-    missing = checkpoint_dir / (filename or weights_name())
-    raise LitError(
-        f"{str(missing)!r} not found. Download and convert the model with: {download_command(checkpoint_dir)}"
-    )
-
-
-def _refused_global(message: str) -> Optional[str]:
-    """The Python object a weights-only `torch.load` refused to import (e.g. `posix.system`), if that is the error."""
-    m = re.search(r"(?:unsupported|Unsupported global:) GLOBAL ([\w.]+)", message)
-    if m:
-        return m.group(1)
-    if "Weights only load failed" in message:
-        return "an object that is not a tensor"
-    return None
-
-
-def load_state_dict(path: Union[str, Path], mmap: bool = True) -> Dict[str, torch.Tensor]:
-    """`torch.load` (memory-mapped, weights only) with a clear error for a missing, corrupt or truncated file,
-    and for a pickle that would run code (refused, never loaded)."""
-    from lit_gpt.storage import is_url, location
-
-    path = location(path)
-    if not path.is_file():
-        raise LitError(f"checkpoint file {str(path)!r} not found")
-    try:
-        if is_url(path):  # a file in a bucket: read through fsspec (nothing to memory-map)
-            with path.open("rb") as f:
-                return torch.load(f, map_location="cpu", weights_only=True)
-        return torch.load(path, map_location="cpu", mmap=mmap, weights_only=True)
-    except (RuntimeError, zipfile.BadZipFile, pickle.UnpicklingError, EOFError, ValueError, OSError) as e:
-        message = str(e).strip()
-        refused = _refused_global(message) if isinstance(e, pickle.UnpicklingError) else None
-        if refused is not None:
-            # a pickle that imports a callable can run code when loaded: never load it, and never suggest it
-            raise LitError(
-                f"refusing to load {str(path)!r}: it is a pickle that imports {refused}, which could run code,"
-                " so it is not a plain weights file. Use weights from a source you trust, or re-create the file"
-                " by converting the model again"
-            ) from None
-        first = message.splitlines()[0] if message else type(e).__name__
-        raise LitError(
-            f"cannot read checkpoint {str(path)!r} (corrupt or truncated: {first}). Re-create it, e.g. by converting"
-            " the model again"
-        ) from e
-
 
 _SIZE_MISMATCH = re.compile(
     r"size mismatch for (\S+): copying a param with shape (?:torch\.Size\()?(\[[^\]]*\])\)? from checkpoint,"
@@ -176,22 +90,6 @@ def load_error_detail(error: BaseException) -> str:
     lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
     detail = [line for line in lines if not line.startswith("Error(s) in loading state_dict")]
     return (detail or lines or [type(error).__name__])[0]
-
-
-def load_checkpoint(model: nn.Module, path: Union[str, Path], strict: bool = True, assign: bool = False) -> Any:
-    """Load lit weights (`lit_gpt.weights.load_weights`: safetensors, a sharded index, or an earlier version's
-    `.pth`) into `model`; a file that does not fit the model is one LitError line."""
-    from lit_gpt.weights import load_weights  # here, not at the top: see check_checkpoint_dir
-
-    state_dict = load_weights(path)
-    state_dict = state_dict.get("model", state_dict)
-    try:
-        return model.load_state_dict(state_dict, strict=strict, assign=assign)
-    except RuntimeError as e:
-        raise LitError(
-            f"checkpoint {str(path)!r} does not match the model config: {load_error_detail(e)}. Was it written for"
-            " another model (check lit_config.json next to it)?"
-        ) from e
 
 
 def stale_temp_files(path: Union[str, Path]) -> list:

@@ -20,13 +20,21 @@ them, weights-only (a pickle that would import code is refused, never loaded); n
 
 import json
 import os
+import pickle
+import re
 import shutil
+import zipfile
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Union
 
 import torch
+import torch.nn as nn
 
-from lit_gpt.utils import LitError, load_state_dict, write_text_atomic
+from lit_gpt.state import fsync_dir
+from lit_gpt.storage import is_url, location
+from lit_gpt.utils import (
+    LitError, download_command, load_error_detail, remove_stale_temp_files, write_text_atomic,
+)
 
 PathLike = Union[str, Path]
 STEM = "lit_model"
@@ -76,30 +84,113 @@ def save_weights(
 
     The files are written into a staging folder beside them and moved in when all are complete, the index (or the
     single file) last, so an interrupted save never leaves a file that loads under the final name. Shards of an
-    earlier save under the same stem are removed. Returns the written files."""
-    from huggingface_hub import save_torch_state_dict
-
+    earlier save under the same stem are removed. Returns the written files, the index (or single file) last."""
     _check_names(state)
-    state, aliases = _drop_shared(state)
+    kept, aliases = _drop_shared(state)
+    specs = {name: torch.empty(t.shape, dtype=t.dtype, device="meta") for name, t in kept.items()}
+    return save_weights_streaming(
+        specs, lambda names: {n: kept[n].detach().contiguous() for n in names}, directory, stem=stem,
+        max_shard_size=max_shard_size, metadata={**(metadata or {}), **aliases},
+    )
+
+
+def save_weights_streaming(
+    specs: Mapping[str, torch.Tensor],
+    materialize: Callable[[List[str]], Mapping[str, torch.Tensor]],
+    directory: PathLike,
+    stem: str = STEM,
+    max_shard_size: Union[int, str] = DEFAULT_MAX_SHARD_SIZE,
+    metadata: Optional[Dict[str, str]] = None,
+) -> List[Path]:
+    """`save_weights` for weights that are not all in memory: written one shard at a time.
+
+    `specs` maps every name to a tensor of its shape and dtype (on the meta device: nothing is allocated); the
+    shards are planned from them with huggingface_hub's `split_torch_state_dict_into_shards`, as its
+    `save_torch_state_dict` plans them. Then for each shard `materialize(names)` returns those CPU tensors, which
+    are written (`safetensors.torch.save_file`) and dropped before the next shard is asked for: peak memory is one
+    shard (`max_shard_size`, or one tensor above it) plus what `materialize` itself needs. `metadata` goes into
+    the single file's header, or into the index when sharded (aliases of tied names: see `_drop_shared`).
+    Layout, staging and commit as `save_weights`."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    staging = directory / f".{stem}.staging{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
+    plan = split_torch_state_dict_into_shards(
+        dict(specs), filename_pattern=stem + "{suffix}" + SUFFIX, max_shard_size=max_shard_size
+    )
+    metadata = {"format": "pt", **(metadata or {})}
+    remove_stale_temp_files(directory / stem)  # the staging folder of a save killed earlier (as large as the weights)
+    staging = directory / f".{stem}.tmp{os.getpid()}"
     staging.mkdir()
     try:
-        # the aliases land in the single file's header, or in the index's "metadata" when sharded
-        save_torch_state_dict(
-            state, staging, filename_pattern=stem + "{suffix}" + SUFFIX, max_shard_size=max_shard_size,
-            metadata={"format": "pt", **(metadata or {}), **aliases},
-        )
-        written = sorted(staging.iterdir(), key=lambda p: (p.name.endswith(".json"), p.name))
-        _remove_old(directory, stem, keep={p.name for p in written})
-        for p in written:
-            os.replace(p, directory / p.name)
-        _fsync_dir(directory)
-        return [directory / p.name for p in written]
+        for filename, names in plan.filename_to_tensors.items():
+            tensors = dict(materialize(list(names)))
+            _check_shard(tensors, names, specs)
+            # as huggingface_hub writes them: a shard's header names the format, the index holds the metadata
+            _save_file(tensors, staging / filename, {"format": "pt"} if plan.is_sharded else metadata)
+            del tensors
+        if plan.is_sharded:
+            index = {"metadata": {**plan.metadata, **metadata}, "weight_map": plan.tensor_to_filename}
+            with open(staging / index_name(stem), "w", encoding="utf-8") as f:
+                json.dump(index, f, indent=2)
+                f.flush()
+                os.fsync(f.fileno())
+        return _move_in(staging, directory, stem)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def _check_shard(tensors: Mapping[str, torch.Tensor], names: List[str], specs: Mapping[str, torch.Tensor]) -> None:
+    # tensors other than the planned ones would make the index lie about the shards
+    if set(tensors) != set(names):
+        raise ValueError(f"materialize returned {sorted(tensors)[:3]}... for the shard of {sorted(names)[:3]}...")
+    for name in names:
+        t, spec = tensors[name], specs[name]
+        if t.shape != spec.shape or t.dtype != spec.dtype:
+            raise ValueError(f"{name}: got {t.dtype} {tuple(t.shape)}, planned {spec.dtype} {tuple(spec.shape)}")
+
+
+def _save_file(tensors: Dict[str, torch.Tensor], path: Path, metadata: Dict[str, str]) -> None:
+    """safetensors' writer, made durable (fsync) before the file is moved in. Its I/O failures (a full disk, a file
+    size limit) become the OSError they are, which callers report as a failed write."""
+    from safetensors import SafetensorError
+    from safetensors.torch import save_file
+
+    try:
+        save_file(tensors, str(path), metadata=metadata)
+    except SafetensorError as e:
+        m = re.search(r"I/O error: (.*?) \(os error (\d+)\)", str(e))
+        if m is None:
+            raise
+        raise OSError(int(m.group(2)), m.group(1), str(path)) from None
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        if hasattr(os, "posix_fadvise"):
+            # the file is on disk: its cached pages go back to the kernel, and the next shard is written into them
+            # instead of into pages reclaimed from a full page cache (bench/consolidate.py: ~1.8x faster), so the
+            # writer's page-cache footprint stays one shard
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _move_in(staging: Path, directory: Path, stem: str) -> List[Path]:
+    """Move the complete files of `staging` into `directory`. The earlier save's index or single file goes first (a
+    reader then finds no weights, never an index naming shards that are being replaced), then its other shards;
+    the new shards come in, the new index or single file last. Returns the files, that one last."""
+    last = (weights_name(stem), index_name(stem))
+    written = sorted(staging.iterdir(), key=lambda p: (p.name in last, p.name))
+    for name in last:
+        (directory / name).unlink(missing_ok=True)
+    keep = {p.name for p in written}
+    for p in directory.glob(f"{stem}-*-of-*{SUFFIX}"):
+        if p.name not in keep:
+            p.unlink(missing_ok=True)
+    for p in written:
+        os.replace(p, directory / p.name)
+    fsync_dir(directory)
+    return [directory / p.name for p in written]
 
 
 def _drop_shared(state: Mapping[str, torch.Tensor]) -> "tuple[Dict[str, torch.Tensor], Dict[str, str]]":
@@ -116,29 +207,6 @@ def _drop_shared(state: Mapping[str, torch.Tensor]) -> "tuple[Dict[str, torch.Te
         seen.setdefault(key, name)
         kept[name] = t
     return kept, aliases
-
-
-def _remove_old(directory: Path, stem: str, keep: Iterable[str]) -> None:
-    keep = set(keep)
-    for p in directory.glob(f"{stem}-*-of-*{SUFFIX}"):
-        if p.name not in keep:
-            p.unlink(missing_ok=True)
-    for name in (weights_name(stem), index_name(stem)):
-        if name not in keep:
-            (directory / name).unlink(missing_ok=True)
-
-
-def _fsync_dir(directory: Path) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def write_json(path: PathLike, obj: Any) -> None:
@@ -167,8 +235,6 @@ def _restore_aliases(state: Dict[str, torch.Tensor], meta: Mapping[str, Any]) ->
 
 def _read_safetensors(path: Path) -> Dict[str, torch.Tensor]:
     from safetensors import SafetensorError, safe_open
-
-    from lit_gpt.storage import is_url
 
     try:
         if is_url(path):  # a file in a bucket: read through fsspec (safetensors maps local files only)
@@ -203,8 +269,6 @@ def load_weights(path: PathLike, mmap: bool = True) -> Dict[str, torch.Tensor]:
     """{name: tensor} on the CPU from a `.safetensors` file, a sharded index, or an earlier version's `.pth` pickle
     (memory-mapped, weights only). A missing, truncated or corrupt file, an index that names a missing shard, or a
     pickle that would run code is one LitError line."""
-    from lit_gpt.storage import location
-
     path = location(path)
     name = path.name
     if name.endswith(INDEX_SUFFIX):
@@ -261,12 +325,18 @@ def save_finetuned_weights(
 ) -> Path:
     """Write a method's finetuned tensors and their JSON (method, variant config) into `directory`; the JSON goes
     first, so the weights file, which the loaders look for, appears last. Returns the weights path."""
+    stem = write_finetuned_json(directory, method, config)
+    written = save_weights(state, directory, stem=stem, max_shard_size=max_shard_size)
+    return written[-1]  # the single file, or the index (written last)
+
+
+def write_finetuned_json(directory: PathLike, method: str, config: Mapping[str, Any]) -> str:
+    """`lit_model.<method>.json` into `directory`, before the weights it describes; returns their stem."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     stem = finetuned_stem(method)
     write_json(directory / f"{stem}.json", finetuned_metadata_dict(method, config))
-    written = save_weights(state, directory, stem=stem, max_shard_size=max_shard_size)
-    return written[-1]  # the single file, or the index (written last)
+    return stem
 
 
 def read_finetuned_metadata(weights_path: PathLike) -> Dict[str, Any]:
@@ -281,3 +351,101 @@ def read_finetuned_metadata(weights_path: PathLike) -> Dict[str, Any]:
     if not isinstance(meta.get("config"), dict):
         meta["config"] = {}
     return meta
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# a model folder's weights, and earlier versions' torch.save files
+# ---------------------------------------------------------------------------------------------------------------
+_FINETUNED_NAME = re.compile(r"lit_model\.(?:pth\.(\w+)|(\w+)\.safetensors(?:\.index\.json)?)")
+_GENERATE_FLAG = {"lora": "generate/lora.py --lora_path", "adapter": "generate/adapter.py --adapter_path",
+                  "adapter_v2": "generate/adapter_v2.py --adapter_path"}
+
+
+
+def check_checkpoint_dir(checkpoint_dir: Path, filename: Optional[str] = None) -> Path:
+    """The weights of `checkpoint_dir` (`lit_model.safetensors`, the index of its shards, or an earlier version's
+    `lit_model.pth`; or `filename` in it when given), or raise a LitError that says how to get them."""
+    checkpoint_dir = Path(checkpoint_dir)
+    path = checkpoint_dir / filename if filename is not None else find_weights(checkpoint_dir)
+    if path is not None and path.is_file():
+        return path
+    if not checkpoint_dir.is_dir():
+        raise LitError(
+            f"checkpoint directory {str(checkpoint_dir)!r} does not exist. Download and convert it with:"
+            f" {download_command(checkpoint_dir)} (offline: python scripts/convert_gguf_checkpoint.py)"
+        )
+    # a finetuning run's output folder: parameter-efficient weights only (lit_model.<method>.safetensors, or an
+    # earlier version's lit_model.pth.<method>), which need their base model
+    finetuned = sorted(p for p in checkpoint_dir.iterdir() if _FINETUNED_NAME.fullmatch(p.name))
+    if finetuned:
+        m = _FINETUNED_NAME.fullmatch(finetuned[0].name)
+        kind = m.group(1) or m.group(2)
+        recipe = _GENERATE_FLAG.get(kind, f"the {kind} generate recipe with")
+        merge = " (or merge them into a full model with scripts/merge_lora.py)" if kind == "lora" else ""
+        raise LitError(
+            f"{str(checkpoint_dir)!r} holds {kind} finetuned weights ({finetuned[0].name}), not a full model: pass the"
+            f" base model as --checkpoint_dir and use {recipe} {finetuned[0]}{merge}"
+        )
+    hf_files = list(checkpoint_dir.glob("*.safetensors")) + list(checkpoint_dir.glob("pytorch_model*.bin"))
+    if hf_files:
+        raise LitError(
+            f"no {weights_name()} in {str(checkpoint_dir)!r}, only Hugging Face weights: convert them with"
+            f" python scripts/convert_hf_checkpoint.py --checkpoint_dir {checkpoint_dir}"
+        )
+    missing = checkpoint_dir / (filename or weights_name())
+    raise LitError(
+        f"{str(missing)!r} not found. Download and convert the model with: {download_command(checkpoint_dir)}"
+    )
+
+
+def _refused_global(message: str) -> Optional[str]:
+    """The Python object a weights-only `torch.load` refused to import (e.g. `posix.system`), if that is the error."""
+    m = re.search(r"(?:unsupported|Unsupported global:) GLOBAL ([\w.]+)", message)
+    if m:
+        return m.group(1)
+    if "Weights only load failed" in message:
+        return "an object that is not a tensor"
+    return None
+
+
+def load_state_dict(path: Union[str, Path], mmap: bool = True) -> Dict[str, torch.Tensor]:
+    """`torch.load` (memory-mapped, weights only) with a clear error for a missing, corrupt or truncated file,
+    and for a pickle that would run code (refused, never loaded)."""
+    path = location(path)
+    if not path.is_file():
+        raise LitError(f"checkpoint file {str(path)!r} not found")
+    try:
+        if is_url(path):  # a file in a bucket: read through fsspec (nothing to memory-map)
+            with path.open("rb") as f:
+                return torch.load(f, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", mmap=mmap, weights_only=True)
+    except (RuntimeError, zipfile.BadZipFile, pickle.UnpicklingError, EOFError, ValueError, OSError) as e:
+        message = str(e).strip()
+        refused = _refused_global(message) if isinstance(e, pickle.UnpicklingError) else None
+        if refused is not None:
+            # a pickle that imports a callable can run code when loaded: never load it, and never suggest it
+            raise LitError(
+                f"refusing to load {str(path)!r}: it is a pickle that imports {refused}, which could run code,"
+                " so it is not a plain weights file. Use weights from a source you trust, or re-create the file"
+                " by converting the model again"
+            ) from None
+        first = message.splitlines()[0] if message else type(e).__name__
+        raise LitError(
+            f"cannot read checkpoint {str(path)!r} (corrupt or truncated: {first}). Re-create it, e.g. by converting"
+            " the model again"
+        ) from e
+
+
+def load_checkpoint(model: nn.Module, path: Union[str, Path], strict: bool = True, assign: bool = False) -> Any:
+    """Load lit weights (`lit_gpt.weights.load_weights`: safetensors, a sharded index, or an earlier version's
+    `.pth`) into `model`; a file that does not fit the model is one LitError line."""
+
+    state_dict = load_weights(path)
+    state_dict = state_dict.get("model", state_dict)
+    try:
+        return model.load_state_dict(state_dict, strict=strict, assign=assign)
+    except RuntimeError as e:
+        raise LitError(
+            f"checkpoint {str(path)!r} does not match the model config: {load_error_detail(e)}. Was it written for"
+            " another model (check lit_config.json next to it)?"
+        ) from e

@@ -24,6 +24,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Union
 import pytest
 import torch
 from child_env import python_path
+from fork_server import ForkServer, limit_file_size
 
 ROOT = Path(__file__).resolve().parents[1]
 PARALLEL = max(2, min(4, (os.cpu_count() or 2) + 1))
@@ -71,21 +72,18 @@ def _rows(n: int, words: int) -> List[dict]:
 
 @pytest.fixture(scope="module")
 def fx(tmp_path_factory) -> Fixtures:
-    from lit_gpt import GPT, Config, data
+    from lit_gpt import data
     from lit_gpt.xla.checkpoint import save_sharded
+    from tiny import random_model, tiny_llama_config, write_checkpoint
 
     root = tmp_path_factory.mktemp("bad_inputs")
     ckpt = root / "shared" / "tiny"
     ckpt.mkdir(parents=True)
     vocab = _byte_level_tokenizer(ckpt)
-    config = Config(name="tiny", block_size=512, vocab_size=max(vocab, 320), n_layer=1, n_head=2,
-                    n_query_groups=1, n_embd=16, intermediate_size=32, norm_class_name="RMSNorm",
-                    mlp_class_name="LLaMAMLP", tie_embeddings=True)
-    torch.manual_seed(0)
-    model = GPT(config)
-    model.apply(model._init_weights)
-    torch.save(model.state_dict(), ckpt / "lit_model.pth")
-    config.save(ckpt)
+    config = tiny_llama_config(block_size=512, vocab_size=max(vocab, 320), n_layer=1, n_head=2, n_query_groups=1,
+                               n_embd=16, intermediate_size=32)
+    model = random_model(config)
+    write_checkpoint(model, ckpt)
 
     def prepare(rows: List[dict], name: str) -> Path:
         src = root / "shared" / f"{name}.json"
@@ -105,7 +103,7 @@ def fx(tmp_path_factory) -> Fixtures:
     lora_final = root / "shared" / "lora_run" / "final"
     lora_model = lora.GPT(lora.Config(**{**config.to_dict(), "lora_r": 2, "lora_alpha": 4}))
     lora.mark_only_lora_as_trainable(lora_model)
-    save_finetuned(lora_model, lora_final / "lit_model.pth.lora")
+    save_finetuned(lora_model, lora_final)  # lit_model.lora.safetensors + lit_model.lora.json
     for name in ("lit_config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         shutil.copy(ckpt / name, lora_final / name)
 
@@ -176,6 +174,25 @@ def truncated(src: Path, dst: Path) -> Path:
     return write(dst, data[: len(data) // 2])
 
 
+def weights_as(fx: Fixtures, path: Path) -> Path:
+    """The shared checkpoint's weights written to `path`: safetensors (lit_gpt.weights) for a `.safetensors` name,
+    else an earlier version's torch.save file."""
+    from lit_gpt.weights import find_weights, load_weights, save_weights
+
+    state = load_weights(find_weights(fx.ckpt))
+    if path.name.endswith(".safetensors"):
+        return save_weights(state, path.parent, stem=path.name[: -len(".safetensors")])[-1]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(dict(state), path)
+    return path
+
+
+def ckpt_weights(fx: Fixtures) -> Path:
+    from lit_gpt.weights import find_weights
+
+    return find_weights(fx.ckpt)
+
+
 def bundled_gguf() -> Optional[Path]:
     from lit_gpt.gguf import bundled_smollm2_gguf
 
@@ -227,7 +244,7 @@ CASES = [
          r"'.*nope' does not exist.*download\.py"),
     Case("hf-already-converted", lambda d, fx: py("scripts/convert_hf_checkpoint.py", "--checkpoint_dir",
                                                   copy_ckpt(d, fx)),
-         r"already holds lit_model\.pth, lit_config\.json: refusing to overwrite.*--overwrite true"),
+         r"already holds lit_model\.(safetensors|pth), lit_config\.json: refusing to overwrite.*--overwrite true"),
     Case("hf-garbage-config", lambda d, fx: py("scripts/convert_hf_checkpoint.py", "--checkpoint_dir",
                                                write(d / "hf" / "config.json", "{not json").parent),
          r"cannot read .*config\.json"),
@@ -261,12 +278,16 @@ CASES = [
          r"afile' is a file, not a folder"),
     Case("lit-export-lora-file", lambda d, fx: py("scripts/convert_lit_checkpoint.py", "--checkpoint_dir", fx.ckpt,
                                                   "--output_dir", d / "hf", "--checkpoint_path",
-                                                  fx.lora_final / "lit_model.pth.lora"),
+                                                  fx.lora_final / "lit_model.lora.safetensors"),
          r"holds LoRA weights: merge them first with scripts/merge_lora\.py"),
     Case("lit-export-truncated", lambda d, fx: py("scripts/convert_lit_checkpoint.py", "--checkpoint_dir", fx.ckpt,
                                                   "--output_dir", d / "hf", "--checkpoint_path",
-                                                  truncated(fx.ckpt / "lit_model.pth", d / "half.pth")),
+                                                  truncated(weights_as(fx, d / "full.pth"), d / "half.pth")),
          r"cannot read checkpoint .*half\.pth' \(corrupt or truncated"),
+    Case("lit-export-truncated-safetensors", lambda d, fx: py(
+        "scripts/convert_lit_checkpoint.py", "--checkpoint_dir", fx.ckpt, "--output_dir", d / "hf", "--checkpoint_path",
+        truncated(weights_as(fx, d / "full" / "lit_model.safetensors"), d / "half.safetensors")),
+         r"cannot read weights .*half\.safetensors' \(corrupt or truncated"),
     Case("lit-export-code-pickle", lambda d, fx: py("scripts/convert_lit_checkpoint.py", "--checkpoint_dir", fx.ckpt,
                                                     "--output_dir", d / "hf", "--checkpoint_path",
                                                     evil_pickle(d / "evil.pth")),
@@ -279,23 +300,25 @@ CASES = [
          r"cannot parse size 'lots'; write e\.g\. 5GB"),
     # --- merge_lora ------------------------------------------------------------------------------------------------
     Case("merge-over-existing-model", lambda d, fx: py(
-        "scripts/merge_lora.py", "--checkpoint_dir", fx.ckpt, "--lora_path", fx.lora_final / "lit_model.pth.lora",
-        "--out_dir", copy_ckpt(d, fx, "merged")),
-        r"merged' already holds lit_model\.pth: refusing to overwrite.*--out_dir NEW_FOLDER.*--overwrite true"),
+        "scripts/merge_lora.py", "--checkpoint_dir", fx.ckpt, "--lora_path",
+        fx.lora_final / "lit_model.lora.safetensors", "--out_dir", copy_ckpt(d, fx, "merged")),
+        r"merged' already holds lit_model\.(safetensors|pth): refusing to overwrite.*--out_dir NEW_FOLDER.*--overwrite"
+        r" true"),
     Case("merge-missing-lora", lambda d, fx: py("scripts/merge_lora.py", "--checkpoint_dir", fx.ckpt, "--lora_path",
                                                 d / "none.lora", "--out_dir", d / "m"), r"none\.lora.*not found"),
     Case("merge-base-as-lora", lambda d, fx: py("scripts/merge_lora.py", "--checkpoint_dir", fx.ckpt, "--lora_path",
-                                                fx.ckpt / "lit_model.pth", "--out_dir", d / "m"),
+                                                ckpt_weights(fx), "--out_dir", d / "m"),
          r"not a finetuned-weights"),
     Case("merge-into-read-only", lambda d, fx: py("scripts/merge_lora.py", "--checkpoint_dir", fx.ckpt, "--lora_path",
-                                                  fx.lora_final / "lit_model.pth.lora", "--out_dir",
+                                                  fx.lora_final / "lit_model.lora.safetensors", "--out_dir",
                                                   "/sys/lit-gpt-bad-inputs/merged"),
          r"cannot write .*lit-gpt-bad-inputs"),
     Case("merge-disk-full", lambda d, fx: py("scripts/merge_lora.py", "--checkpoint_dir", fx.ckpt, "--lora_path",
-                                             fx.lora_final / "lit_model.pth.lora", "--out_dir", d / "m"),
-         r"cannot write '.*m/lit_model\.pth': File too large$", fsize=12_000),
+                                             fx.lora_final / "lit_model.lora.safetensors", "--out_dir", d / "m"),
+         r"cannot write '.*m/lit_model\.safetensors': File too large$", fsize=12_000),
     Case("merge-into-a-file", lambda d, fx: py("scripts/merge_lora.py", "--checkpoint_dir", fx.ckpt, "--lora_path",
-                                               fx.lora_final / "lit_model.pth.lora", "--out_dir", write(d / "f", "x")),
+                                               fx.lora_final / "lit_model.lora.safetensors", "--out_dir",
+                                               write(d / "f", "x")),
          r"'.*f' is a file, not a folder"),
     # --- data preparation ------------------------------------------------------------------------------------------
     Case("json-deeply-nested", lambda d, fx: py(
@@ -352,18 +375,22 @@ CASES = [
     Case("consolidate-interrupted-save", lambda d, fx: consolidate_interrupted(d, fx),
          r"incomplete checkpoint \(no lit_checkpoint\.json: its save was interrupted\)"),
     Case("consolidate-disk-full", lambda d, fx: py("xla/scripts/consolidate_checkpoint.py", "--checkpoint_dir",
-                                                   fx.sharded, "--output", d / "c.pth"),
-         r"cannot write '.*c\.pth': (File too large|the write failed \(is the disk full.*\))$", fsize=12_000),
+                                                   fx.sharded, "--output_dir", d / "c"),
+         r"cannot write '.*/c': (File too large|the write failed \(is the disk full.*\))$", fsize=12_000),
     Case("consolidate-output-read-only", lambda d, fx: py("xla/scripts/consolidate_checkpoint.py", "--checkpoint_dir",
-                                                          fx.sharded, "--output", "/sys/lit-gpt-bad-inputs/c.pth"),
+                                                          fx.sharded, "--output_dir", "/sys/lit-gpt-bad-inputs/c"),
          r"cannot write .*lit-gpt-bad-inputs"),
-    Case("consolidate-output-is-a-directory", lambda d, fx: py("xla/scripts/consolidate_checkpoint.py",
-                                                               "--checkpoint_dir", fx.sharded, "--output",
-                                                               Path((d / "o.pth").mkdir() or d / "o.pth")),
-         r"--output .*o\.pth' is a directory"),
-    Case("consolidate-over-existing-file", lambda d, fx: py("xla/scripts/consolidate_checkpoint.py", "--checkpoint_dir",
-                                                            fx.sharded, "--output", copy_ckpt(d, fx) / "lit_model.pth"),
-         r"ckpt/lit_model\.pth' exists: refusing to overwrite it.*--output NEW_FILE.*--overwrite true"),
+    Case("consolidate-output-is-a-file", lambda d, fx: py("xla/scripts/consolidate_checkpoint.py",
+                                                          "--checkpoint_dir", fx.sharded, "--output_dir",
+                                                          Path((d / "o").write_text("x") and d / "o")),
+         r"/o' is a file: pass the folder to write the weights into"),
+    Case("consolidate-over-existing-weights", lambda d, fx: py("xla/scripts/consolidate_checkpoint.py",
+                                                               "--checkpoint_dir", fx.sharded, "--output_dir",
+                                                               copy_ckpt(d, fx)),
+         r"lit_model\.safetensors' exists: refusing to overwrite it.*--output_dir NEW_FOLDER.*--overwrite true"),
+    Case("consolidate-old-output-flag", lambda d, fx: py("xla/scripts/consolidate_checkpoint.py", "--checkpoint_dir",
+                                                         fx.sharded, "--output", d / "c.pth"),
+         r"--output is gone.*--output_dir"),
     Case("download-bad-repo-id", lambda d, fx: py("scripts/download.py", "--repo_id", "org/name/extra",
                                                   "--checkpoint_dir", d / "ck"),
          r"invalid --repo_id 'org/name/extra': use the form ORG/NAME"),
@@ -395,13 +422,16 @@ CASES = [
     Case("generate-truncated-weights", lambda d, fx: generate("generate/base.py", fx, "--checkpoint_dir",
                                                               with_weights(d, fx, truncate_in_place)),
          r"cannot read checkpoint .*lit_model\.pth' \(corrupt or truncated"),
+    Case("generate-truncated-safetensors", lambda d, fx: generate(
+        "generate/base.py", fx, "--checkpoint_dir", with_weights(d, fx, truncate_in_place, "lit_model.safetensors")),
+         r"cannot read weights .*lit_model\.safetensors' \(corrupt or truncated"),
     Case("generate-weights-of-another-shape", lambda d, fx: generate("generate/base.py", fx, "--checkpoint_dir",
                                                                      with_other_config(d, fx)),
          r"does not match the model config: tensor [\w.]+ has shape \[320,16\] in the checkpoint but \[320,32\] in the"
          r" model \(and \d+ more tensors\)"),
     Case("generate-on-unconverted-hf-folder", lambda d, fx: generate("generate/base.py", fx, "--checkpoint_dir", write(
         d / "hf" / "model.safetensors", b"weights").parent),
-         r"no lit_model\.pth in '.*hf', only Hugging Face weights: convert them with"
+         r"no lit_model\.safetensors in '.*hf', only Hugging Face weights: convert them with"
          r" python scripts/convert_hf_checkpoint\.py --checkpoint_dir"),
     Case("generate-garbage-tokenizer", lambda d, fx: generate("generate/base.py", fx, "--checkpoint_dir", with_file(
         d, fx, "tokenizer.json", "{not a tokenizer")), r"cannot load '.*ckpt/tokenizer\.json'"),
@@ -414,7 +444,7 @@ CASES = [
          r"chat template is not valid Jinja"),
     Case("generate-lora-on-base-of-another-shape", lambda d, fx: generate(
         "generate/lora.py", fx, "--checkpoint_dir", with_other_config(d, fx), "--lora_path",
-        fx.lora_final / "lit_model.pth.lora"),
+        fx.lora_final / "lit_model.lora.safetensors"),
          r"tensor [\w.]+ has shape \[\d+(,\d+)*\] in the checkpoint but \[\d+(,\d+)*\] in the model", owner="recipes"),
     Case("finetune-base-of-another-shape", lambda d, fx: finetune("lora", d, fx, "--checkpoint_dir",
                                                                   with_other_config(d, fx)),
@@ -435,11 +465,11 @@ CASES = [
          r"(?i)(cuda|gpu).*(--accelerator|cpu)", owner="recipes", without_gpu=True),
     Case("generate-full-on-lora-folder", lambda d, fx: generate("generate/full.py", fx, "--checkpoint_dir",
                                                                 fx.lora_final, "--checkpoint_path",
-                                                                fx.lora_final / "lit_model.pth"),
+                                                                fx.lora_final / "lit_model.safetensors"),
          r"(?i)lora.*generate/lora\.py", owner="recipes"),
     Case("generate-full-with-lora-file", lambda d, fx: generate("generate/full.py", fx, "--checkpoint_dir", fx.ckpt,
                                                                 "--checkpoint_path",
-                                                                fx.lora_final / "lit_model.pth.lora"),
+                                                                fx.lora_final / "lit_model.lora.safetensors"),
          r"(?i)lora.*generate/lora\.py", owner="recipes"),
     # --- finetuning ------------------------------------------------------------------------------------------------
     Case("finetune-devices-0", lambda d, fx: finetune("lora", d, fx, "--devices", "0"), r"--devices",
@@ -474,7 +504,7 @@ def consolidate_damaged(d: Path, fx: Fixtures) -> List[Arg]:
     data = bytearray((bad / "__0_0.distcp").read_bytes())
     data[len(data) // 2] ^= 0x01
     (bad / "__0_0.distcp").write_bytes(bytes(data))
-    return py("xla/scripts/consolidate_checkpoint.py", "--checkpoint_dir", bad, "--output", d / "out.pth")
+    return py("xla/scripts/consolidate_checkpoint.py", "--checkpoint_dir", bad, "--output_dir", d / "out")
 
 
 def consolidate_interrupted(d: Path, fx: Fixtures) -> List[Arg]:
@@ -488,12 +518,14 @@ def truncate_in_place(path: Path) -> None:
     path.write_bytes(data[: len(data) // 3])
 
 
-def with_weights(d: Path, fx: Fixtures, damage: Callable[[Path], object]) -> Path:
+def with_weights(d: Path, fx: Fixtures, damage: Callable[[Path], object], name: str = "lit_model.pth") -> Path:
+    """A copy of the checkpoint whose only weights are `name` (lit_model.pth: an earlier version's file), damaged."""
     ckpt = copy_ckpt(d, fx)
-    (ckpt / "lit_model.pth").unlink()
+    for old in ckpt.glob("lit_model*"):
+        old.unlink()
     if damage is truncate_in_place:
-        shutil.copy(fx.ckpt / "lit_model.pth", ckpt / "lit_model.pth")
-    damage(ckpt / "lit_model.pth")
+        weights_as(fx, ckpt / name)
+    damage(ckpt / name)
     return ckpt
 
 
@@ -533,161 +565,10 @@ class Outcome:
     seconds: float
 
 
-# Most of a case's time is the interpreter importing torch. The cases therefore run as processes forked from one
-# interpreter that has imported the shared modules (a zygote): each case is still its own process with its own
-# stdin/stdout/stderr, working directory, environment, argv and exit code, running the script as `python SCRIPT`
-# would (`runpy` as __main__, sys.path[0] = the script's folder, atexit handlers, the same stdio encodings), with
-# a process group of its own that a timeout kills whole. BAD_INPUTS_FRESH=1 runs each case in a fresh interpreter.
-_ZYGOTE = r"""
-import atexit, base64, io, json, os, runpy, select, signal, sys, time, traceback
-import torch, lightning, jsonargparse  # noqa: F401  (what the cases import anyway)
-import lit_gpt, lit_gpt.utils, lit_gpt.data, lit_gpt.generate  # noqa: F401
-
-STDIO = {n: (getattr(sys, n).encoding, getattr(sys, n).errors) for n in ("stdin", "stdout", "stderr")}
-control = os.fdopen(os.dup(1), "w")
-
-
-def wrap(fd, name, mode):
-    encoding, errors = STDIO[name]
-    raw = io.FileIO(fd, mode, closefd=False)
-    buffered = io.BufferedReader(raw) if mode == "r" else io.BufferedWriter(raw)
-    return io.TextIOWrapper(buffered, encoding=encoding, errors=errors, line_buffering=name == "stderr")
-
-
-def child(req):
-    os.setpgid(0, 0)
-    for fd, path, flags in ((0, req["stdin"], os.O_RDONLY), (1, req["stdout"], os.O_WRONLY | os.O_CREAT),
-                            (2, req["stderr"], os.O_WRONLY | os.O_CREAT)):
-        new = os.open(path, flags, 0o644)
-        os.dup2(new, fd)
-        os.close(new)
-    os.closerange(3, 256)
-    if req["fsize"]:
-        import resource
-
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails (EFBIG), as on a full disk
-        resource.setrlimit(resource.RLIMIT_FSIZE, (req["fsize"], req["fsize"]))
-    sys.stdin = sys.__stdin__ = wrap(0, "stdin", "r")
-    sys.stdout = sys.__stdout__ = wrap(1, "stdout", "w")
-    sys.stderr = sys.__stderr__ = wrap(2, "stderr", "w")
-    os.chdir(req["cwd"])
-    os.environ.clear()
-    os.environ.update(req["env"])
-    sys.argv = [os.fsdecode(base64.b64decode(a)) for a in req["argv"]]
-    sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0]))
-    code = 0
-    try:
-        runpy.run_path(sys.argv[0], run_name="__main__")
-    except SystemExit as e:
-        if e.code is None:
-            code = 0
-        elif isinstance(e.code, int):
-            code = e.code
-        else:
-            print(e.code, file=sys.stderr)
-            code = 1
-    except BaseException:
-        sys.excepthook(*sys.exc_info())
-        code = 1
-    try:
-        atexit._run_exitfuncs()
-        sys.stdout.flush()
-        sys.stderr.flush()
-    finally:
-        os._exit(code)
-
-
-running = {}  # pid -> (case id, deadline)
-buffer = b""
-control.write("ready\n")
-control.flush()
-while True:
-    readable, _, _ = select.select([0], [], [], 0.05)
-    if readable:
-        data = os.read(0, 65536)
-        if not data:
-            break
-        buffer += data
-        while b"\n" in buffer:
-            line, buffer = buffer.split(b"\n", 1)
-            req = json.loads(line)
-            pid = os.fork()
-            if pid == 0:
-                child(req)
-            running[pid] = (req["id"], time.monotonic() + req["timeout"])
-    for pid, (case_id, deadline) in list(running.items()):
-        done, status = os.waitpid(pid, os.WNOHANG)
-        timed_out = False
-        if not done and time.monotonic() > deadline:
-            try:
-                os.killpg(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            done, status = os.waitpid(pid, 0)
-            timed_out = True
-        if done:
-            del running[pid]
-            control.write(json.dumps({"id": case_id, "rc": os.waitstatus_to_exitcode(status),
-                                      "timed_out": timed_out}) + "\n")
-            control.flush()
-"""
-
-
-class Zygote:
-    def __init__(self, env: Dict[str, str]) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-c", _ZYGOTE], cwd=ROOT, env=env, stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE)
-        assert self.proc.stdout.readline() == b"ready\n", "the zygote did not start"
-        self.lock = threading.Lock()
-        self.waiting: Dict[str, Future] = {}
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            result = json.loads(line)
-            self.waiting.pop(result["id"]).set_result(result)
-        for future in list(self.waiting.values()):  # the zygote died: nobody will answer
-            future.set_exception(RuntimeError("the zygote process ended"))
-
-    def run(self, case_id: str, argv: Sequence[Arg], env: Dict[str, str], stdin: Path, stdout: Path,
-            stderr: Path, fsize: Optional[int]) -> dict:
-        import base64
-
-        future: Future = Future()
-        request = {
-            "id": case_id, "cwd": str(ROOT), "env": env, "timeout": TIMEOUT, "stdin": str(stdin),
-            "stdout": str(stdout), "stderr": str(stderr), "fsize": fsize,
-            "argv": [base64.b64encode(os.fsencode(a)).decode() for a in argv[1:]],  # argv[0] is the interpreter
-        }
-        with self.lock:
-            self.waiting[case_id] = future
-            self.proc.stdin.write((json.dumps(request) + "\n").encode())
-            self.proc.stdin.flush()
-        return future.result()
-
-    def close(self) -> None:
-        self.proc.stdin.close()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-
-
-def _limit_file_size(fsize: Optional[int]) -> Optional[Callable[[], None]]:
-    if not fsize:
-        return None
-
-    def limit() -> None:
-        import resource
-        import signal
-
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
-
-    return limit
-
-
-def run_case(case: Case, fx: Fixtures, zygote: Optional[Zygote]) -> Outcome:
+# Most of a case's time is the interpreter importing torch. The cases therefore run in tests/fork_server.py: each is
+# still its own process, as `python SCRIPT` runs it, forked from one interpreter that has imported the shared
+# modules, and a timeout kills its process group whole. BAD_INPUTS_FRESH=1 runs each case in a fresh interpreter.
+def run_case(case: Case, fx: Fixtures, server: Optional[ForkServer]) -> Outcome:
     import time
 
     d = fx.root / "cases" / case.id
@@ -699,14 +580,16 @@ def run_case(case: Case, fx: Fixtures, zygote: Optional[Zygote]) -> Outcome:
     io_dir.mkdir(parents=True)
     (io_dir / "stdin").write_bytes(case.stdin or b"")
     start = time.perf_counter()
-    if zygote is not None:
-        result = zygote.run(case.id, argv, env, io_dir / "stdin", io_dir / "stdout", io_dir / "stderr", case.fsize)
-        rc = None if result["timed_out"] else result["rc"]
+    if server is not None:
+        with open(io_dir / "stdin", "rb") as i, open(io_dir / "stdout", "wb") as o, open(io_dir / "stderr", "wb") as e:
+            stdio = (i.fileno(), o.fileno(), e.fileno())
+            rc = server.run(argv[1:], ROOT, env, stdio, TIMEOUT, case.fsize)  # argv[0] is the interpreter
         out, err = (io_dir / "stdout").read_bytes(), (io_dir / "stderr").read_bytes()
     else:
         try:
+            limit = (lambda: limit_file_size(case.fsize)) if case.fsize else None
             proc = subprocess.run(argv, cwd=ROOT, env=env, input=case.stdin or b"", capture_output=True,
-                                  timeout=TIMEOUT, preexec_fn=_limit_file_size(case.fsize))
+                                  timeout=TIMEOUT, preexec_fn=limit)
             rc, out, err = proc.returncode, proc.stdout, proc.stderr
         except subprocess.TimeoutExpired as e:
             rc, out, err = None, e.stdout or b"", e.stderr or b""
@@ -720,7 +603,8 @@ class Runner:
 
     def __init__(self, fx: Fixtures, selected: List[str]) -> None:
         fresh = os.environ.get("BAD_INPUTS_FRESH") == "1"
-        self.zygote = None if fresh or not selected else Zygote({**os.environ, "PYTHONPATH": python_path()})
+        self.server = None if fresh or not selected else ForkServer(fx.root / "fork.sock",
+                                                                    {**os.environ, "PYTHONPATH": python_path()}, ROOT)
         self.pool = ThreadPoolExecutor(PARALLEL)
         self.futures: Dict[str, Future] = {}
         self.lock = threading.Lock()
@@ -730,7 +614,7 @@ class Runner:
         for case_id in order:
             if by_id[case_id].without_gpu and HAS_GPU:
                 continue
-            self.futures[case_id] = self.pool.submit(run_case, by_id[case_id], fx, self.zygote)
+            self.futures[case_id] = self.pool.submit(run_case, by_id[case_id], fx, self.server)
 
     def result(self, case_id: str) -> Outcome:
         return self.futures[case_id].result()
@@ -743,8 +627,8 @@ def runner(fx, request):
     r = Runner(fx, selected)
     yield r
     r.pool.shutdown(wait=True, cancel_futures=True)
-    if r.zygote is not None:
-        r.zygote.close()
+    if r.server is not None:
+        r.server.close()
 
 
 def describe(o: Outcome) -> str:

@@ -206,7 +206,7 @@ def test_sharded_lit_weights_load_bit_identical_and_export_the_same(llama_dir, t
 
 def test_legacy_lit_model_pth_still_loads_and_exports(llama_dir, tmp_path):
     """Folders converted by earlier versions hold `lit_model.pth` (torch.save): read, never written."""
-    from lit_gpt.utils import check_checkpoint_dir
+    from lit_gpt.weights import check_checkpoint_dir
 
     convert_hf_checkpoint(llama_dir)
     state = lit_state(llama_dir)

@@ -20,7 +20,8 @@ from lit_gpt import GPT, Config  # noqa: E402
 from lit_gpt.gguf import ARCHITECTURES, _hf_config, _open_reader, _read_metadata, _unpermute_rows  # noqa: E402
 from lit_gpt.gguf import convert_gguf  # noqa: E402
 from lit_gpt.tokenizer import Tokenizer  # noqa: E402
-from lit_gpt.utils import LitError, load_checkpoint  # noqa: E402
+from lit_gpt.utils import LitError  # noqa: E402
+from lit_gpt.weights import load_checkpoint  # noqa: E402
 
 
 def llamacpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:

@@ -9,7 +9,8 @@ from variants import base_and_variant, finetuned_on, randomize_own_, run_recipe,
 
 from lit_gpt import GPT, Config, lora
 from lit_gpt.peft import load_full_finetuned, save_finetuned
-from lit_gpt.utils import LitError, load_checkpoint
+from lit_gpt.utils import LitError
+from lit_gpt.weights import load_checkpoint
 from lit_gpt.weights import load_weights, save_weights
 
 ALL_ON = dict(lora_r=4, lora_alpha=8, lora_dropout=0.0, lora_query=True, lora_key=True, lora_value=True,

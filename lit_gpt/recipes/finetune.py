@@ -29,7 +29,8 @@ from lit_gpt.model import Block
 from lit_gpt.recipes.flags import FINETUNE, Flag, Precision, command, finetune_flags, values  # noqa: F401
 from lit_gpt.runtime import Runtime
 from lit_gpt.training import Method, RunData, uses_fsdp
-from lit_gpt.utils import LitError, cast_floating, check_checkpoint_dir, load_error_detail, num_parameters
+from lit_gpt.utils import LitError, cast_floating, load_error_detail, num_parameters
+from lit_gpt.weights import check_checkpoint_dir
 from lit_gpt.weights import load_weights
 
 

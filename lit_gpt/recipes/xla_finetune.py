@@ -77,7 +77,7 @@ def load_model(fabric: Any, build: Callable[[], nn.Module], checkpoint_dir: Path
     """`build()` (a GPT or a PEFT variant) with the base checkpoint loaded block by block onto the devices
     (`lit_gpt.xla.load_staged`). Only the variant's own parameters (`own_filter`) may be missing from the
     checkpoint; they are initialised by their modules, like on the CPU/GPU."""
-    from lit_gpt.utils import check_checkpoint_dir
+    from lit_gpt.weights import check_checkpoint_dir
     from lit_gpt.xla.loader import load_staged
 
     allow = (lambda name: bool(own_filter(name, None))) if own_filter is not None else None

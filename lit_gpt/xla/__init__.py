@@ -26,7 +26,8 @@ Sharded checkpoints (lit_gpt.xla.checkpoint; fabric.save(dir, state) / fabric.lo
     latest_checkpoint(out_dir) -> Optional[Path]        newest complete checkpoint on this host
     agreed_latest_checkpoint(out_dir) -> Optional[Path] the newest every host holds (what --resume auto takes)
     verify_files(dir)                                   sizes and CRC32s recorded at save time
-    consolidate(dir, output=None, key="model") -> Path  one lit_model.pth, streaming
+    consolidate(dir, output_dir=None, key="model", max_shard_size="5GB") -> Path
+                                                         lit_model.safetensors (+ index), streamed shard by shard
                                                          (CLI: xla/scripts/consolidate_checkpoint.py)
 
 Diagnostics (lit_gpt.xla.diagnostics; per-step compile counts and host-memory sampling for benchmarks and tests
@@ -57,7 +58,7 @@ _EXPORTS = {
     "latest_checkpoint": "checkpoint",
     "agreed_latest_checkpoint": "checkpoint",
     "verify_files": "checkpoint",
-    "consolidate": "checkpoint",
+    "consolidate": "consolidation",
     "is_complete": "checkpoint",
     "sync": "diagnostics",
     "compile_count": "diagnostics",

@@ -32,7 +32,8 @@ import torch
 import torch.nn as nn
 
 from lit_gpt.config import Config
-from lit_gpt.utils import LitError, load_state_dict
+from lit_gpt.utils import LitError
+from lit_gpt.weights import load_state_dict
 from lit_gpt.weights import INDEX_SUFFIX, SUFFIX, read_json
 
 PathLike = Union[str, Path]

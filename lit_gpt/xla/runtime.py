@@ -180,7 +180,7 @@ class XLARuntime(Runtime):
         is one). Committed like every export (`lit_gpt.export`)."""
         from lit_gpt.export import export_final_folder
         from lit_gpt.runtime import write_error
-        from lit_gpt.xla.checkpoint import consolidate
+        from lit_gpt.xla.consolidation import consolidate
 
         path = None
         if self.fabric.global_rank == 0:

@@ -1,6 +1,6 @@
 """A bit flip inside a sharded XLA checkpoint is found, not loaded: the CRC32s recorded at save time are checked by
 `load_sharded` (on the devices) and by the consolidators, each failing with one line that names the file; and the
-consolidated file passes Python's zip CRC check.
+consolidated safetensors file is whole: an independent reader (safetensors' own) reads every tensor bit for bit.
 
 The save and the damaged load run in one XLA:CPU worker with 8 devices under SPMD (this file run as a script);
 the consolidation checks run here in plain torch, as on a machine without torch_xla.
@@ -12,7 +12,6 @@ import json
 import shutil
 import subprocess
 import sys
-import zipfile
 from pathlib import Path
 
 import pytest
@@ -81,17 +80,19 @@ def test_load_on_8_devices_refuses_a_flipped_bit_naming_the_file(saved):
     assert result["clean_step"] == 1
 
 
-def test_consolidation_refuses_a_flipped_bit_and_writes_a_zip_with_right_crcs(saved, tmp_path):
+def test_consolidation_refuses_a_flipped_bit_and_writes_a_whole_safetensors_file(saved, tmp_path):
+    from safetensors import safe_open
+
     from lit_gpt.utils import LitError
-    from lit_gpt.xla.checkpoint import consolidate, iter_consolidated
+    from lit_gpt.xla.consolidation import consolidate, iter_consolidated
 
     out, _ = saved
     ckpt = out / "ckpt" / "step-000001"
     reference = torch.load(out / "reference.pt", weights_only=True)["model"]
-    output = consolidate(ckpt, tmp_path / "lit_model.pth", progress=False)
-    with zipfile.ZipFile(output) as archive:
-        assert archive.testzip() is None  # every record's CRC32 matches its bytes
-    state = torch.load(output, weights_only=True)
+    output = consolidate(ckpt, tmp_path / "final", progress=False)
+    assert output == tmp_path / "final" / "lit_model.safetensors"
+    with safe_open(str(output), framework="pt") as f:  # header, offsets and sizes consistent: every tensor reads
+        state = {name: f.get_tensor(name) for name in f.keys()}
     assert all(torch.equal(state[name], t) for name, t in reference.items())
 
     for damaged_file, at in (("__0_0.distcp", 0.5), ("__0_0.distcp", 0.99), (".metadata", 0.5)):
@@ -100,15 +101,15 @@ def test_consolidation_refuses_a_flipped_bit_and_writes_a_zip_with_right_crcs(sa
         flip_one_bit(bad / damaged_file, at)
         name = str(bad / damaged_file)
         with pytest.raises(LitError, match=rf"sharded checkpoint file '{name}' is damaged \(CRC32"):
-            consolidate(bad, tmp_path / "never.pth", progress=False)
+            consolidate(bad, tmp_path / "never", progress=False)
         with pytest.raises(LitError, match=rf"sharded checkpoint file '{name}' is damaged \(CRC32"):
             next(iter_consolidated(bad))
-        proc = subprocess.run([sys.executable, str(CONSOLIDATE), "--checkpoint_dir", str(bad), "--output",
-                               str(tmp_path / "never.pth")], capture_output=True, text=True, timeout=300, cwd=REPO)
+        proc = subprocess.run([sys.executable, str(CONSOLIDATE), "--checkpoint_dir", str(bad), "--output_dir",
+                               str(tmp_path / "never")], capture_output=True, text=True, timeout=300, cwd=REPO)
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
         assert lines[-1].startswith("error: ") and name in lines[-1] and "damaged" in lines[-1], proc.stderr
-        assert not (tmp_path / "never.pth").exists()
+        assert not (tmp_path / "never").exists()
 
 
 if __name__ == "__main__":

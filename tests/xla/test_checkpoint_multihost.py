@@ -7,18 +7,26 @@ consolidation names the missing host until its files are copied over."""
 
 import shutil
 import socket
-import zipfile
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
 from lit_gpt.utils import LitError
-from lit_gpt.xla.checkpoint import consolidate, latest_checkpoint, read_marker, verify_files
+from lit_gpt.weights import load_weights
+from lit_gpt.xla.checkpoint import latest_checkpoint, read_marker, verify_files
+from lit_gpt.xla.consolidation import consolidate
 
 NEEDS_XLA = False  # plain torch: runs without torch_xla
 WEIGHT = torch.arange(48, dtype=torch.float32).reshape(8, 6) / 10
 BIAS = torch.arange(8, dtype=torch.float32)
+
+
+def _read_whole(path):
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        return {name: f.get_tensor(name) for name in f.keys()}
 
 
 def _free_port() -> int:
@@ -90,11 +98,10 @@ def test_two_host_checkpoint_layouts(tmp_path):
     assert latest_checkpoint(shared) == ckpt
     assert read_marker(ckpt)["files"] == {"0": ["__0_0.distcp"], "1": ["__1_0.distcp"]}
     assert not list(shared.glob(".*"))  # no temporary directory left behind
-    output = consolidate(ckpt, tmp_path / "shared.pth", progress=False)
-    state = torch.load(output, weights_only=True)
+    output = consolidate(ckpt, tmp_path / "shared", progress=False)
+    assert output == tmp_path / "shared" / "lit_model.safetensors"
+    state = _read_whole(output)  # safetensors' own reader: the file is whole
     assert torch.equal(state["weight"], WEIGHT) and torch.equal(state["bias"], BIAS)
-    with zipfile.ZipFile(output) as archive:
-        assert archive.testzip() is None  # the record CRCs are those of the bytes written
 
     # local disks: host 0's directory lacks host 1's shards until they are copied over
     host0, host1 = local.with_name("host0") / "step-000002", local.with_name("host1") / "step-000002"
@@ -104,9 +111,9 @@ def test_two_host_checkpoint_layouts(tmp_path):
     assert latest_checkpoint(host1.parent) is None
     verify_files(host1, ["__1_0.distcp", ".metadata"])  # its checksums were recorded by host 1 itself
     with pytest.raises(LitError, match=r"missing the files of host/rank 1: __1_0\.distcp"):
-        consolidate(host0, tmp_path / "local.pth")
+        consolidate(host0, tmp_path / "local")
     shutil.copy(host1 / "__1_0.distcp", host0)
-    state = torch.load(consolidate(host0, tmp_path / "local.pth", progress=False), weights_only=True)
+    state = load_weights(consolidate(host0, tmp_path / "local", progress=False))
     assert torch.equal(state["weight"], WEIGHT) and torch.equal(state["bias"], BIAS)
 
     # the bucket: one checkpoint with both hosts' shards and no temporary names; consolidated from and into it
@@ -116,12 +123,11 @@ def test_two_host_checkpoint_layouts(tmp_path):
     assert not [p for p in bucket.iterdir() if p.name.startswith(".")]
     assert str(latest_checkpoint(f"file://{bucket}")) == f"file://{bucket}/step-000003"
     verify_files(f"file://{bucket}/step-000003")  # every host's checksums, of what the bucket holds
-    output = consolidate(f"file://{bucket}/step-000003", f"file://{bucket}/final/lit_model.pth", progress=False)
-    assert str(output) == f"file://{bucket}/final/lit_model.pth"
-    state = torch.load(bucket / "final" / "lit_model.pth", weights_only=True)
+    output = consolidate(f"file://{bucket}/step-000003", f"file://{bucket}/final", progress=False)
+    assert str(output) == f"file://{bucket}/final/lit_model.safetensors"
+    assert sorted(p.name for p in (bucket / "final").iterdir()) == ["lit_model.safetensors"]  # nothing staged there
+    state = _read_whole(bucket / "final" / "lit_model.safetensors")
     assert torch.equal(state["weight"], WEIGHT) and torch.equal(state["bias"], BIAS)
-    with zipfile.ZipFile(bucket / "final" / "lit_model.pth") as archive:
-        assert archive.testzip() is None
 
 
 def _agreeing_host(rank: int, port: int, root: str, results) -> None:

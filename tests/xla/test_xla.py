@@ -13,6 +13,7 @@ import torch
 
 from lit_gpt import GPT
 from lit_gpt.utils import LitError
+from lit_gpt.weights import load_weights
 
 REPO = Path(__file__).resolve().parents[2]
 CONSOLIDATE = REPO / "xla" / "scripts" / "consolidate_checkpoint.py"
@@ -161,11 +162,11 @@ def _consolidate_cli(*args):
 def test_save_on_8_consolidate_load_on_plain_cpu(xla_workers, tiny_config, tmp_path):
     xla_workers.result("train8")
     ckpt = xla_workers.out / "ckpt" / "step-000003"
-    out = tmp_path / "lit_model.pth"
-    proc = _consolidate_cli("--checkpoint_dir", ckpt, "--output", out)
+    out = tmp_path / "lit_model.safetensors"
+    proc = _consolidate_cli("--checkpoint_dir", ckpt, "--output_dir", tmp_path)
     assert proc.returncode == 0, proc.stderr
     reference = torch.load(xla_workers.out / "reference.pt", weights_only=True)["model"]
-    state = torch.load(out, weights_only=True, mmap=True)
+    state = load_weights(out)
     assert set(state) == set(reference) | {"lm_head.weight"}  # the tied head under its own name too
     for name, tensor in reference.items():
         assert torch.equal(state[name], tensor), name
@@ -200,11 +201,11 @@ def test_killed_save_leaves_previous_checkpoint_and_no_valid_partial(xla_workers
     with pytest.raises(LitError, match="incomplete checkpoint"):
         ck.check_complete(partial[0])
     with pytest.raises(LitError, match="incomplete checkpoint"):
-        ck.consolidate(partial[0], xla_workers.out / "never.pth")
+        ck.consolidate(partial[0], xla_workers.out / "never")
     # the previous checkpoint is intact
-    out = ck.consolidate(first, xla_workers.out / "kill.pth", progress=False)
+    out = ck.consolidate(first, xla_workers.out / "kill", progress=False)
     reference = torch.load(xla_workers.out / "kill_reference.pt", weights_only=True)["model"]
-    state = torch.load(out, weights_only=True)
+    state = load_weights(out)
     assert all(torch.equal(state[k], v) for k, v in reference.items())
     assert ck.read_values(first) == {"step": 1}
     # the adapter and precision checks of this worker ran before the kill
@@ -214,10 +215,10 @@ def test_killed_save_leaves_previous_checkpoint_and_no_valid_partial(xla_workers
 def test_adapter_checkpoint_consolidates_to_finetuned_file(xla_workers):
     xla_workers.result("extra8", killed=True)
     from lit_gpt.peft import load_finetuned
-    from lit_gpt.xla.checkpoint import consolidate
+    from lit_gpt.xla.consolidation import consolidate
 
     out = consolidate(xla_workers.out / "ckpt" / "adapter", progress=False)
-    assert out.name == "lit_model.pth.adapter"
+    assert out.name == "lit_model.adapter.safetensors" and (out.parent / "lit_model.adapter.json").is_file()
     state, config = load_finetuned(out, "adapter")
     reference = torch.load(xla_workers.out / "adapter_reference.pt", weights_only=True)
     assert set(state) == set(reference) and reference

@@ -47,13 +47,13 @@ NO_VALIDATION = ["--eval.interval", "1000", "--eval.final_validation", "false"] 
 METHODS = {
     # method: (recipe arguments, weights file, CPU generate recipe + flag, XLA generate recipe + flag)
     "adapter": (["--adapter_start_layer", "0", "--train.learning_rate", "0.05", "--eval.max_new_tokens", "4"],
-                "lit_model.pth.adapter", ("generate/adapter.py", "--adapter_path"),
+                "lit_model.adapter.safetensors", ("generate/adapter.py", "--adapter_path"),
                 ("xla/generate/adapter.py", "--adapter_path")),
     "lora": (["--lora_r", "4", "--lora_alpha", "8", "--lora_mlp", "true", "--lora_dropout", "0",
               "--train.learning_rate", "0.02", *NO_VALIDATION],
-             "lit_model.pth.lora", ("generate/lora.py", "--lora_path"), ("xla/generate/lora.py", "--lora_path")),
+             "lit_model.lora.safetensors", ("generate/lora.py", "--lora_path"), ("xla/generate/lora.py", "--lora_path")),
     "full": (["--train.learning_rate", "0.002", "--train.min_lr", "0.0002", *NO_VALIDATION],
-             "lit_model.pth", ("generate/full.py", "--checkpoint_path"), ("xla/generate/base.py", None)),
+             "lit_model.safetensors", ("generate/full.py", "--checkpoint_path"), ("xla/generate/base.py", None)),
 }
 # the soak: LoRA with dropout, a checkpoint every 2 steps
 SOAK = ["--lora_r", "4", "--lora_alpha", "8", "--lora_dropout", "0.1", "--train.learning_rate", "0.02",
@@ -237,6 +237,10 @@ def _losses(out_dir: Path, key: str = "loss") -> Dict[int, float]:
 
 
 def _weights(path: Path) -> Dict[str, torch.Tensor]:
+    from lit_gpt.weights import is_weights_file, load_weights
+
+    if is_weights_file(path):  # safetensors (what consolidation writes)
+        return load_weights(path)
     obj = torch.load(path, map_location="cpu", weights_only=True)
     return obj["model"] if isinstance(obj.get("model"), dict) else obj
 
@@ -323,14 +327,14 @@ def test_lora_with_dropout_survives_kills_bit_exactly_and_exports_its_own_step(r
     c = seq.result("soak_c")
     assert "Resumed from" in c.stdout or "Nothing to do" in c.stdout
     assert _losses(soak) == _losses(reference_dir)
-    ref = _weights(reference_dir / "final" / "lit_model.pth.lora")
-    got = _weights(soak / "final" / "lit_model.pth.lora")
+    ref = _weights(reference_dir / "final" / "lit_model.lora.safetensors")
+    got = _weights(soak / "final" / "lit_model.lora.safetensors")
     assert ref.keys() == got.keys() and ref
     for name in ref:
         assert torch.equal(ref[name], got[name]), (name, (ref[name] - got[name]).abs().max())
 
     # the export takes this run's last step: step 4 here, not the newer step 10 of the folder
-    from lit_gpt.xla.checkpoint import consolidate
+    from lit_gpt.xla.consolidation import consolidate
 
     bucket = f"file://{soak}"
     again = subprocess.run(runs["cmd"]("lora", bucket, "--resume", f"{bucket}/step-000004", "--train.max_steps", "4",
@@ -338,7 +342,8 @@ def test_lora_with_dropout_survives_kills_bit_exactly_and_exports_its_own_step(r
                            timeout=TIMEOUT)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "Nothing to do" in again.stdout
-    consolidate(f"{bucket}/step-000004", runs["tmp"] / "step4.lora", key="model")  # read from the bucket
-    step4, final = _weights(runs["tmp"] / "step4.lora"), _weights(soak / "final" / "lit_model.pth.lora")
+    step4_file = consolidate(f"{bucket}/step-000004", runs["tmp"] / "step4", key="model")  # read from the bucket
+    assert step4_file.name == "lit_model.lora.safetensors" and (step4_file.parent / "lit_model.lora.json").is_file()
+    step4, final = _weights(step4_file), _weights(soak / "final" / "lit_model.lora.safetensors")
     assert step4.keys() == final.keys() and all(torch.equal(step4[k], final[k]) for k in step4)
     assert any(not torch.equal(step4[k], ref[k]) for k in step4)

@@ -1,0 +1,427 @@
+"""What makes a sharded checkpoint directory trustworthy, and which one to resume from: its completion marker,
+the CRC32 of every file recorded at save time, the checks that refuse an incomplete or damaged directory in one
+line, and the choice of the newest complete checkpoint (agreed by every host for `--resume auto`).
+
+    verify_files(path)                               sizes and CRC32s against the marker (streamed, 8 MiB blocks)
+    marker, md = check_complete(path)                marker readable, every host's files present and long enough
+    latest_checkpoint(out_dir, "step-*")             newest complete checkpoint on this host
+    agreed_latest_checkpoint(out_dir, "step-*")      the newest every host holds (communicates, if a group exists)
+
+The files are written by `lit_gpt.xla.checkpoint.save_sharded`; its docstring describes the layout.
+"""
+
+import contextlib
+import json
+import re
+import sys
+import warnings
+import zlib
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
+
+import torch.distributed as dist
+
+from lit_gpt.storage import is_url, location
+from lit_gpt.utils import LitError, error_reason
+
+MARKER = "lit_checkpoint.json"
+FORMAT = "lit-gpt-xla-sharded"
+FORMAT_VERSION = 1
+META_KEY = "__lit_meta__"  # host 0's plain values and RNG states; host r > 0 stores its own under META_KEY + "r"
+_RANK_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
+_CHECKSUM_BLOCK = 8 << 20
+
+PathLike = Union[str, Path]
+
+
+def _meta_key(rank: int) -> str:
+    return META_KEY if rank == 0 else f"{META_KEY}{rank}"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# hosts: checkpoints are saved and loaded inside multi-host runs (a process group from Fabric or from plain
+# torch.distributed) and also without any group (one host; consolidation on any machine), where torch.distributed's
+# collectives refuse to run. So each collective is called only when a group of several processes exists.
+# ---------------------------------------------------------------------------------------------------------------
+def _rank_world() -> Tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _barrier() -> None:
+    if _rank_world()[1] > 1:
+        dist.barrier()
+
+
+def _all_gather(obj: Any) -> List[Any]:
+    """`obj` of every process (rank order); `[obj]` without a process group."""
+    if _rank_world()[1] == 1:
+        return [obj]
+    out: List[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _broadcast(obj: Any) -> Any:
+    """Host 0's `obj` on every host."""
+    if _rank_world()[1] == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# DCP access, checksums, completeness
+# ---------------------------------------------------------------------------------------------------------------
+def _reader(path: Path) -> Any:
+    """DCP's reader for a local folder, or its fsspec-backed one for a URL (a bucket)."""
+    import torch.distributed.checkpoint as dcp
+
+    if is_url(path):
+        # torch 2.9 keeps DCP's fsspec storage in this module only (earlier versions: the public
+        # torch.distributed.checkpoint.fsspec); `dcp.load(checkpoint_id=URL)` picks the same class by itself, but
+        # reading the index alone needs the instance
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+        return FsspecReader(str(path))
+    return dcp.FileSystemReader(str(path))
+
+
+@contextlib.contextmanager
+def _quiet_dcp() -> Iterator[None]:
+    """Silence warnings about DCP's and torch_xla's own internals that a user can do nothing about."""
+    with warnings.catch_warnings():
+        for message in (
+            r"The function definition for SavePlanner.set_up_planner",
+            r"The function definition for LoadPlanner.set_up_planner",
+            r"TypedStorage is deprecated",
+            r"Using a non-tuple sequence for multidimensional indexing",
+            r"torch.distributed is disabled, unavailable or uninitialized",
+        ):
+            warnings.filterwarnings("ignore", message=message)
+        yield
+
+
+def file_checksum(path: PathLike) -> Dict[str, Any]:
+    """{"size", "crc32"} of a file, read in 8 MiB blocks (memory: one block)."""
+    crc = 0
+    size = 0
+    buf = bytearray(_CHECKSUM_BLOCK)
+    view = memoryview(buf)
+    path = location(path)
+    with (path.open("rb", buffering=0) if not is_url(path) else path.open("rb")) as f:
+        while True:
+            n = f.readinto(buf)
+            if not n:
+                break
+            crc = zlib.crc32(view[:n], crc)
+            size += n
+    return {"size": size, "crc32": f"{crc:08x}"}
+
+
+def verify_files(path: PathLike, names: Optional[List[str]] = None, marker: Optional[Dict[str, Any]] = None) -> None:
+    """Check files of a sharded checkpoint against the sizes and CRC32s its marker recorded at save time (all of
+    them, or `names`); raise a one-line LitError naming the first damaged one. Checkpoints written before
+    checksums were recorded pass unchecked."""
+    path = location(path)
+    marker = read_marker(path) if marker is None else marker
+    recorded: Dict[str, Dict[str, Any]] = marker.get("checksums") or {}
+    for name in sorted(recorded) if names is None else names:
+        expected = recorded.get(name)
+        if expected is None:
+            continue
+        f = path / name
+        if not f.is_file():
+            raise LitError(f"sharded checkpoint file {str(f)!r} is missing: copy it from the host that wrote it")
+        actual = file_checksum(f)
+        if actual != expected:
+            what = (
+                f"{actual['size']} bytes instead of {expected['size']}"
+                if actual["size"] != expected["size"]
+                else f"CRC32 {actual['crc32']} instead of {expected['crc32']}"
+            )
+            raise LitError(
+                f"sharded checkpoint file {str(f)!r} is damaged ({what} recorded at save time): copy it again from"
+                " the host that wrote it, or use an earlier checkpoint"
+            )
+
+
+def read_marker(path: PathLike) -> Dict[str, Any]:
+    path = location(path)
+    marker = path / MARKER
+    if not path.is_dir():
+        raise LitError(
+            f"sharded checkpoint {str(path)!r} does not exist (expected a directory written by save_sharded)"
+        )
+    if not marker.is_file():
+        if any(path.glob("*.distcp")) or (path / ".metadata").exists():
+            raise LitError(
+                f"{str(path)!r} is an incomplete checkpoint (no {MARKER}: its save was interrupted). Use an earlier"
+                " checkpoint (latest_checkpoint / --resume auto skips incomplete ones)"
+            )
+        raise LitError(f"{str(path)!r} is not a sharded checkpoint directory (no {MARKER})")
+    try:
+        data = json.loads(marker.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise LitError(
+            f"cannot read {str(marker)!r} ({error_reason(e)}): the checkpoint is damaged, use an earlier one"
+        ) from e
+    if data.get("format") != FORMAT:
+        raise LitError(f"{str(marker)!r} is not a {FORMAT} marker")
+    return data
+
+
+def check_complete(path: PathLike, ranks: Optional[List[str]] = None) -> Tuple[Dict[str, Any], Any]:
+    """Marker present, DCP metadata readable, every host's shard files (or those of the hosts `ranks`, e.g. ["1"]
+    for host 1 reading its own local disk) present and long enough.
+
+    Returns (marker, DCP metadata). The error names the missing host (rank) files."""
+    path = location(path)
+    marker = read_marker(path)
+    if not (path / ".metadata").is_file():
+        raise LitError(f"{str(path)!r} has a marker but no .metadata file: copy host 0's files into it")
+    try:
+        md = _reader(path).read_metadata()
+    except Exception as e:  # a truncated pickle raises anything from EOFError to UnpicklingError
+        name = str(path / ".metadata")
+        raise LitError(f"cannot read {name!r} ({type(e).__name__}): the checkpoint is damaged") from e
+    needed: Dict[str, int] = {}
+    for info in md.storage_data.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    missing: Dict[str, List[str]] = {}
+    short: List[str] = []
+    for name, size in sorted(needed.items()):
+        f = path / name
+        m = _RANK_FILE.match(name)
+        rank = m.group(1) if m else "?"
+        if ranks is not None and rank not in ranks:
+            continue
+        if not f.is_file():
+            missing.setdefault(rank, []).append(name)
+        elif f.stat().st_size < size:
+            short.append(f"{name} ({f.stat().st_size} of {size} bytes)")
+    if missing:
+        hosts = "; ".join(f"host/rank {r}: {', '.join(v)}" for r, v in sorted(missing.items()))
+        raise LitError(
+            f"sharded checkpoint {str(path)!r} is missing the files of {hosts}. Each host writes its own shards:"
+            " copy every host's __RANK_*.distcp files into this directory (or save to a shared disk)"
+        )
+    if short:
+        raise LitError(f"sharded checkpoint {str(path)!r} has truncated files: {', '.join(short)}. Copy them again")
+    return marker, md
+
+
+def is_complete(path: PathLike) -> bool:
+    try:
+        check_complete(path)
+    except LitError:
+        return False
+    return True
+
+
+def latest_checkpoint(out_dir: PathLike, pattern: str = "*") -> Optional[Path]:
+    """The newest complete sharded checkpoint directly under `out_dir` (highest trailing number in the name,
+    then newest marker), or None. Interrupted saves (hidden `.NAME.tmp-*`, no marker) are never returned."""
+    out_dir = location(out_dir)
+    if not out_dir.is_dir():
+        return None
+    candidates = []
+    for d in out_dir.glob(pattern):
+        if d.name.startswith(".") or not d.is_dir() or not (d / MARKER).is_file():
+            continue
+        if not is_complete(d):
+            continue
+        m = re.search(r"(\d+)$", d.name)
+        step = int(m.group(1)) if m else -1
+        candidates.append((step, read_marker(d).get("saved_at", 0.0), d))
+    if not candidates:
+        return None
+    return max(candidates, key=lambda c: (c[0], c[1]))[2]
+
+
+def _step_of(path: Path) -> int:
+    m = re.search(r"(\d+)$", path.name)
+    return int(m.group(1)) if m else -1
+
+
+def needed_files(marker: Dict[str, Any], md: Any, rank: int, world: int) -> List[str]:
+    """The files host `rank` of `world` reads to load a checkpoint: its own shards, and the files holding whatever
+    every host needs (unsharded tensors, which DCP writes once, in one host's file; host 0's values). With another
+    host count than at save time, any shard may be needed: all files."""
+    files: Dict[str, List[str]] = marker.get("files", {})
+    if marker.get("hosts") != world:
+        return sorted({n for v in files.values() for n in v})
+    needed = set(files.get(str(rank), []))
+    own_meta = _meta_key(rank)
+    has_own_meta = any(index.fqn == own_meta for index in md.storage_data)
+    sizes = {fqn: tuple(t.size) for fqn, t in md.state_dict_metadata.items() if hasattr(t, "size")}
+    for index, info in md.storage_data.items():
+        if index.fqn.startswith(META_KEY):
+            if index.fqn == own_meta or (index.fqn == META_KEY and not has_own_meta):
+                needed.add(info.relative_path)
+            continue
+        size = sizes.get(index.fqn)
+        chunk = next((c for c in getattr(md.state_dict_metadata.get(index.fqn), "chunks", [])
+                      if tuple(c.offsets) == tuple(index.offset or ())), None)
+        if size is None or chunk is None or tuple(chunk.sizes) == size:
+            needed.add(info.relative_path)  # unsharded (or not a tensor): every host reads it
+    return sorted(needed)
+
+
+def _held_here(path: Path, rank: int, world: int) -> Optional[str]:
+    """Why this host cannot load checkpoint `path` from its own disk (None: it can): the marker must be readable,
+    the index present, and this host's own shard files present at their recorded sizes (all hosts' files when
+    the checkpoint was saved by another number of hosts, which reshards)."""
+    try:
+        marker = read_marker(path)
+    except LitError as e:
+        return str(e)
+    if not (path / ".metadata").is_file():
+        return "no .metadata"
+    try:
+        md = _reader(path).read_metadata()
+    except Exception as e:  # a damaged index raises anything from EOFError to UnpicklingError
+        return f".metadata unreadable ({type(e).__name__})"
+    sizes = marker.get("checksums") or {}
+    missing = []
+    for name in needed_files(marker, md, rank, world):
+        f = path / name
+        if not f.is_file():
+            missing.append(name)
+        elif name in sizes and f.stat().st_size != sizes[name]["size"]:
+            return f"{name} has {f.stat().st_size} of {sizes[name]['size']} bytes"
+    if missing:
+        return f"missing {_few(missing)}"
+    return None
+
+
+def agreed_latest_checkpoint(out_dir: PathLike, pattern: str = "*") -> Optional[Path]:
+    """The newest checkpoint under `out_dir` that every host can load, the same on all hosts: what `--resume auto`
+    resumes from. Call it on every host at the same point (it communicates when a process group is initialized;
+    without one it is `latest_checkpoint`).
+
+    Each host lists the checkpoints it holds (marker readable, `.metadata` present, its own shard files present at
+    their recorded sizes: a per-host local disk suffices); host 0 picks the newest one that every host holds and
+    tells the others. When a newer checkpoint is missing on some host (a save killed between host 0's rename and
+    the others', or files lost on one disk), all hosts fall back to the newest common one, and host 0 says on
+    stderr which one was skipped and why: a checkpoint is complete only when every host has it, and resuming
+    from an earlier complete step is exact. When no checkpoint is held by every host although some host holds
+    one, all hosts raise the same LitError naming, for host 0's newest, the hosts and files that are missing:
+    starting fresh would silently throw that run away. Returns None when no host holds any checkpoint."""
+    rank, world = _rank_world()
+    out_dir = location(out_dir)
+    if world == 1:
+        return latest_checkpoint(out_dir, pattern)
+    held: Dict[str, Tuple[int, float]] = {}
+    why_not: Dict[str, str] = {}
+    if out_dir.is_dir():
+        for d in out_dir.glob(pattern):
+            if d.name.startswith(".") or not d.is_dir():
+                continue
+            reason = _held_here(d, rank, world)
+            if reason is None:
+                held[d.name] = (_step_of(d), float(read_marker(d).get("saved_at", 0.0)))
+            else:
+                why_not[d.name] = reason
+    reports = _all_gather((held, why_not))
+    decision: Any = None
+    if rank == 0:
+        decision = _agree(out_dir, reports)
+    decision = _broadcast(decision)
+    kind, value, note = decision
+    if note and rank == 0:
+        print(f"warning: {note}", file=sys.stderr, flush=True)
+    if kind == "error":
+        raise LitError(value)
+    return None if value is None else out_dir / value
+
+
+def _agree(out_dir: Path, reports: List[Tuple[Dict[str, Tuple[int, float]], Dict[str, str]]]) -> Tuple[str, Any, str]:
+    """Host 0's decision from every host's (held, why not) report: ("ok", name or None, note) or ("error", msg, "")."""
+    def newest(names: Any) -> Optional[str]:
+        ranked = [(reports[0][0].get(n) or next(r[0][n] for r in reports if n in r[0]), n) for n in names]
+        return max(ranked)[1] if ranked else None
+
+    anywhere = set().union(*(set(held) for held, _ in reports))
+    if not anywhere:
+        return ("ok", None, "")
+    common = set.intersection(*(set(held) for held, _ in reports))
+    newest_anywhere = newest(anywhere)
+    chosen = newest(common)
+
+    def missing(name: str) -> str:
+        parts = []
+        for r, (held, why_not) in enumerate(reports):
+            if name not in held:
+                parts.append(f"host {r} ({why_not.get(name, 'no such directory')})")
+        return "; ".join(parts)
+
+    if chosen is None:
+        return (
+            "error",
+            f"no checkpoint in {str(out_dir)!r} is held by every host: the newest, {newest_anywhere}, is missing on"
+            f" {missing(newest_anywhere)}. Copy the missing files to those hosts, or start over in a new --out_dir",
+            "",
+        )
+    note = ""
+    if chosen != newest_anywhere:
+        note = (
+            f"resuming from {chosen}, the newest checkpoint every host holds: {newest_anywhere} is missing on"
+            f" {missing(newest_anywhere)}"
+        )
+    return ("ok", chosen, note)
+
+
+def _check_and_verify_all(path: Path) -> Tuple[Dict[str, Any], Any]:
+    """Every file present (missing ones named by host) and equal to what was saved (CRC32): the index first, so a
+    damaged one is reported as such rather than as whatever unpickling it raises."""
+    marker = read_marker(path)
+    if (path / ".metadata").is_file():
+        verify_files(path, [".metadata"], marker)
+    marker, md = check_complete(path)
+    verify_files(path, None, marker)
+    return marker, md
+
+
+def _check_and_verify_for_load(path: Path) -> Tuple[Dict[str, Any], Any]:
+    """`check_complete` and `verify_files` for the files this process will read, with every process agreeing on
+    the outcome: one host that finds a damaged file makes all of them fail with its line, instead of the others
+    waiting forever for it in the collective load.
+
+    A host reads its own rank's shards when the checkpoint was saved by as many hosts as there are now (so a
+    per-host local disk suffices); with another host count any shard may be needed, so all are checked."""
+    rank, world = _rank_world()
+    outcome: Any = None
+    try:
+        marker = read_marker(path)
+        if world == 1:
+            marker, md = _check_and_verify_all(path)
+        else:
+            # the files this host reads must be here (on a per-host local disk the others' may be elsewhere)
+            if not (path / ".metadata").is_file():
+                raise LitError(f"{str(path)!r} has a marker but no .metadata file: copy host 0's files into it")
+            verify_files(path, [".metadata"], marker)
+            try:
+                md = _reader(path).read_metadata()
+            except Exception as e:  # a truncated pickle raises anything from EOFError to UnpicklingError
+                raise LitError(f"cannot read {str(path / '.metadata')!r} ({type(e).__name__}): it is damaged") from e
+            names = needed_files(marker, md, rank, world) + [".metadata"]
+            absent = [n for n in names if not (path / n).is_file()]
+            if absent:
+                raise LitError(
+                    f"sharded checkpoint {str(path)!r} lacks {_few(absent)}, which this host reads: copy them from"
+                    " the hosts that wrote them (or save to a shared directory)"
+                )
+            verify_files(path, names, marker)
+    except LitError as e:
+        outcome = f"host {rank}: {e}" if world > 1 else str(e)
+    failures = [o for o in _all_gather(outcome) if o is not None]
+    if failures:
+        raise LitError(failures[0])
+    return marker, md
+
+
+def _few(names: List[str], n: int = 4) -> str:
+    return ", ".join(names[:n]) + (f" and {len(names) - n} more" if len(names) > n else "")
