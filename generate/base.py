@@ -7,47 +7,18 @@
 
 The generated text goes to stdout (with `raw` prompts, the prompt and its continuation; with a chat or alpaca
 template, the reply only); time, tokens/s and memory go to stderr. The flags are the same in every generate recipe
-(`lit_gpt.recipes.generate.FLAG_HELP`); the XLA recipe is `xla/generate/base.py`.
+(`lit_gpt.recipes.generate.GENERATE`; `--help` lists them); the XLA recipe is `xla/generate/base.py`.
 """
-
-from pathlib import Path
-from typing import Optional, Union
 
 import lightning as L
 
 from lit_gpt.loading import load_model
 from lit_gpt.recipes.generate import (
-    FLAG_HELP, GenerationArgs, check_request, flag_help, generate_sample, generation_fabric, generation_steps,
-    loading, prepare_for_device, print_sample, quantize_weights, report,
+    GenerationArgs, check_request, generate_command, generate_sample, generation_steps, loading, prepare_for_device,
+    print_sample, quantize_weights, report,
 )
 from lit_gpt.runtime import Runtime
-from lit_gpt.utils import DEFAULT_CHECKPOINT_DIR, run_cli
-
-
-@flag_help(FLAG_HELP)
-def setup(
-    prompt: str = "What food do llamas eat?",
-    checkpoint_dir: Path = DEFAULT_CHECKPOINT_DIR,
-    num_samples: int = 1,
-    max_new_tokens: int = 100,
-    temperature: float = 0.8,
-    top_k: Optional[int] = 50,
-    top_p: float = 1.0,
-    precision: Optional[str] = None,
-    prompt_style: Optional[str] = None,
-    seed: int = 1234,
-    compile: Union[bool, str] = "auto",
-    accelerator: str = "auto",
-    quantize: Optional[str] = None,
-) -> None:
-    """Generate `num_samples` continuations of a prompt."""
-    fabric = generation_fabric(accelerator, precision, quantize)
-    args = GenerationArgs(
-        prompt=prompt, checkpoint_dir=checkpoint_dir, num_samples=num_samples, max_new_tokens=max_new_tokens,
-        temperature=temperature, top_k=top_k, top_p=top_p, prompt_style=prompt_style, seed=seed, compile=compile,
-        quantize=quantize,
-    )
-    main(fabric, args)
+from lit_gpt.utils import run_cli
 
 
 def main(fabric: L.Fabric, args: GenerationArgs) -> None:
@@ -68,6 +39,8 @@ def main(fabric: L.Fabric, args: GenerationArgs) -> None:
         print_sample(fabric, request, results[-1], i, steps, runtime)
     report(fabric, runtime, results)
 
+
+setup = generate_command("Generate `num_samples` continuations of a prompt.", main)
 
 if __name__ == "__main__":
     run_cli(setup)

@@ -9,64 +9,30 @@ checkpoint folder: `generate/base.py --checkpoint_dir out/full/alpaca/final` run
 """
 
 from pathlib import Path
-from typing import Optional, Union
 
 import lightning as L
 
 from lit_gpt.peft import load_full_finetuned
-from lit_gpt.recipes.generate import (
-    FLAG_HELP, GenerationArgs, check_file, check_request, flag_help, generate_sample, generation_fabric,
-    generation_steps, loading, prepare_for_device, print_sample, quantize_weights, report,
-)
-from lit_gpt.runtime import Runtime
-from lit_gpt.utils import DEFAULT_CHECKPOINT_DIR, run_cli
+from lit_gpt.recipes.flags import Flag
+from lit_gpt.recipes.generate import GenerationArgs, check_file, generate_command, run
+from lit_gpt.utils import run_cli
+
+CHECKPOINT_PATH = Flag("checkpoint_path", Path, Path("out/full/alpaca/final/lit_model.safetensors"),
+                       "The finetuned weights written by finetune/full.py (lit_model.safetensors).")
 
 
-@flag_help(FLAG_HELP, checkpoint_path="The finetuned weights written by finetune/full.py (lit_model.safetensors).")
-def setup(
-    prompt: str = "What food do llamas eat?",
-    checkpoint_dir: Path = DEFAULT_CHECKPOINT_DIR,
-    checkpoint_path: Path = Path("out/full/alpaca/final/lit_model.safetensors"),
-    num_samples: int = 1,
-    max_new_tokens: int = 100,
-    temperature: float = 0.8,
-    top_k: Optional[int] = 50,
-    top_p: float = 1.0,
-    precision: Optional[str] = None,
-    prompt_style: Optional[str] = None,
-    seed: int = 1234,
-    compile: Union[bool, str] = "auto",
-    accelerator: str = "auto",
-    quantize: Optional[str] = None,
-) -> None:
-    """Generate `num_samples` continuations of a prompt with the fully finetuned model."""
-    fabric = generation_fabric(accelerator, precision, quantize)
-    args = GenerationArgs(
-        prompt=prompt, checkpoint_dir=checkpoint_dir, finetuned_path=checkpoint_path, num_samples=num_samples,
-        max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, prompt_style=prompt_style,
-        seed=seed, compile=compile, quantize=quantize,
-    )
-    main(fabric, args)
+def load(args: GenerationArgs):
+    # the base checkpoint's architecture (lit_config.json) with every weight from the finetuned file
+    return load_full_finetuned(args.checkpoint_dir, args.finetuned_path)
 
 
 def main(fabric: L.Fabric, args: GenerationArgs) -> None:
-    steps = generation_steps(args, fabric.device.type)  # --compile: the loop's two steps, eager or compiled
-    request = check_request(args)  # every input checked and the prompt encoded, before any weights are read
     check_file(args.finetuned_path, "--checkpoint_path", "finetune/full.py")
+    run(fabric, args, load)  # generate/base.py's steps, with this load
 
-    with loading(fabric, args.finetuned_path):
-        model = load_full_finetuned(args.checkpoint_dir, args.finetuned_path)
-        model = quantize_weights(fabric, model, args.quantize)
-        model = prepare_for_device(fabric, model, steps)
 
-    runtime = Runtime(fabric)
-    runtime.seed(args.seed)
-    results = []
-    for i in range(args.num_samples):
-        results.append(generate_sample(model, request, runtime, steps))
-        print_sample(fabric, request, results[-1], i, steps, runtime)
-    report(fabric, runtime, results)
-
+setup = generate_command("Generate `num_samples` continuations of a prompt with the fully finetuned model.", main,
+                         own=[CHECKPOINT_PATH])
 
 if __name__ == "__main__":
     run_cli(setup)

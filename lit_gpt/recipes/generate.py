@@ -36,9 +36,10 @@ from lit_gpt.cpu_layout import prepare_for_generation
 from lit_gpt.generate import GenerationResult, check_lengths, compile_steps, timed_generate, unwrap
 from lit_gpt.loading import check_model_dir
 from lit_gpt.quantize import check_quantize, loader
+from lit_gpt.recipes.flags import Flag, command
 from lit_gpt.runtime import Runtime, param_dtype, resolve_accelerator
 from lit_gpt.sampling import check_sampling_args
-from lit_gpt.utils import LitError
+from lit_gpt.utils import DEFAULT_CHECKPOINT_DIR, LitError
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -291,3 +292,78 @@ def report(fabric: Any, runtime: Runtime, results: Sequence[GenerationResult]) -
     elif fabric.device.type == "cpu":
         peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
         fabric.print(f"Memory used: {peak_rss / 1e9:.02f} GB (peak RSS, includes the mapped weights)", file=sys.stderr)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The recipes' `setup` and the method recipes' `main`, written once
+# ---------------------------------------------------------------------------------------------------------------
+def _flag(name: str, annotation: Any, default: Any, help_texts: Mapping[str, str] = FLAG_HELP) -> Flag:
+    return Flag(name, annotation, default, help_texts[name])
+
+
+GENERATE: List[Flag] = [
+    _flag("prompt", str, "What food do llamas eat?"),
+    _flag("checkpoint_dir", Path, DEFAULT_CHECKPOINT_DIR),
+    _flag("num_samples", int, 1),
+    _flag("max_new_tokens", int, 100),
+    _flag("temperature", float, 0.8),
+    _flag("top_k", Optional[int], 50),
+    _flag("top_p", float, 1.0),
+    _flag("precision", Optional[str], None),
+    _flag("prompt_style", Optional[str], None),
+    _flag("seed", int, 1234),
+    _flag("compile", Union[bool, str], "auto"),
+    _flag("accelerator", str, "auto"),
+    _flag("quantize", Optional[str], None),
+]
+"""The flags of every generate recipe on the CPU/GPU (generate/*.py); a method recipe adds its weights file."""
+
+XLA_GENERATE: List[Flag] = [
+    *[_flag(f.name, f.annotation, f.default, XLA_FLAG_HELP) for f in GENERATE[:10]],
+    _flag("devices", Union[int, str], "auto", XLA_FLAG_HELP),
+    _flag("compile_cache_dir", Optional[Path], None, XLA_FLAG_HELP),
+    _flag("accelerator", str, "auto", XLA_FLAG_HELP),
+]
+"""The flags of every generate recipe on XLA devices (xla/generate/*.py)."""
+
+
+def with_weights_flag(flags: Sequence[Flag], own: Sequence[Flag]) -> List[Flag]:
+    """A method recipe's weights file flag goes after --checkpoint_dir (the base model it belongs to)."""
+    return [*flags[:2], *own, *flags[2:]]
+
+
+def generation_args(flags: Mapping[str, Any], finetuned: Optional[str] = None) -> GenerationArgs:
+    """The typed object that `main` receives, from the flag values (`finetuned`: the name of the method's
+    weights flag)."""
+    names = [f for f in GenerationArgs.__dataclass_fields__ if f not in ("finetuned_path",) and f in flags]
+    return GenerationArgs(finetuned_path=flags[finetuned] if finetuned else None, **{n: flags[n] for n in names})
+
+
+def generate_command(summary: str, main: Callable[[Any, GenerationArgs], None], own: Sequence[Flag] = ()
+                     ) -> Callable[..., None]:
+    """The `setup` of a CPU/GPU generate recipe: the shared flags (`GENERATE`) plus the method's weights flag, a
+    one-device Fabric (checked against --quantize before any weights are read), then `main(fabric, args)`."""
+
+    def setup(**flags: Any) -> None:
+        fabric = generation_fabric(flags["accelerator"], flags["precision"], flags["quantize"])
+        main(fabric, generation_args(flags, own[0].name if own else None))
+
+    return command(summary, with_weights_flag(GENERATE, own), setup)
+
+
+def run(fabric: Any, args: GenerationArgs, load: Callable[[GenerationArgs], torch.nn.Module],
+        runtime: Optional[Runtime] = None, steps: Optional[Steps] = None) -> List[GenerationResult]:
+    """generate/base.py's steps with another `load(args)` (the method recipes: base model plus finetuned weights;
+    XLA: staged onto the devices, with `XLARuntime` and the eager steps that XLA traces)."""
+    steps = steps or generation_steps(args, fabric.device.type)
+    request = check_request(args)
+    with loading(fabric, args.finetuned_path or args.checkpoint_dir):
+        model = prepare_for_device(fabric, quantize_weights(fabric, load(args), args.quantize), steps)
+    runtime = runtime or Runtime(fabric)
+    runtime.seed(args.seed)
+    results = []
+    for i in range(args.num_samples):
+        results.append(generate_sample(model, request, runtime, steps))
+        print_sample(fabric, request, results[-1], i, steps, runtime)
+    report(fabric, runtime, results)
+    return results

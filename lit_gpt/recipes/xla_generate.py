@@ -13,7 +13,7 @@ torch_xla is imported when a function here runs, not with the module (so `--help
 """
 
 from pathlib import Path
-from typing import Any, Optional, Type
+from typing import Any, Callable, Optional, Sequence, Type
 
 from lit_gpt.config import Config, load_config
 from lit_gpt.loading import check_model_dir
@@ -55,3 +55,27 @@ def load_variant_staged(
     if isinstance(model, LoRAGPT):
         merge_lora_weights(model)
     return model
+
+
+def xla_generate_command(summary: str, main: Callable[[Any, Any], None], own: Sequence[Any] = (),
+                         writer: str = "") -> Callable[..., None]:
+    """The `setup` of an XLA generate recipe: the shared flags (`lit_gpt.recipes.generate.XLA_GENERATE`) plus the
+    method's weights flag; the request (and the weights file, written by `writer`) checked before the XLA runtime
+    starts, then a Fabric over every PJRT device that launches `main(fabric, args)`."""
+    from lit_gpt.recipes.flags import command
+    from lit_gpt.recipes.generate import XLA_GENERATE, check_file, check_request, generation_args, with_weights_flag
+
+    def setup(**flags: Any) -> None:
+        from lit_gpt.xla import make_fabric
+        from lit_gpt.xla.accelerator import select_pjrt_device
+
+        args = generation_args(flags, own[0].name if own else None)
+        check_request(args)  # before the XLA runtime starts: bad input fails fast
+        if own:
+            check_file(args.finetuned_path, f"--{own[0].name}", writer)
+        select_pjrt_device(flags["accelerator"])
+        fabric = make_fabric(flags["devices"], default_precision(flags["precision"]),
+                             compile_cache_dir=flags["compile_cache_dir"])
+        fabric.launch(main, args)
+
+    return command(summary, with_weights_flag(XLA_GENERATE, own), setup)

@@ -12,46 +12,12 @@ is padded to a power-of-two bucket, so XLA compiles two graphs (prefill, decode 
 and the number of compilations.
 """
 
-from pathlib import Path
-from typing import Optional, Union
-
 from lit_gpt.generate import compile_steps
 from lit_gpt.recipes.generate import (
-    XLA_FLAG_HELP, GenerationArgs, check_request, flag_help, generate_sample, loading, prepare_for_device,
-    print_sample, report,
+    GenerationArgs, check_request, generate_sample, loading, prepare_for_device, print_sample, report,
 )
-from lit_gpt.recipes.xla_generate import default_precision, load_base_staged
-from lit_gpt.utils import DEFAULT_CHECKPOINT_DIR, run_cli
-
-
-@flag_help(XLA_FLAG_HELP)
-def setup(
-    prompt: str = "What food do llamas eat?",
-    checkpoint_dir: Path = DEFAULT_CHECKPOINT_DIR,
-    num_samples: int = 1,
-    max_new_tokens: int = 100,
-    temperature: float = 0.8,
-    top_k: Optional[int] = 50,
-    top_p: float = 1.0,
-    precision: Optional[str] = None,
-    prompt_style: Optional[str] = None,
-    seed: int = 1234,
-    devices: Union[int, str] = "auto",
-    compile_cache_dir: Optional[Path] = None,
-    accelerator: str = "auto",
-) -> None:
-    """Generate `num_samples` continuations of a prompt on XLA devices."""
-    from lit_gpt.xla import make_fabric
-    from lit_gpt.xla.accelerator import select_pjrt_device
-
-    args = GenerationArgs(
-        prompt=prompt, checkpoint_dir=checkpoint_dir, num_samples=num_samples, max_new_tokens=max_new_tokens,
-        temperature=temperature, top_k=top_k, top_p=top_p, prompt_style=prompt_style, seed=seed,
-    )
-    check_request(args)  # before the XLA runtime starts: bad input fails fast
-    select_pjrt_device(accelerator)
-    fabric = make_fabric(devices, default_precision(precision), compile_cache_dir=compile_cache_dir)
-    fabric.launch(main, args)
+from lit_gpt.recipes.xla_generate import load_base_staged, xla_generate_command
+from lit_gpt.utils import run_cli
 
 
 def main(fabric, args: GenerationArgs) -> None:
@@ -72,6 +38,8 @@ def main(fabric, args: GenerationArgs) -> None:
         print_sample(fabric, request, results[-1], i, steps, runtime)
     report(fabric, runtime, results)
 
+
+setup = xla_generate_command("Generate `num_samples` continuations of a prompt on XLA devices.", main)
 
 if __name__ == "__main__":
     run_cli(setup)
