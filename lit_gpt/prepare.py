@@ -9,13 +9,13 @@ Steps of every script: get the file (`--data_file`, or download it), read its re
 tokenize, split and write them (`lit_gpt.data.prepare`).
 """
 
-import inspect
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Literal, Optional, Tuple
 
 from lit_gpt import data
+from lit_gpt.cli import Flag, command
 from lit_gpt.records import (
     conversation_rows,
     download,
@@ -103,14 +103,6 @@ DATASETS: Dict[str, Dataset] = {
 # ---------------------------------------------------------------------------------------------------------------
 # The flags of a dataset's script
 # ---------------------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Flag:
-    name: str
-    annotation: Any
-    default: Any
-    doc: str
-
-
 def flags(dataset: Dataset) -> List[Flag]:
     """The flags of the script of `dataset`, in `--help` order."""
     cached = " (the download is cached there too)" if dataset.downloads else ""
@@ -163,26 +155,8 @@ def make_prepare(name: str) -> Callable[..., None]:
     `flags(DATASETS[name])`: `--help` lists every flag with its default and text, and a call checks its arguments
     as a written-out signature would (`prepare(data_file=..., seed=1)`; unknown names raise TypeError)."""
     dataset = DATASETS[name]
-    spec = flags(dataset)
-    signature = inspect.Signature(
-        [inspect.Parameter(f.name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=f.default, annotation=f.annotation)
-         for f in spec],
-        return_annotation=None,
-    )
-
-    def prepare(*args: Any, **kwargs: Any) -> None:
-        bound = signature.bind(*args, **kwargs)
-        bound.apply_defaults()
-        _prepare(dataset, **bound.arguments)
-
-    prepare.__signature__ = signature
-    prepare.__annotations__ = {**{f.name: f.annotation for f in spec}, "return": None}
-    prepare.__doc__ = "\n".join(
-        [f"Tokenize {dataset.title} with the checkpoint's tokenizer.", "", "Args:"]
-        + [f"    {f.name}: {f.doc}" for f in spec]
-    )
-    prepare.__qualname__ = prepare.__name__ = "prepare"
-    return prepare
+    return command(f"Tokenize {dataset.title} with the checkpoint's tokenizer.", flags(dataset),
+                   lambda **values: _prepare(dataset, **values), name="prepare", returns=None)
 
 
 def prepare_dataset(name: str, **flag_values: Any) -> None:

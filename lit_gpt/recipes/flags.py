@@ -8,60 +8,14 @@ TypeError). What a recipe may set differently is only a default (`with_defaults`
 rate), and tests/test_recipe_signatures.py names each difference.
 """
 
-import inspect
-from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Literal, Optional, Sequence, Union
+from typing import Any, Dict, List, Literal, Optional, Sequence, Union
 
 from lit_gpt.args import DataArgs, EvalArgs, TrainArgs
+from lit_gpt.cli import Flag, command, with_defaults  # noqa: F401  (the recipes import them from here)
 from lit_gpt.utils import DEFAULT_CHECKPOINT_DIR
 
 Precision = Literal["32-true", "bf16-true", "bf16-mixed", "16-true", "16-mixed"]
-
-
-@dataclass(frozen=True)
-class Flag:
-    name: str
-    annotation: Any
-    default: Any
-    doc: str
-
-
-def with_defaults(flags: Sequence[Flag], **defaults: Any) -> List[Flag]:
-    """`flags` with other defaults for the named ones (a name the list lacks is an error: no silent new flag)."""
-    names = {f.name for f in flags}
-    unknown = sorted(set(defaults) - names)
-    if unknown:
-        raise TypeError(f"no such flag: {', '.join(unknown)}")
-    return [replace(f, default=defaults[f.name]) if f.name in defaults else f for f in flags]
-
-
-def command(summary: str, flags: Sequence[Flag], body: Callable[..., Any]) -> Callable[..., Any]:
-    """A function `setup(**flags)` with `flags` as its signature and its docstring's Args, that calls
-    `body(**every flag's value)`."""
-    names = [f.name for f in flags]
-    if len(set(names)) != len(names):
-        raise TypeError(f"duplicate flags: {sorted(n for n in set(names) if names.count(n) > 1)}")
-    signature = inspect.Signature(
-        [inspect.Parameter(f.name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=f.default, annotation=f.annotation)
-         for f in flags],
-        return_annotation=dict,
-    )
-
-    def setup(*args: Any, **kwargs: Any) -> Any:
-        bound = signature.bind(*args, **kwargs)
-        bound.apply_defaults()
-        return body(**bound.arguments)
-
-    setup.__signature__ = signature  # type: ignore[attr-defined]
-    setup.__annotations__ = {**{f.name: f.annotation for f in flags}, "return": dict}
-    setup.__doc__ = "\n".join([summary, "", "Args:"] + [f"    {f.name}: {_indent(f.doc)}" for f in flags])
-    setup.__name__ = setup.__qualname__ = "setup"
-    return setup
-
-
-def _indent(doc: str) -> str:
-    return doc.replace("\n", "\n        ")
 
 
 def values(flags: Dict[str, Any], group: Sequence[Flag]) -> Dict[str, Any]:
