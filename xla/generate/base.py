@@ -13,9 +13,7 @@ and the number of compilations.
 """
 
 from lit_gpt.generate import compile_steps
-from lit_gpt.recipes.generate import (
-    GenerationArgs, check_request, generate_sample, loading, prepare_for_device, print_sample, report,
-)
+from lit_gpt.recipes.generate import GenerationArgs, run
 from lit_gpt.recipes.xla_generate import load_base_staged, xla_generate_command
 from lit_gpt.utils import run_cli
 
@@ -23,20 +21,11 @@ from lit_gpt.utils import run_cli
 def main(fabric, args: GenerationArgs) -> None:
     from lit_gpt.xla.runtime import XLARuntime
 
-    steps = compile_steps(None)  # eager steps: XLA traces and compiles the loop's graphs itself
-    request = check_request(args)
-
-    with loading(fabric, args.checkpoint_dir):
-        model = load_base_staged(fabric, args.checkpoint_dir)  # block by block onto the devices, sharded
-        model = prepare_for_device(fabric, model, steps)
-
-    runtime = XLARuntime(fabric)  # host-side prompt buckets, replicated caches, a graph cut per step
-    runtime.seed(args.seed)
-    results = []
-    for i in range(args.num_samples):
-        results.append(generate_sample(model, request, runtime, steps))
-        print_sample(fabric, request, results[-1], i, steps, runtime)
-    report(fabric, runtime, results)
+    # generate/base.py's steps (lit_gpt.recipes.generate.run) with XLA's parts: the weights loaded block by block
+    # onto the devices, sharded; eager steps that XLA traces and compiles itself; XLA's runtime (host-side prompt
+    # buckets, replicated caches, a graph cut per step)
+    run(fabric, args, lambda args: load_base_staged(fabric, args.checkpoint_dir), runtime=XLARuntime(fabric),
+        steps=compile_steps(None))
 
 
 setup = xla_generate_command("Generate `num_samples` continuations of a prompt on XLA devices.", main)
