@@ -15,7 +15,7 @@ import lightning as L
 from lit_gpt import adapter_v2
 from lit_gpt.peft import load_variant_model
 from lit_gpt.recipes.flags import Flag
-from lit_gpt.recipes.generate import GenerationArgs, check_file, generate_command, run
+from lit_gpt.recipes.generate import GenerationArgs, generate_command, run
 from lit_gpt.utils import run_cli
 
 ADAPTER_PATH = Flag("adapter_path", Path, Path("out/adapter_v2/alpaca/final/lit_model.adapter_v2.safetensors"),
@@ -27,8 +27,7 @@ def load(args: GenerationArgs) -> adapter_v2.GPT:
 
 
 def main(fabric: L.Fabric, args: GenerationArgs) -> None:
-    check_file(args.finetuned_path, "--adapter_path", "finetune/adapter_v2.py")
-    run(fabric, args, load)  # generate/base.py's steps, with this load
+    run(fabric, args, load, weights=("--adapter_path", "finetune/adapter_v2.py"))  # generate/base.py's steps, with this load
 
 
 setup = generate_command(

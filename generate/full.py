@@ -14,7 +14,7 @@ import lightning as L
 
 from lit_gpt.peft import load_full_finetuned
 from lit_gpt.recipes.flags import Flag
-from lit_gpt.recipes.generate import GenerationArgs, check_file, generate_command, run
+from lit_gpt.recipes.generate import GenerationArgs, generate_command, run
 from lit_gpt.utils import run_cli
 
 CHECKPOINT_PATH = Flag("checkpoint_path", Path, Path("out/full/alpaca/final/lit_model.safetensors"),
@@ -27,8 +27,7 @@ def load(args: GenerationArgs):
 
 
 def main(fabric: L.Fabric, args: GenerationArgs) -> None:
-    check_file(args.finetuned_path, "--checkpoint_path", "finetune/full.py")
-    run(fabric, args, load)  # generate/base.py's steps, with this load
+    run(fabric, args, load, weights=("--checkpoint_path", "finetune/full.py"))  # generate/base.py's steps, with this load
 
 
 setup = generate_command("Generate `num_samples` continuations of a prompt with the fully finetuned model.", main,

@@ -15,7 +15,7 @@ import lightning as L
 from lit_gpt import lora
 from lit_gpt.peft import load_variant_model
 from lit_gpt.recipes.flags import Flag
-from lit_gpt.recipes.generate import GenerationArgs, check_file, generate_command, run
+from lit_gpt.recipes.generate import GenerationArgs, generate_command, run
 from lit_gpt.utils import run_cli
 
 LORA_PATH = Flag("lora_path", Path, Path("out/lora/alpaca/final/lit_model.lora.safetensors"),
@@ -29,8 +29,7 @@ def load(args: GenerationArgs) -> lora.GPT:
 
 
 def main(fabric: L.Fabric, args: GenerationArgs) -> None:
-    check_file(args.finetuned_path, "--lora_path", "finetune/lora.py")
-    run(fabric, args, load)  # generate/base.py's steps, with this load
+    run(fabric, args, load, weights=("--lora_path", "finetune/lora.py"))  # generate/base.py's steps, with this load
 
 
 setup = generate_command("Generate `num_samples` continuations of a prompt with the LoRA-finetuned model.", main,

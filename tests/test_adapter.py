@@ -108,7 +108,9 @@ def test_loading_the_wrong_kind_of_file_is_a_clear_error(tmp_path):
     assert "\n" not in str(e.value)
     # a whole model, in either format, is not a finetuned-weights file
     save_weights(base.state_dict(), tmp_path / "base_new")
-    for whole in (tmp_path / "base" / "lit_model.pth", tmp_path / "base_new" / "lit_model.safetensors"):
+    (tmp_path / "base_old").mkdir()
+    torch.save(base.state_dict(), tmp_path / "base_old" / "lit_model.pth")  # an earlier version's format
+    for whole in (tmp_path / "base_old" / "lit_model.pth", tmp_path / "base_new" / "lit_model.safetensors"):
         with pytest.raises(LitError, match="not a finetuned-weights file"):
             load_variant_model(adapter_v2.GPT, adapter_v2.Config, tmp_path / "base", whole)
     for missing in (tmp_path / "missing.pth", tmp_path / "missing" / "lit_model.adapter.safetensors"):

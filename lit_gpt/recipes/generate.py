@@ -26,7 +26,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, List, Mapping, NamedTuple, Optional, Sequence, TypeVar, Union
+from typing import Any, Callable, Iterator, List, Mapping, NamedTuple, Optional, Sequence, Tuple, TypeVar, Union
 
 import torch
 
@@ -352,11 +352,16 @@ def generate_command(summary: str, main: Callable[[Any, GenerationArgs], None], 
 
 
 def run(fabric: Any, args: GenerationArgs, load: Callable[[GenerationArgs], torch.nn.Module],
-        runtime: Optional[Runtime] = None, steps: Optional[Steps] = None) -> List[GenerationResult]:
+        weights: Optional[Tuple[str, str]] = None, runtime: Optional[Runtime] = None, steps: Optional[Steps] = None
+        ) -> List[GenerationResult]:
     """generate/base.py's steps with another `load(args)` (the method recipes: base model plus finetuned weights;
-    XLA: staged onto the devices, with `XLARuntime` and the eager steps that XLA traces)."""
+    XLA: staged onto the devices, with `XLARuntime` and the eager steps that XLA traces). `weights`: (the method's
+    weights flag, the recipe that writes the file), checked after the request (whose folder check names the right
+    recipe for a folder of another method's weights) and before anything is loaded."""
     steps = steps or generation_steps(args, fabric.device.type)
     request = check_request(args)
+    if weights is not None:
+        check_file(args.finetuned_path, *weights)
     with loading(fabric, args.finetuned_path or args.checkpoint_dir):
         model = prepare_for_device(fabric, quantize_weights(fabric, load(args), args.quantize), steps)
     runtime = runtime or Runtime(fabric)

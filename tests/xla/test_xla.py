@@ -189,6 +189,7 @@ def test_reshard_8_to_4_and_resume(xla_workers):
 
 def test_killed_save_leaves_previous_checkpoint_and_no_valid_partial(xla_workers):
     import lit_gpt.xla.checkpoint as ck
+    from lit_gpt.xla.consolidation import consolidate
 
     rc = xla_workers.wait("extra8")
     assert rc == -9, xla_workers.log("extra8")
@@ -201,9 +202,9 @@ def test_killed_save_leaves_previous_checkpoint_and_no_valid_partial(xla_workers
     with pytest.raises(LitError, match="incomplete checkpoint"):
         ck.check_complete(partial[0])
     with pytest.raises(LitError, match="incomplete checkpoint"):
-        ck.consolidate(partial[0], xla_workers.out / "never")
+        consolidate(partial[0], xla_workers.out / "never")
     # the previous checkpoint is intact
-    out = ck.consolidate(first, xla_workers.out / "kill", progress=False)
+    out = consolidate(first, xla_workers.out / "kill", progress=False)
     reference = torch.load(xla_workers.out / "kill_reference.pt", weights_only=True)["model"]
     state = load_weights(out)
     assert all(torch.equal(state[k], v) for k, v in reference.items())
