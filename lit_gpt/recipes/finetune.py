@@ -330,7 +330,8 @@ def _load_into_sharded(module: nn.Module, state: Dict[str, torch.Tensor], strict
     `set_model_state_dict`; the state is memory-mapped or shared, not copied per rank)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-    inner = getattr(module, "module", module)  # Fabric's wrapper around the FSDP module
+    # the FSDP root inside Fabric's wrapper (its `.module` is the unwrapped model, which is not the FSDP root)
+    inner = getattr(module, "_forward_module", module)
     set_model_state_dict(inner, state, options=StateDictOptions(full_state_dict=True, strict=strict))
 
 
