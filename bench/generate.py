@@ -359,7 +359,7 @@ def setup(
     contenders: Dict[str, Callable[[], Run]] = {"ours": lambda: ours_run(compile_steps(None))}
     unquantized: Dict[str, str] = {}  # quantized contender -> our unquantized one in the same mode
     for m in modes:
-        steps = compile_steps(m, compile_prefill=device == "cuda")  # as generate_samples compiles them
+        steps = compile_steps(m, compile_prefill=device == "cuda")  # as the generate recipes compile them (lit_gpt.recipes.generate.generation_steps)
         name = "ours_compiled" if m == "default" else f"ours_compiled_{m}"
         contenders[name] = lambda steps=steps: ours_run(steps)
     for q, qmodel in qmodels.items():

@@ -12,7 +12,7 @@ write them:
 `generate/{adapter,adapter_v2,lora}.py` and `scripts/merge_lora.py` read them with `load_finetuned`, which also
 reads the single `torch.save` pickle that earlier versions wrote (`lit_model.pth.<method>`:
 `{"method", "config", "model"}`), weights-only. The training loop picks what it saves with `finetuned_filter` and
-records `finetuned_metadata` with it; its final export goes through `export_finetuned`.
+records `finetuned_metadata` with it; its final export writes the same two files (`lit_gpt.export`).
 """
 
 import re

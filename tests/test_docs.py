@@ -156,9 +156,11 @@ CLIENT = '''\
 import os, sys
 argv = sys.argv[1:]
 if argv and (argv[0].endswith(".py") or (argv[0] == "-c" and len(argv) > 1)):
-    sys.path.insert(0, {tests!r})
-    from fork_server import request
-    sys.exit(request({socket!r}, argv, os.getcwd(), os.environ, (0, 1, 2)))
+    import importlib.util  # tests/fork_server.py by its path (the tests folder is not a package)
+    spec = importlib.util.spec_from_file_location("fork_server", os.path.join({tests!r}, "fork_server.py"))
+    fork_server = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fork_server)
+    sys.exit(fork_server.request({socket!r}, argv, os.getcwd(), os.environ, (0, 1, 2)))
 os.execv({python!r}, [{python!r}, *argv])
 '''
 

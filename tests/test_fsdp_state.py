@@ -12,8 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 SCRIPT = r"""
 import os, sys, torch, torch.distributed as dist
-sys.path.insert(0, sys.argv[1])
-os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2])
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
 dist.init_process_group("gloo", rank=0, world_size=1)
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
@@ -50,11 +49,15 @@ dist.destroy_process_group()
 
 
 def test_fsdp_full_state_dict_and_sharded_load_round_trip(tmp_path):
+    import os
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(ROOT / "tests"), str(port)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
+    # tests/ on PYTHONPATH: the script imports the tests' tiny-model helper (tests/tiny.py)
+    path = [str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in path if p)}
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(port)], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]

@@ -26,7 +26,7 @@ from lit_gpt.runtime import FINAL_DIR, STEP_DIR, param_dtype, resolve_accelerato
 from lit_gpt.storage import location, log_folder
 from lit_gpt import training
 from lit_gpt.model import Block
-from lit_gpt.recipes.flags import FINETUNE, Flag, Precision, command, finetune_flags, values  # noqa: F401
+from lit_gpt.recipes.flags import FINETUNE, Flag, command, finetune_flags, values
 from lit_gpt.runtime import Runtime
 from lit_gpt.training import Method, RunData, uses_fsdp
 from lit_gpt.utils import LitError, cast_floating, load_error_detail, num_parameters
