@@ -98,7 +98,7 @@ class DataArgs:
     """Where the prepared data lives (written by `scripts/prepare_*.py`) and how it is batched."""
 
     data_dir: Path = Path("data/alpaca")
-    """Directory with train.pt, val.pt and meta.json."""
+    """Directory with train.pt, val.pt and meta.json: a local folder (a bucket URL is refused; copy it here first)."""
     shuffle: bool = True
     """Reshuffle the training set every epoch (deterministically from --train.seed)."""
     pad_multiple: int = 1

@@ -1,10 +1,16 @@
 """Command lines built from a list of flags: the scripts whose flags are shared (the recipes of a kind, the prepare
 scripts) declare each flag once, as a `Flag`, and `command` builds the entry function whose signature and docstring
-jsonargparse reads (`run_cli(command(...))`). A call checks its arguments as a written-out signature would."""
+jsonargparse reads (`run_cli(command(...))`). A call checks its arguments as a written-out signature would.
+
+A flag that takes fsspec URLs says so, and whether it is read or written: `Flag("out_dir", str, "out", doc,
+url="output")`; every other path flag takes local paths only (`lit_gpt.storage.check_path_flags`, run by `run_cli`).
+"""
 
 import inspect
 from dataclasses import dataclass, replace
-from typing import Any, Callable, List, Sequence
+from typing import Any, Callable, List, Literal, Optional, Sequence
+
+from lit_gpt.storage import PathFlags
 
 
 @dataclass(frozen=True)
@@ -13,6 +19,9 @@ class Flag:
     annotation: Any
     default: Any
     doc: str
+    url: Optional[Literal["input", "output"]] = None
+    """"input" / "output": the flag takes fsspec URLs (gs://, s3://, file://, memory://), read / written; None: a
+    local path only (or not a path)."""
 
 
 def with_defaults(flags: Sequence[Flag], **defaults: Any) -> List[Flag]:
@@ -46,6 +55,7 @@ def command(summary: str, flags: Sequence[Flag], body: Callable[..., Any], name:
     setup.__annotations__ = {**{f.name: f.annotation for f in flags}, "return": returns}
     setup.__doc__ = "\n".join([summary, "", "Args:"] + [f"    {f.name}: {_indent(f.doc)}" for f in flags])
     setup.__name__ = setup.__qualname__ = name
+    setup.path_flags = PathFlags({f.name: f.url for f in flags if f.url})  # type: ignore[attr-defined]
     return setup
 
 

@@ -1,40 +1,60 @@
 """Small shared helpers: user-facing errors, checkpoint I/O, parameter counts, losses."""
 
 import functools
+import inspect
 import os
 import re
 import shutil
 import sys
 from pathlib import Path
-from typing import Any, Callable, Dict, Mapping, Optional, Union
+from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
 
+from lit_gpt.errors import LitError  # noqa: F401  (defined there so that every layer can raise it)
+
 DEFAULT_CHECKPOINT_DIR = Path("checkpoints/HuggingFaceTB/SmolLM2-135M-Instruct")
 
 
-class LitError(Exception):
-    """An error caused by the user's input or environment. CLIs print its message on one line and exit 1."""
+class Interrupted(LitError):
+    """The run was stopped by a signal (SIGINT: exit code 130, SIGTERM: 143). Its message is the whole line the CLI
+    prints (no `error:` before it; "interrupted" when empty): it names the signal and what is safe (the last complete
+    step, the command that resumes it). The CLI exits with `exit_code`."""
+
+    prefix = ""
+
+    def __init__(self, message: str = "", exit_code: int = 130) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 def cli(fn: Callable) -> Callable:
-    """Wrap a recipe's entry point: a `LitError` becomes one `error: ...` line on stderr and exit code 1."""
+    """Wrap a recipe's entry point: a `LitError` becomes one `error: ...` line on stderr and exit code 1 (or the
+    error's `exit_code` and `prefix`: `Interrupted`); a bare Ctrl-C (KeyboardInterrupt) becomes `interrupted` and
+    exit code 130, without a traceback."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
         except LitError as e:
-            print(f"error: {e}", file=sys.stderr, flush=True)
-            sys.exit(1)
+            prefix, text = getattr(e, "prefix", "error"), str(e)
+            print(f"{prefix}: {text}" if prefix and text else (text or prefix or "interrupted"), file=sys.stderr,
+                  flush=True)
+            sys.exit(getattr(e, "exit_code", 1))
+        except KeyboardInterrupt:
+            print("interrupted", file=sys.stderr, flush=True)
+            sys.exit(130)
 
     return wrapper
 
 
 def run_cli(fn: Callable, **kwargs: Any) -> Any:
     """`jsonargparse.CLI(fn)` with `LitError`s reported as one line (exit 1). The argument groups' dataclass fields
-    (`--train.*`, `--data.*`, `--eval.*`) show their docstrings in `--help`."""
+    (`--train.*`, `--data.*`, `--eval.*`) show their docstrings in `--help`. Before `fn` runs, every path-like
+    argument goes through the storage layer (`lit_gpt.storage.check_path_flags`): a URL given to a flag that does
+    not take one, or one whose filesystem package is missing, is refused in one line."""
     from jsonargparse import CLI
 
     try:
@@ -45,7 +65,26 @@ def run_cli(fn: Callable, **kwargs: Any) -> Any:
         from jsonargparse import set_docstring_parse_options
 
         set_docstring_parse_options(attribute_docstrings=True)
-    return cli(CLI)(fn, **kwargs)
+    return cli(CLI)(checked_paths(fn, kwargs.get("args")), **kwargs)
+
+
+def checked_paths(fn: Callable, args: Optional[Sequence[str]] = None) -> Callable:
+    """`fn` with its path-like arguments checked by the storage layer before it runs (`args`: the command line,
+    default sys.argv[1:], where a URL is read back as typed: a `Path` flag turns "gs://b" into "gs:/b")."""
+    if not inspect.isfunction(fn):
+        return fn  # a class or several functions: jsonargparse's own dispatch
+    from lit_gpt.storage import check_path_flags
+
+    raw = [str(a) for a in (sys.argv[1:] if args is None else args)]
+    signature = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def checked(*a: Any, **kw: Any) -> Any:
+        bound = signature.bind(*a, **kw)
+        bound.arguments.update(check_path_flags(fn, dict(bound.arguments), raw))
+        return fn(*bound.args, **bound.kwargs)
+
+    return checked
 
 
 def error_reason(e: BaseException) -> str:

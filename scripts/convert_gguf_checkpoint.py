@@ -12,10 +12,12 @@ from pathlib import Path
 from typing import Literal, Optional
 
 from lit_gpt.gguf import bundled_smollm2_gguf, convert_gguf
+from lit_gpt.storage import takes_paths
 from lit_gpt.utils import DEFAULT_CHECKPOINT_DIR, LitError, run_cli
 from lit_gpt.weights import find_weights
 
 
+@takes_paths(outputs=["checkpoint_dir"])  # written: a URL is refused with the advice for outputs
 def setup(
     gguf_path: Optional[Path] = None,
     checkpoint_dir: Path = DEFAULT_CHECKPOINT_DIR,

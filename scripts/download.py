@@ -30,6 +30,7 @@ from huggingface_hub.errors import (
 from huggingface_hub.utils import validate_repo_id
 
 from lit_gpt.convert import convert_hf_checkpoint
+from lit_gpt.storage import takes_paths
 from lit_gpt.utils import LitError, run_cli
 
 # Config, tokenizer and chat-template files (whichever of them the repo has).
@@ -49,6 +50,7 @@ OFFLINE_HINT = (
 )
 
 
+@takes_paths(outputs=["checkpoint_dir"])  # written: a URL is refused with the advice for outputs
 def setup(
     repo_id: str,
     access_token: Optional[str] = None,

@@ -25,12 +25,13 @@ badly copied file is named). Weights already in `--output_dir` are replaced only
 import sys
 from typing import Optional, Union
 
-from lit_gpt.storage import location
+from lit_gpt.storage import location, takes_paths
 from lit_gpt.utils import LitError, run_cli
 from lit_gpt.weights import index_name, weights_name
 from lit_gpt.xla.consolidation import SHARD_SIZE, consolidate, output_stem
 
 
+@takes_paths(url_inputs=["checkpoint_dir"], url_outputs=["output_dir"])
 def setup(
     checkpoint_dir: str,
     output_dir: Optional[str] = None,
@@ -52,10 +53,11 @@ def setup(
         output: removed (this wrote one .pth file): pass --output_dir FOLDER instead.
     """
     if output is not None:
+        folder = str(output).rstrip("/").rsplit("/", 1)[0] if "/" in str(output) else "."  # (no filesystem needed)
         raise LitError(
             f"--output is gone: consolidation writes safetensors into a folder now. Pass --output_dir FOLDER (it"
             f" gets lit_model.safetensors, or lit_model.<method>.safetensors and its .json), e.g. --output_dir"
-            f" {str(location(output).parent)!r}"
+            f" {folder!r}"
         )
     # (the default output, inside the checkpoint directory, is this checkpoint's own consolidation: replaced)
     if output_dir is not None and not overwrite and location(output_dir).is_dir():
