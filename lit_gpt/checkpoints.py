@@ -14,6 +14,8 @@ from typing import Any, Callable, Dict, Optional, Union
 
 import torch.nn as nn
 
+from lit_gpt.fingerprint import check_base
+from lit_gpt.manifest import MANIFEST
 from lit_gpt.runtime import Runtime
 from lit_gpt.storage import location
 from lit_gpt.utils import LitError
@@ -68,15 +70,23 @@ def _flatten(d: Dict[str, Any], prefix: str = "") -> Dict[str, Any]:
     return out
 
 
-def check_same_run(saved: Dict[str, Any], current: Dict[str, Any], path: Path) -> None:
+def check_same_run(saved: Dict[str, Any], current: Dict[str, Any], path: Path, allow_other_base: bool = False
+                   ) -> None:
     """A resumed run must compute what the interrupted one would have: refuse when the arguments that decide it
-    differ (only logging, validation and checkpoint intervals may change)."""
+    differ (only logging, validation and checkpoint intervals may change), or when --checkpoint_dir now holds other
+    base weights than the run started from (their fingerprints differ; `allow_other_base` lets it through with one
+    line). The same base found under another path is the same run."""
     a = json.loads(json.dumps(saved, default=str))
     b = json.loads(json.dumps(current, default=str))
+    ignored = set(RESUMABLE_CHANGES) | {"base"}  # runs of earlier versions recorded no base
+    if isinstance(a.get("base"), dict) and isinstance(b.get("base"), dict):
+        check_base(a["base"], b.get("checkpoint_dir"), allow_other_base, f"the run in {str(path)!r}",
+                   actual=b["base"].get("fingerprint"))
+        ignored.add("checkpoint_dir")  # compared by what it holds, not where it is
     fa, fb = _flatten(a), _flatten(b)
     differ = sorted(
         k for k in set(fa) | set(fb)
-        if fa.get(k) != fb.get(k) and not any(k == p or k.startswith(p + ".") for p in RESUMABLE_CHANGES)
+        if fa.get(k) != fb.get(k) and not any(k == p or k.startswith(p + ".") for p in ignored)
     )
     if differ:
         shown = "; ".join(f"{k}: {fa.get(k)!r} -> {fb.get(k)!r}" for k in differ[:3])
@@ -88,8 +98,9 @@ def check_same_run(saved: Dict[str, Any], current: Dict[str, Any], path: Path) -
 
 
 def resume_path(runtime: Runtime, resume: Union[bool, str, Path], out_dir: Path) -> Optional[Path]:
-    """`--resume`: False = start fresh; "auto" = the newest complete checkpoint in out_dir if any; True = the
-    newest one, which must exist; a path = that step checkpoint."""
+    """`--resume`: False = start fresh; "auto" = the newest intact checkpoint in out_dir if any (steps that are
+    incomplete or damaged are skipped, with one line); True = the newest intact one, which must exist; a path = that
+    step checkpoint, which must be whole (checked against its manifest)."""
     if resume is False or resume is None or resume == "false":
         return None
     if resume in (True, "auto", "true"):
@@ -102,17 +113,23 @@ def resume_path(runtime: Runtime, resume: Union[bool, str, Path], out_dir: Path)
         raise LitError(f"--resume {str(path)!r} does not exist")
     if path.is_file():  # the weights file of a step folder
         path = path.parent
-    if not runtime.step_file(path).is_file():
+    if not runtime.step_file(path).is_file() and not (path / MANIFEST).is_file():
         raise LitError(
-            f"--resume {str(path)!r} is not a complete step checkpoint of this recipe (no"
-            f" {runtime.step_file(path).name}): pass an out_dir/step-XXXXXX folder that it wrote"
+            f"--resume {str(path)!r} is not a step checkpoint of this recipe (no {runtime.step_file(path).name}):"
+            " pass an out_dir/step-XXXXXX folder that it wrote"
+        )
+    problem = runtime.step_problem(path)
+    if problem is not None:
+        raise LitError(
+            f"--resume {str(path)!r} is {problem}: resume from an earlier step (--resume auto picks the newest"
+            " intact one)"
         )
     return path
 
 
 def resume_run(
     runtime: Runtime, path: Path, model: nn.Module, optimizer: Any, method: Any, data: Any,
-    run_config: Optional[Dict[str, Any]],
+    run_config: Optional[Dict[str, Any]], allow_other_base: bool = False,
 ) -> Dict[str, Any]:
     """Restore model, optimizer, data position and every generator of every process from a step checkpoint."""
     saved_method = runtime.saved_method(path)
@@ -123,7 +140,7 @@ def resume_run(
         )
     saved_run = Path(path) / RUN_FILE
     if run_config is not None and saved_run.is_file():
-        check_same_run(json.loads(saved_run.read_text()), run_config, path)
+        check_same_run(json.loads(saved_run.read_text()), run_config, path, allow_other_base)
     state: Dict[str, Any] = {"model": model, "optimizer": optimizer, "train_state": None}
     runtime.load_step(path, state)
     train_state = state["train_state"]

@@ -32,6 +32,7 @@ import torch
 import torch.nn as nn
 
 from lit_gpt.config import next_power_of_two
+from lit_gpt.manifest import MANIFEST, StepProblem, newest_intact, step_problem, write_manifest
 from lit_gpt.state import commit_folder, rng_state, set_rng_state
 from lit_gpt.storage import is_url, location, remove, staging_dir, upload
 from lit_gpt.utils import LitError, load_error_detail
@@ -221,6 +222,7 @@ class Runtime:
             fabric.save(tmp / STEP_FILE, state, filter=filter)
             if fabric.global_rank == 0:
                 write_files(tmp)
+                write_manifest(tmp)  # what the step holds (sizes, CRC32s): verified before it is resumed
                 commit_folder(tmp, directory)
         except OSError as e:
             raise write_error(directory, [tmp], e) from e
@@ -235,15 +237,16 @@ class Runtime:
         write_files: Callable[[Path], None],
     ) -> Path:
         # written to a local folder first (every Fabric strategy saves to a local path; FSDP only to one), then
-        # uploaded with the checkpoint file last: in a bucket that file is the commit
+        # uploaded with the manifest last: in a bucket (or a file:// URL, written in place) it is the commit
         fabric = self.fabric
         stage = fabric.broadcast(str(staging_dir()) if fabric.global_rank == 0 else None)
         try:
             fabric.save(Path(stage) / STEP_FILE, state, filter=filter)
             if fabric.global_rank == 0:
                 write_files(Path(stage))
-                remove(directory, first=[STEP_FILE])  # an older version of this step: its checkpoint file first
-                upload(Path(stage), directory, last=[STEP_FILE])
+                write_manifest(Path(stage))
+                remove(directory, first=[MANIFEST])  # an older version of this step: its commit first
+                upload(Path(stage), directory, last=[MANIFEST])
         except OSError as e:
             raise write_error(directory, [], e) from e
         finally:
@@ -291,21 +294,30 @@ class Runtime:
         saved = load_state_dict(self.step_file(directory))
         return saved.get("method") or "full"
 
+    def step_problem(self, directory: Path) -> Optional[StepProblem]:
+        """Why the step folder cannot be resumed (incomplete or damaged, naming the file), or None when it is
+        whole: every file the manifest records is there with its recorded size and CRC32."""
+        return step_problem(directory, self.step_file(directory).name)
+
     def latest_step(self, out_dir: Path) -> Optional[Path]:
-        """The newest complete step checkpoint in `out_dir` (partial ones have another name; in a bucket, a step
-        without its checkpoint file is incomplete)."""
-        best: Optional[Tuple[int, Path]] = None
+        """The newest intact step checkpoint in `out_dir`, verified newest first: a step that is incomplete (its
+        save was cut off) or damaged is skipped with one line naming it and the step resumed from instead."""
         out_dir = location(out_dir)
-        if out_dir.is_dir():
-            for d in out_dir.iterdir():
-                m = STEP_DIR.match(d.name)
-                if m and self.step_file(d).is_file() and (best is None or int(m.group(1)) > best[0]):
-                    best = (int(m.group(1)), d)
-        found = None if best is None else str(best[1])
-        # every process must resume from the same step: rank 0's view decides (all see one out_dir here)
+        found: Any = None
+        if self.fabric.global_rank == 0:  # every process must resume from the same step: rank 0 decides
+            steps = []
+            if out_dir.is_dir():
+                steps = [(int(m.group(1)), d) for d in out_dir.iterdir() if (m := STEP_DIR.match(d.name))]
+            try:
+                chosen = newest_intact(steps, self.step_problem, out_dir)
+                found = ("ok", None if chosen is None else str(chosen))
+            except LitError as e:  # told to every process: none may wait for a step that will not come
+                found = ("error", str(e))
         if self.fabric.world_size > 1:
             found = self.fabric.broadcast(found, src=0)
-        return None if found is None else location(found)
+        if found[0] == "error":
+            raise LitError(found[1])
+        return None if found[1] is None else location(found[1])
 
     def export_final(
         self,
@@ -316,12 +328,14 @@ class Runtime:
         save_filter: Optional[Callable[[str, Any], bool]],
         method_config: Dict[str, Any],
         write_files: Callable[[Path], None],
+        base: Optional[Dict[str, Any]] = None,
     ) -> Path:
         """`final/`: the trained weights of this run's last step, without optimizer state, in the format the
         generate recipes load (`lit_gpt.weights`: `lit_model.safetensors` for full finetuning, else
         `lit_model.METHOD.safetensors` + its JSON). Here the live model is that step's model: its full state dict
         (gathered from the FSDP shards by torch's public `get_model_state_dict`) is written by rank 0, into a
-        temporary folder renamed when complete (in a bucket: uploaded with the weights file last)."""
+        temporary folder renamed when complete (in a bucket: uploaded with the weights file last). `base` records
+        the base model it was trained from (`lit_gpt.fingerprint`)."""
         from lit_gpt.export import export_weights
 
         fabric = self.fabric
@@ -332,7 +346,7 @@ class Runtime:
         path = None
         if fabric.global_rank == 0:
             try:
-                path = export_weights(state, final, method, method_config, write_files)
+                path = export_weights(state, final, method, method_config, write_files, base=base)
             except OSError as e:
                 raise write_error(final, [], e) from e
         fabric.barrier()

@@ -283,6 +283,7 @@ def save_sharded(
     if rank == 0:
         if write_files is not None:
             write_files(tmp)  # inside before the commit: a complete checkpoint always has them
+            marker["checksums"].update(run_file_checksums(tmp))
         _write_json_synced(tmp / MARKER, marker)
         fsync_dir(tmp)
         commit_folder(tmp, path, token)
@@ -349,9 +350,17 @@ def _save_in_bucket(
         marker = _marker(_reader(path).read_metadata(), checksums, described)
         if write_files is not None:
             write_into(path, write_files)
+            marker["checksums"].update(run_file_checksums(path))  # read back: what the bucket holds
         _write_json_synced(path / MARKER, marker)
     _barrier()
     return path
+
+
+def run_file_checksums(folder: Path) -> Dict[str, Dict[str, Any]]:
+    """Checksums of the caller's files in a checkpoint folder (configs, tokenizer, the run's arguments): everything
+    but the shards, the index and the marker, which the marker covers already or is."""
+    return {f.name: file_checksum(f) for f in sorted(folder.iterdir(), key=lambda f: f.name)
+            if f.is_file() and f.name not in (MARKER, ".metadata") and not _RANK_FILE.match(f.name)}
 
 
 def _device_count() -> int:

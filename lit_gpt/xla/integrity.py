@@ -15,12 +15,12 @@ import json
 import re
 import sys
 import warnings
-import zlib
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch.distributed as dist
 
+from lit_gpt.manifest import StepProblem, file_checksum, newest_intact, verify_checksums  # noqa: F401
 from lit_gpt.storage import is_url, location
 from lit_gpt.utils import LitError, error_reason
 
@@ -29,7 +29,7 @@ FORMAT = "lit-gpt-xla-sharded"
 FORMAT_VERSION = 1
 META_KEY = "__lit_meta__"  # host 0's plain values and RNG states; host r > 0 stores its own under META_KEY + "r"
 _RANK_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
-_CHECKSUM_BLOCK = 8 << 20
+_VERIFIED: set = set()  # (folder, saved_at) of checkpoints whose every file this process verified
 
 PathLike = Union[str, Path]
 
@@ -104,23 +104,6 @@ def _quiet_dcp() -> Iterator[None]:
         yield
 
 
-def file_checksum(path: PathLike) -> Dict[str, Any]:
-    """{"size", "crc32"} of a file, read in 8 MiB blocks (memory: one block)."""
-    crc = 0
-    size = 0
-    buf = bytearray(_CHECKSUM_BLOCK)
-    view = memoryview(buf)
-    path = location(path)
-    with (path.open("rb", buffering=0) if not is_url(path) else path.open("rb")) as f:
-        while True:
-            n = f.readinto(buf)
-            if not n:
-                break
-            crc = zlib.crc32(view[:n], crc)
-            size += n
-    return {"size": size, "crc32": f"{crc:08x}"}
-
-
 def verify_files(path: PathLike, names: Optional[List[str]] = None, marker: Optional[Dict[str, Any]] = None) -> None:
     """Check files of a sharded checkpoint against the sizes and CRC32s its marker recorded at save time (all of
     them, or `names`); raise a one-line LitError naming the first damaged one. Checkpoints written before
@@ -168,6 +151,8 @@ def read_marker(path: PathLike) -> Dict[str, Any]:
         raise LitError(
             f"cannot read {str(marker)!r} ({error_reason(e)}): the checkpoint is damaged, use an earlier one"
         ) from e
+    if data.get("format") == "lit-gpt-step":
+        raise LitError(f"{str(path)!r} is a step of a CPU/CUDA run (finetune/*.py): resume it with that recipe")
     if data.get("format") != FORMAT:
         raise LitError(f"{str(marker)!r} is not a {FORMAT} marker")
     return data
@@ -221,24 +206,43 @@ def is_complete(path: PathLike) -> bool:
     return True
 
 
+def step_problem(path: PathLike) -> Optional[StepProblem]:
+    """Why the sharded checkpoint `path` cannot be resumed on this host alone (incomplete: no readable marker, its
+    save was cut off; damaged: a file missing, short, or with another CRC32 than recorded), or None when whole."""
+    path = location(path)
+    if not (path / MARKER).is_file():
+        return StepProblem("incomplete", f"no {MARKER}: its save was interrupted")
+    try:
+        marker = read_marker(path)
+    except LitError as e:
+        if str(e).startswith("cannot read"):
+            return StepProblem("incomplete", f"{MARKER} is unreadable: its save was cut off")
+        return StepProblem("damaged", _first_clause(e))
+    try:
+        _check_and_verify_all(path)
+    except LitError as e:
+        # another host's shards absent (per-host disks, or not copied yet) is not damage: this host cannot use it
+        kind = "incomplete" if "missing the files of host" in str(e) else "damaged"
+        return StepProblem(kind, _first_clause(e))
+    _VERIFIED.add((str(path), marker.get("saved_at")))
+    return None
+
+
+def _first_clause(e: LitError) -> str:
+    return str(e).split(": ", 1)[0] if str(e).count(": ") else str(e)
+
+
 def latest_checkpoint(out_dir: PathLike, pattern: str = "*") -> Optional[Path]:
-    """The newest complete sharded checkpoint directly under `out_dir` (highest trailing number in the name,
-    then newest marker), or None. Interrupted saves (hidden `.NAME.tmp-*`, no marker) are never returned."""
+    """The newest whole sharded checkpoint directly under `out_dir` (highest trailing number in the name), every
+    file verified against its marker, or None. Newer ones that are incomplete (interrupted saves; hidden
+    `.NAME.tmp-*` folders are never considered) or damaged are skipped with one line on stderr naming them and the
+    checkpoint taken instead; when none is whole but one is damaged, a LitError (see `newest_intact`)."""
     out_dir = location(out_dir)
     if not out_dir.is_dir():
         return None
-    candidates = []
-    for d in out_dir.glob(pattern):
-        if d.name.startswith(".") or not d.is_dir() or not (d / MARKER).is_file():
-            continue
-        if not is_complete(d):
-            continue
-        m = re.search(r"(\d+)$", d.name)
-        step = int(m.group(1)) if m else -1
-        candidates.append((step, read_marker(d).get("saved_at", 0.0), d))
-    if not candidates:
-        return None
-    return max(candidates, key=lambda c: (c[0], c[1]))[2]
+    candidates = [(_step_of(d), d) for d in out_dir.glob(pattern) if not d.name.startswith(".") and d.is_dir()
+                  and any(d.iterdir())]
+    return newest_intact(candidates, step_problem, out_dir)
 
 
 def _step_of(path: Path) -> int:
@@ -297,6 +301,16 @@ def _held_here(path: Path, rank: int, world: int) -> Optional[str]:
     return None
 
 
+def _damaged_here(path: Path, rank: int, world: int) -> Optional[str]:
+    """What differs from the recorded CRC32s among the files this host reads of checkpoint `path`, or None."""
+    marker = read_marker(path)
+    if (str(path), marker.get("saved_at")) in _VERIFIED:
+        return None
+    md = _reader(path).read_metadata()
+    problem = verify_checksums(path, marker.get("checksums") or {}, needed_files(marker, md, rank, world) + [".metadata"])
+    return None if problem is None else f"{problem.kind}: {problem.detail}"
+
+
 def agreed_latest_checkpoint(out_dir: PathLike, pattern: str = "*") -> Optional[Path]:
     """The newest checkpoint under `out_dir` that every host can load, the same on all hosts: what `--resume auto`
     resumes from. Call it on every host at the same point (it communicates when a process group is initialized;
@@ -326,10 +340,20 @@ def agreed_latest_checkpoint(out_dir: PathLike, pattern: str = "*") -> Optional[
             else:
                 why_not[d.name] = reason
     reports = _all_gather((held, why_not))
-    decision: Any = None
-    if rank == 0:
-        decision = _agree(out_dir, reports)
-    decision = _broadcast(decision)
+    while True:
+        decision: Any = _agree(out_dir, reports) if rank == 0 else None
+        decision = _broadcast(decision)
+        if decision[0] == "error" or decision[1] is None:
+            break
+        # the chosen step is held at its recorded sizes everywhere: now its bytes, on every host (a damaged file
+        # makes all hosts fall back to the next one that every host holds whole)
+        problems = _all_gather(_damaged_here(out_dir / decision[1], rank, world))
+        if not any(problems):
+            break
+        for r, problem in enumerate(problems):
+            if problem:
+                reports[r][0].pop(decision[1], None)
+                reports[r][1][decision[1]] = problem
     kind, value, note = decision
     if note and rank == 0:
         print(f"warning: {note}", file=sys.stderr, flush=True)
@@ -396,7 +420,9 @@ def _check_and_verify_for_load(path: Path) -> Tuple[Dict[str, Any], Any]:
     outcome: Any = None
     try:
         marker = read_marker(path)
-        if world == 1:
+        if world == 1 and (str(path), marker.get("saved_at")) in _VERIFIED:
+            marker, md = check_complete(path)  # verified by --resume auto's choice just before
+        elif world == 1:
             marker, md = _check_and_verify_all(path)
         else:
             # the files this host reads must be here (on a per-host local disk the others' may be elsewhere)

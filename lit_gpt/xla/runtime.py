@@ -158,6 +158,13 @@ class XLARuntime(Runtime):
 
         return read_values(directory).get("method") or "full"
 
+    def step_problem(self, directory: Path) -> Any:
+        """Why the sharded step cannot be resumed (incomplete or damaged, naming the file), or None. With several
+        hosts each may hold only its own shards (per-host disks): `load_sharded` then verifies what each reads."""
+        from lit_gpt.xla.integrity import _rank_world, step_problem
+
+        return step_problem(directory) if _rank_world()[1] == 1 else None
+
     def latest_step(self, out_dir: Path) -> Optional[Path]:
         # every host lists what it holds (per-host disks may differ); host 0 picks the newest step all hold
         from lit_gpt.xla.checkpoint import agreed_latest_checkpoint
@@ -173,6 +180,7 @@ class XLARuntime(Runtime):
         save_filter: Optional[Callable[[str, Any], bool]],
         method_config: Dict[str, Any],
         write_files: Callable[[Path], None],
+        base: Optional[Dict[str, Any]] = None,
     ) -> Path:
         """Consolidate the trained weights of `step` (this run's last step checkpoint, which holds exactly what
         the method saves) into `final/` in the format the GPU/CPU recipes write (`lit_gpt.weights`), streamed
@@ -186,7 +194,7 @@ class XLARuntime(Runtime):
         if self.fabric.global_rank == 0:
             try:
                 path = export_final_folder(final, write_files, lambda stage: consolidate(step, stage, key="model",
-                                                                                          progress=False))
+                                                                                          progress=False, base=base))
             except OSError as e:
                 raise write_error(location(final), [], e) from e
         self.fabric.barrier()

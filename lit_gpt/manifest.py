@@ -1,0 +1,175 @@
+"""What makes a step checkpoint whole, on every backend and every storage: a manifest that records each file of the
+step (size and CRC32), written last, so that a step is used only when it is complete and undamaged.
+
+    write_manifest(folder)              the manifest of a local folder's files (before the folder is committed)
+    problem = step_problem(step_dir)    None when whole; else a `StepProblem` saying what is wrong, in one line
+    newest_intact(steps, problem_of, out_dir)   what --resume auto takes, skipped steps named in one line
+
+A step of a CPU/CUDA run (`lit_gpt.runtime.Runtime`) holds Fabric's `checkpoint.pth` and the run's files; one of
+an XLA run (`lit_gpt.xla.checkpoint`) holds per-host DCP shards, and its completion marker (the same file name,
+`lit_checkpoint.json`) carries the same "checksums" table, so both are verified by the same code here. On a local
+disk the step is written under a temporary name and renamed when whole; in a bucket (and a `file://` URL, which
+fsspec writes in place) its files are written first and the manifest last: it is the commit. A kill at any point
+leaves either a whole step or one without a readable manifest, which `--resume auto` skips with one line.
+
+Step folders written by earlier versions on a local disk have no manifest: they were committed by a rename, so they
+are taken as whole (unverified).
+"""
+
+import json
+import os
+import sys
+import time
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
+
+from lit_gpt.storage import is_url, location
+from lit_gpt.utils import LitError
+
+MANIFEST = "lit_checkpoint.json"
+STEP_FORMAT = "lit-gpt-step"
+_BLOCK = 8 << 20
+
+PathLike = Union[str, Path]
+
+
+def file_checksum(path: PathLike) -> Dict[str, Any]:
+    """{"size", "crc32"} of a file, read in 8 MiB blocks (memory: one block)."""
+    crc = 0
+    size = 0
+    buf = bytearray(_BLOCK)
+    view = memoryview(buf)
+    path = location(path)
+    with (path.open("rb", buffering=0) if not is_url(path) else path.open("rb")) as f:
+        while True:
+            n = f.readinto(buf)
+            if not n:
+                break
+            crc = zlib.crc32(view[:n], crc)
+            size += n
+    return {"size": size, "crc32": f"{crc:08x}"}
+
+
+def checksums(folder: Path, names: Optional[Iterable[str]] = None) -> Dict[str, Dict[str, Any]]:
+    """The checksum of every file under the local `folder` (relative names; or just `names`), the manifest aside."""
+    folder = Path(folder)
+    if names is None:
+        names = sorted(str(f.relative_to(folder)) for f in folder.rglob("*") if f.is_file())
+    return {name: file_checksum(folder / name) for name in names if name != MANIFEST}
+
+
+def write_json_synced(path: Path, obj: Any) -> None:
+    """A small JSON file, on disk before this returns (fsync); in a bucket an object is whole or absent."""
+    path = location(path)
+    if is_url(path):
+        path.write_text(json.dumps(obj, indent=1), encoding="utf-8")
+        return
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def write_manifest(folder: Path, extra: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """Write `folder/lit_checkpoint.json` recording every file already in the local `folder`: call it after all of
+    them are written and before the folder is committed (renamed, or uploaded with the manifest last)."""
+    manifest = {"format": STEP_FORMAT, "version": 1, "saved_at": time.time(), "checksums": checksums(folder),
+                **(extra or {})}
+    write_json_synced(Path(folder) / MANIFEST, manifest)
+    return manifest
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# reading: what is wrong with a step, in one line
+# ---------------------------------------------------------------------------------------------------------------
+@dataclass
+class StepProblem:
+    kind: str
+    """"incomplete" (its save did not finish: no readable manifest) or "damaged" (a recorded file differs)."""
+    detail: str
+    """What is wrong, naming the file: "checkpoint.pth has 1024 bytes, 4096 recorded at save time"."""
+
+    def __str__(self) -> str:
+        return f"{self.kind} ({self.detail})"
+
+
+def read_manifest(step: PathLike) -> Tuple[Optional[Dict[str, Any]], Optional[StepProblem]]:
+    """(manifest, None), (None, None) when the folder has none, or (None, problem) when it is unreadable."""
+    path = location(step) / MANIFEST
+    if not path.is_file():
+        return None, None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(data, dict) or not isinstance(data.get("checksums", {}), dict):
+            raise ValueError("not a manifest")
+    except (OSError, ValueError) as e:
+        return None, StepProblem("incomplete", f"{MANIFEST} is unreadable ({type(e).__name__}): its save was cut off")
+    return data, None
+
+
+def verify_checksums(step: PathLike, recorded: Dict[str, Dict[str, Any]], names: Optional[Iterable[str]] = None
+                     ) -> Optional[StepProblem]:
+    """The first recorded file (of `names`, or all) that is missing or differs from what was recorded, or None."""
+    step = location(step)
+    for name in sorted(recorded) if names is None else names:
+        expected = recorded.get(name)
+        if expected is None:
+            continue
+        f = step / name
+        if not f.is_file():
+            return StepProblem("damaged", f"{name} is missing")
+        actual = file_checksum(f)
+        if actual["size"] != expected["size"]:
+            return StepProblem("damaged", f"{name} has {actual['size']} bytes, {expected['size']} recorded at save"
+                                          " time")
+        if actual["crc32"] != expected["crc32"]:
+            return StepProblem("damaged", f"{name} has CRC32 {actual['crc32']}, {expected['crc32']} recorded at"
+                                          " save time")
+    return None
+
+
+def step_problem(step: PathLike, required: str) -> Optional[StepProblem]:
+    """What keeps the step folder `step` (of a CPU/CUDA run, whose weights are the file `required`) from being
+    resumed: None when its manifest is there and every file matches it. A local folder of an earlier version
+    (no manifest; committed by a rename) is whole if `required` is there; in a bucket the manifest is the commit."""
+    step = location(step)
+    manifest, problem = read_manifest(step)
+    if problem is not None:
+        return problem
+    if manifest is None:
+        if not is_url(step) and (step / required).is_file():
+            return None  # an earlier version's step: renamed into place when complete
+        return StepProblem("incomplete", f"no {MANIFEST}: its save was interrupted")
+    return verify_checksums(step, manifest.get("checksums") or {})
+
+
+def newest_intact(steps: List[Tuple[int, Path]], problem_of: Callable[[Path], Optional[StepProblem]],
+                  out_dir: PathLike) -> Optional[Path]:
+    """The newest of `steps` ((number, folder) pairs) that `problem_of` finds whole, checked newest first. Steps
+    skipped on the way are named in one line on stderr with the step resumed from; when none is whole but one is
+    damaged, a LitError (starting over would silently overwrite a run that may be recoverable); when all are
+    incomplete (cut off in their first save), None with one line: the run starts fresh."""
+    skipped: List[str] = []
+    damaged = False
+    for _, folder in sorted(steps, key=lambda s: s[0], reverse=True):
+        problem = problem_of(folder)
+        if problem is None:
+            if skipped:
+                note(f"{'; '.join(skipped)}: resuming from {folder.name}, the newest intact step")
+            return folder
+        damaged = damaged or problem.kind == "damaged"
+        skipped.append(f"{folder.name} is {problem}")
+    if damaged:
+        raise LitError(
+            f"no intact step checkpoint in {str(out_dir)!r}: {'; '.join(skipped)}. Restore the damaged files, or"
+            " start over in a new --out_dir"
+        )
+    if skipped:
+        note(f"{'; '.join(skipped)}: no complete step to resume from, starting fresh")
+    return None
+
+
+def note(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr, flush=True)
