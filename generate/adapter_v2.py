@@ -4,8 +4,8 @@
         --adapter_path out/adapter_v2/alpaca/final/lit_model.adapter_v2.safetensors \\
         --prompt_style alpaca --prompt "What food do llamas eat?"
 
-Flags and output as in `generate/base.py`, plus `--adapter_path` (`--quantize` applies after the adapter weights
-are loaded).
+Flags and output as in `generate/base.py`, plus `--adapter_path` and `--allow_other_base` (`--quantize` applies
+after the adapter weights are loaded).
 """
 
 from pathlib import Path
@@ -15,7 +15,7 @@ import lightning as L
 from lit_gpt import adapter_v2
 from lit_gpt.peft import load_variant_model
 from lit_gpt.recipes.flags import Flag
-from lit_gpt.recipes.generate import GenerationArgs, generate_command, run
+from lit_gpt.recipes.generate import ALLOW_OTHER_BASE, GenerationArgs, generate_command, run
 from lit_gpt.utils import run_cli
 
 ADAPTER_PATH = Flag("adapter_path", Path, Path("out/adapter_v2/alpaca/final/lit_model.adapter_v2.safetensors"),
@@ -23,7 +23,8 @@ ADAPTER_PATH = Flag("adapter_path", Path, Path("out/adapter_v2/alpaca/final/lit_
 
 
 def load(args: GenerationArgs) -> adapter_v2.GPT:
-    return load_variant_model(adapter_v2.GPT, adapter_v2.Config, args.checkpoint_dir, args.finetuned_path)
+    return load_variant_model(adapter_v2.GPT, adapter_v2.Config, args.checkpoint_dir, args.finetuned_path,
+                              allow_other_base=args.allow_other_base)
 
 
 def main(fabric: L.Fabric, args: GenerationArgs) -> None:
@@ -31,7 +32,8 @@ def main(fabric: L.Fabric, args: GenerationArgs) -> None:
 
 
 setup = generate_command(
-    "Generate `num_samples` continuations of a prompt with the adapter-v2-finetuned model.", main, own=[ADAPTER_PATH],
+    "Generate `num_samples` continuations of a prompt with the adapter-v2-finetuned model.", main,
+    own=[ADAPTER_PATH, ALLOW_OTHER_BASE],
 )
 
 if __name__ == "__main__":

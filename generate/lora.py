@@ -4,8 +4,9 @@
         --lora_path out/lora/alpaca/final/lit_model.lora.safetensors --prompt_style alpaca \\
         --prompt "What food do llamas eat?"
 
-Flags and output as in `generate/base.py`, plus `--lora_path`. The LoRA updates are merged into the weights after
-loading (then `--quantize` applies); `scripts/merge_lora.py` writes such a merged checkpoint once and for all.
+Flags and output as in `generate/base.py`, plus `--lora_path` and `--allow_other_base`. The LoRA updates are merged
+into the weights after loading (then `--quantize` applies); `scripts/merge_lora.py` writes such a merged checkpoint
+once and for all.
 """
 
 from pathlib import Path
@@ -15,7 +16,7 @@ import lightning as L
 from lit_gpt import lora
 from lit_gpt.peft import load_variant_model
 from lit_gpt.recipes.flags import Flag
-from lit_gpt.recipes.generate import GenerationArgs, generate_command, run
+from lit_gpt.recipes.generate import ALLOW_OTHER_BASE, GenerationArgs, generate_command, run
 from lit_gpt.utils import run_cli
 
 LORA_PATH = Flag("lora_path", Path, Path("out/lora/alpaca/final/lit_model.lora.safetensors"),
@@ -23,7 +24,8 @@ LORA_PATH = Flag("lora_path", Path, Path("out/lora/alpaca/final/lit_model.lora.s
 
 
 def load(args: GenerationArgs) -> lora.GPT:
-    model = load_variant_model(lora.GPT, lora.Config, args.checkpoint_dir, args.finetuned_path)
+    model = load_variant_model(lora.GPT, lora.Config, args.checkpoint_dir, args.finetuned_path,
+                              allow_other_base=args.allow_other_base)
     lora.merge_lora_weights(model)  # fold B A into the weights: generation runs at base-model speed
     return model
 
@@ -33,7 +35,7 @@ def main(fabric: L.Fabric, args: GenerationArgs) -> None:
 
 
 setup = generate_command("Generate `num_samples` continuations of a prompt with the LoRA-finetuned model.", main,
-                         own=[LORA_PATH])
+                         own=[LORA_PATH, ALLOW_OTHER_BASE])
 
 if __name__ == "__main__":
     run_cli(setup)

@@ -16,7 +16,7 @@ import torch
 
 from lit_gpt.state import commit_folder
 from lit_gpt.storage import is_url, location, remove, staging_dir, upload
-from lit_gpt.weights import save_finetuned_weights, save_weights
+from lit_gpt.weights import base_metadata, save_finetuned_weights, save_weights
 
 
 def export_final_folder(final: Path, write_files: Callable[[Path], None], write_weights: Callable[[Path], Path]) -> Path:
@@ -48,12 +48,16 @@ def export_final_folder(final: Path, write_files: Callable[[Path], None], write_
 
 def export_weights(
     state: Mapping[str, torch.Tensor], final: Path, method: str, method_config: Optional[Dict[str, Any]],
-    write_files: Callable[[Path], None],
+    write_files: Callable[[Path], None], base: Optional[Mapping[str, str]] = None,
 ) -> Path:
     """`final/lit_model.safetensors` (full finetuning) or `final/lit_model.METHOD.safetensors` + its JSON (the
-    parameter-efficient methods: only their tensors), with the run's files, committed as one folder."""
+    parameter-efficient methods: only their tensors), with the run's files, committed as one folder. `base`: the base
+    model the run finetuned ({"fingerprint", "checkpoint_dir"}: `lit_gpt.fingerprint.base_record`), recorded in the
+    JSON's "base" or, for full finetuning, in the header metadata (`lit_gpt.weights.base_metadata`)."""
     if method == "full":
-        return export_final_folder(final, write_files, lambda stage: save_weights(state, stage)[-1])
+        return export_final_folder(
+            final, write_files, lambda stage: save_weights(state, stage, metadata=base_metadata(base))[-1]
+        )
     return export_final_folder(
-        final, write_files, lambda stage: save_finetuned_weights(state, stage, method, method_config or {})
+        final, write_files, lambda stage: save_finetuned_weights(state, stage, method, method_config or {}, base=base)
     )

@@ -233,10 +233,12 @@ def unmerge_lora_weights(model: GPT) -> None:
         layer.unmerge()
 
 
-def merge_lora_checkpoint(checkpoint_dir: Path, lora_path: Path, out_dir: Optional[Path] = None) -> Path:
+def merge_lora_checkpoint(checkpoint_dir: Path, lora_path: Path, out_dir: Optional[Path] = None,
+                          allow_other_base: bool = False) -> Path:
     """Write base + LoRA as one standalone checkpoint folder (`lit_model.safetensors`, `lit_config.json`, tokenizer
     files) whose model gives the LoRA model's outputs; `scripts/convert_lit_checkpoint.py` exports it to HF. Returns
-    the path of the merged weights (in `out_dir`, default: the LoRA file's folder)."""
+    the path of the merged weights (in `out_dir`, default: the LoRA file's folder). A LoRA file that records another
+    base than `checkpoint_dir` is refused before anything is written, unless `allow_other_base`."""
     checkpoint_dir, lora_path = Path(checkpoint_dir), Path(lora_path)
     out_dir = lora_path.parent if out_dir is None else Path(out_dir)
     out_path = out_dir / weights_name()
@@ -245,7 +247,7 @@ def merge_lora_checkpoint(checkpoint_dir: Path, lora_path: Path, out_dir: Option
     if out_dir.resolve() == checkpoint_dir.resolve():
         raise LitError(f"--out_dir is the base checkpoint {str(checkpoint_dir)!r}: pass another folder")
 
-    model = load_variant_model(GPT, Config, checkpoint_dir, lora_path)
+    model = load_variant_model(GPT, Config, checkpoint_dir, lora_path, allow_other_base=allow_other_base)
     merge_lora_weights(model)
     state = {k: v for k, v in model.state_dict().items() if not lora_filter(k)}
     try:

@@ -8,10 +8,13 @@ Finetuned weights (`lit_gpt.weights` format), two files side by side, as `save_f
 write them:
     lit_model.<method>.safetensors  only the finetuned parameters, {parameter name: tensor}
     lit_model.<method>.json         {"format": "lit_gpt.finetuned", "version": 1, "method": "adapter" | "adapter_v2"
-                                     | "lora", "config": {the variant's Config fields, e.g. "lora_r": 8, ...}}
+                                     | "lora", "config": {the variant's Config fields, e.g. "lora_r": 8, ...},
+                                     "base": {"fingerprint": "sha256:...", "checkpoint_dir": "..."}}
 `generate/{adapter,adapter_v2,lora}.py` and `scripts/merge_lora.py` read them with `load_finetuned`, which also
-reads the single `torch.save` pickle that earlier versions wrote (`lit_model.pth.<method>`:
-`{"method", "config", "model"}`), weights-only. The training loop picks what it saves with `finetuned_filter` and
+reads the single `torch.save` pickle that earlier versions wrote (`lit_model.pth.<method>`: `{"method", "config",
+"model"}`), weights-only. "base" is the base model the weights were finetuned on (`lit_gpt.fingerprint`):
+`load_variant_model` refuses another base in one line unless `allow_other_base`; files without it (earlier versions,
+or saved without `base`) load without the check. The training loop picks what it saves with `finetuned_filter` and
 records `finetuned_metadata` with it; its final export writes the same two files (`lit_gpt.export`).
 """
 
@@ -25,6 +28,7 @@ import torch.nn as nn
 
 from lit_gpt.config import Config
 from lit_gpt.config import load_config
+from lit_gpt.fingerprint import check_base
 from lit_gpt.model import GPT
 from lit_gpt.utils import LitError, cannot_write, load_error_detail
 from lit_gpt.weights import check_checkpoint_dir, load_state_dict
@@ -33,6 +37,7 @@ from lit_gpt.weights import (
     finetuned_stem,
     is_weights_file,
     load_weights,
+    read_base_record,
     read_finetuned_metadata,
     save_finetuned_weights,
     weights_name,
@@ -83,19 +88,21 @@ def finetuned_file_name(method: str) -> str:
 
 
 def export_finetuned(state: Mapping[str, torch.Tensor], directory: PathLike, method: str,
-                     config: Mapping[str, Any]) -> Path:
+                     config: Mapping[str, Any], base: Optional[Mapping[str, str]] = None) -> Path:
     """Write finetuned tensors (already picked, e.g. with `finetuned_filter`) and their JSON (method, the variant's
-    config fields) into `directory`. Returns the weights path (`finetuned_file_name(method)` in `directory`)."""
+    config fields, the base model: `lit_gpt.fingerprint.base_record`) into `directory`. Returns the weights path
+    (`finetuned_file_name(method)` in `directory`)."""
     if method not in METHODS:
         raise ValueError(f"unknown parameter-efficient method {method!r}; one of {', '.join(METHODS)}")
     try:
-        return save_finetuned_weights(state, directory, method, config)
+        return save_finetuned_weights(state, directory, method, config, base=base)
     except OSError as e:  # a full disk, a read-only folder: one line, and no partial weights file
         raise cannot_write(e, directory, finetuned_file_name(method)) from None
 
 
-def save_finetuned(model: nn.Module, directory_or_path: PathLike) -> Path:
-    """Write only the finetuned weights (plus method and variant config) of `model` into a folder, or to the path
+def save_finetuned(model: nn.Module, directory_or_path: PathLike, base: Optional[Mapping[str, str]] = None) -> Path:
+    """Write only the finetuned weights (plus method, variant config and `base`, the base model's
+    `lit_gpt.fingerprint.base_record`) of `model` into a folder, or to the path
     `<folder>/lit_model.<method>.safetensors` (a name with a suffix is taken for a file). Returns the weights
     path."""
     target = Path(directory_or_path)
@@ -106,7 +113,7 @@ def save_finetuned(model: nn.Module, directory_or_path: PathLike) -> Path:
                              " their folder")
         target = target.parent
     meta = finetuned_metadata(model)
-    return export_finetuned(finetuned_state_dict(model), target, meta["method"], meta["config"])
+    return export_finetuned(finetuned_state_dict(model), target, meta["method"], meta["config"], base=base)
 
 
 def _recipe(method: str, path: PathLike) -> str:
@@ -184,15 +191,20 @@ def load_variant_model(
     config_cls: Type[Config],
     checkpoint_dir: Union[str, Path],
     finetuned_path: Optional[Union[str, Path]] = None,
+    allow_other_base: bool = False,
     **config_overrides: Any,
 ) -> GPT:
     """Build `model_cls` on the meta device and load the base weights, then the finetuned ones, with
-    `assign=True`: no weight is allocated twice, and every tensor ends up as loaded (CPU, checkpoint dtype).
+    `assign=True`: no weight is allocated twice, and every tensor ends up as loaded (CPU, checkpoint dtype). Finetuned
+    weights that record another base than `checkpoint_dir` holds are refused in one line before the base is read
+    (`check_finetuned_base`; `allow_other_base`: a warning line instead).
 
     Without `finetuned_path` the variant's own parameters keep no values (they stay on the meta device): use that
     form only to load into the variant afterwards (e.g. staged loading on XLA)."""
     base_path = check_checkpoint_dir(checkpoint_dir)
     state, fields_ = ({}, {}) if finetuned_path is None else load_finetuned(finetuned_path, model_cls.peft_method)
+    if finetuned_path is not None:
+        check_finetuned_base(finetuned_path, checkpoint_dir, allow_other_base, model_cls.peft_method)
     try:
         config = config_cls.from_checkpoint(checkpoint_dir, **{**fields_, **config_overrides})
     except (FileNotFoundError, ValueError, TypeError) as e:
@@ -208,6 +220,16 @@ def load_variant_model(
             raise LitError(f"{str(finetuned_path)!r} lacks {len(left)} finetuned weights (e.g. {left[0]!r}): it does"
                            " not match the variant config it records")
     return model
+
+
+def check_finetuned_base(finetuned_path: PathLike, checkpoint_dir: PathLike, allow_other_base: bool,
+                         method: str) -> Optional[str]:
+    """Refuse (one LitError line naming both) finetuned weights whose JSON records another base than the weights of
+    `checkpoint_dir` (`lit_gpt.fingerprint.check_base`); an earlier version's file records none and passes. Returns
+    the fingerprint of `checkpoint_dir`, or None when nothing was recorded."""
+    path = Path(finetuned_path)
+    recorded = read_base_record(path) if is_weights_file(path) else None  # an earlier version's pickle: none
+    return check_base(recorded, checkpoint_dir, allow_other_base, f"the {method} weights file {str(path)!r}")
 
 
 def _load_part(model: nn.Module, state: Dict[str, torch.Tensor], path: Path, allowed_missing: Optional[set]) -> None:

@@ -12,7 +12,10 @@ Format (safetensors, written with `safetensors` and `huggingface_hub`; any safet
   huggingface_hub's convention), and `load_weights` returns both names again.
 * Finetuned weights of a parameter-efficient method: `lit_model.<method>.safetensors` (only the finetuned tensors)
   with `lit_model.<method>.json` beside it: `{"format": "lit_gpt.finetuned", "version": 1, "method": "lora",
-  "config": {"lora_r": 8, ...}}` (see `lit_gpt.peft`).
+  "config": {"lora_r": 8, ...}, "base": {"fingerprint": "sha256:...", "checkpoint_dir": "checkpoints/..."}}` (see
+  `lit_gpt.peft`; "base": the base model it was finetuned on, `lit_gpt.fingerprint`; absent in earlier files).
+* A fully finetuned model records its base the same way in its header metadata (the index's "metadata" when
+  sharded): `"lit_gpt.base_fingerprint"` and `"lit_gpt.base_checkpoint_dir"` (`base_metadata`, `read_base_record`).
 
 Earlier versions wrote `torch.save` pickles (`lit_model.pth`, `lit_model.pth.lora`, ...): `load_weights` still reads
 them, weights-only (a pickle that would import code is refused, never loaded); nothing writes them any more.
@@ -327,28 +330,77 @@ def finetuned_json(weights_path: PathLike) -> Path:
     return path.with_name(name + ".json")
 
 
-def finetuned_metadata_dict(method: str, config: Mapping[str, Any]) -> Dict[str, Any]:
-    return {"format": FINETUNED_FORMAT, "version": FINETUNED_VERSION, "method": method, "config": dict(config)}
+def finetuned_metadata_dict(method: str, config: Mapping[str, Any],
+                            base: Optional[Mapping[str, str]] = None) -> Dict[str, Any]:
+    meta = {"format": FINETUNED_FORMAT, "version": FINETUNED_VERSION, "method": method, "config": dict(config)}
+    if base is not None:
+        meta["base"] = dict(base)
+    return meta
 
 
 def save_finetuned_weights(
     state: Mapping[str, torch.Tensor], directory: PathLike, method: str, config: Mapping[str, Any],
-    max_shard_size: Union[int, str] = DEFAULT_MAX_SHARD_SIZE,
+    max_shard_size: Union[int, str] = DEFAULT_MAX_SHARD_SIZE, base: Optional[Mapping[str, str]] = None,
 ) -> Path:
-    """Write a method's finetuned tensors and their JSON (method, variant config) into `directory`; the JSON goes
-    first, so the weights file, which the loaders look for, appears last. Returns the weights path."""
-    stem = write_finetuned_json(directory, method, config)
+    """Write a method's finetuned tensors and their JSON (method, variant config, and `base`: {"fingerprint",
+    "checkpoint_dir"} of the base model, `lit_gpt.fingerprint.base_record`) into `directory`; the JSON goes first, so
+    the weights file, which the loaders look for, appears last. Returns the weights path."""
+    stem = write_finetuned_json(directory, method, config, base=base)
     written = save_weights(state, directory, stem=stem, max_shard_size=max_shard_size)
     return written[-1]  # the single file, or the index (written last)
 
 
-def write_finetuned_json(directory: PathLike, method: str, config: Mapping[str, Any]) -> str:
+def write_finetuned_json(directory: PathLike, method: str, config: Mapping[str, Any],
+                         base: Optional[Mapping[str, str]] = None) -> str:
     """`lit_model.<method>.json` into `directory`, before the weights it describes; returns their stem."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     stem = finetuned_stem(method)
-    write_json(directory / f"{stem}.json", finetuned_metadata_dict(method, config))
+    write_json(directory / f"{stem}.json", finetuned_metadata_dict(method, config, base))
     return stem
+
+
+BASE_FINGERPRINT_KEY = "lit_gpt.base_fingerprint"
+BASE_CHECKPOINT_DIR_KEY = "lit_gpt.base_checkpoint_dir"
+
+
+def base_metadata(base: Optional[Mapping[str, str]]) -> Dict[str, str]:
+    """The header metadata of a fully finetuned model that records its base ({"fingerprint", "checkpoint_dir"})."""
+    if not base:
+        return {}
+    out = {BASE_FINGERPRINT_KEY: str(base["fingerprint"])}
+    if base.get("checkpoint_dir"):
+        out[BASE_CHECKPOINT_DIR_KEY] = str(base["checkpoint_dir"])
+    return out
+
+
+def read_base_record(weights_path: PathLike) -> Optional[Dict[str, Any]]:
+    """The base model that finetuned weights record: their JSON's "base", or a full model's header (or index)
+    metadata; None where nothing is recorded (files of earlier versions, a `.pth`, a converted model)."""
+    path = location(weights_path)
+    if not is_url(path) and finetuned_json(path).is_file():
+        base = read_json(finetuned_json(path), "finetuned-weights description").get("base")
+        return base if base is None or isinstance(base, dict) else {"invalid": base}
+    if path.name.endswith(INDEX_SUFFIX):
+        meta = read_json(path, "weights index").get("metadata") or {}
+    elif path.name.endswith(SUFFIX) and path.is_file():
+        from safetensors import SafetensorError, safe_open
+
+        try:
+            if is_url(path):
+                meta = json.loads(_header_bytes(path)).get("__metadata__") or {}
+            else:
+                with safe_open(str(path), framework="pt", device="cpu") as f:
+                    meta = f.metadata() or {}
+        except (SafetensorError, OSError, ValueError, OverflowError, MemoryError) as e:
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise LitError(f"cannot read weights {str(path)!r} (corrupt or truncated: {first}). Re-create it, e.g. by"
+                           " converting the model again") from None
+    else:
+        return None
+    if BASE_FINGERPRINT_KEY not in meta:
+        return None
+    return {"fingerprint": meta[BASE_FINGERPRINT_KEY], "checkpoint_dir": meta.get(BASE_CHECKPOINT_DIR_KEY)}
 
 
 def read_finetuned_metadata(weights_path: PathLike) -> Dict[str, Any]:

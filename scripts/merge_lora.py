@@ -11,12 +11,14 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+from lit_gpt.fingerprint import ALLOW_OTHER_BASE_HELP
 from lit_gpt.lora import merge_lora_checkpoint
 from lit_gpt.utils import LitError, error_reason, refuse_overwrite, run_cli
 from lit_gpt.weights import LEGACY, index_name, weights_name
 
 
-def setup(checkpoint_dir: Path, lora_path: Path, out_dir: Optional[Path] = None, overwrite: bool = False) -> None:
+def setup(checkpoint_dir: Path, lora_path: Path, out_dir: Optional[Path] = None, overwrite: bool = False,
+          allow_other_base: bool = False) -> None:
     """Write `lit_model.safetensors`, `lit_config.json` and the tokenizer files of the merged model.
 
     The weights are written into a staging folder and moved in when complete: a run killed mid-write leaves no
@@ -28,10 +30,12 @@ def setup(checkpoint_dir: Path, lora_path: Path, out_dir: Optional[Path] = None,
             `lit_model.lora.json` beside it; or an earlier version's `lit_model.pth.lora`).
         out_dir: where the merged folder is written; default: the folder of `lora_path`.
         overwrite: replace merged weights already in `out_dir` (without it that is refused).
+        allow_other_base: {allow_other_base}
     """
     target = Path(lora_path).parent if out_dir is None else Path(out_dir)
     if target.exists() and not target.is_dir():
         raise LitError(f"--out_dir {str(target)!r} is a file, not a folder: pass a folder")
+    created = _first_missing(target)  # removed again (if still empty) when the merge fails
     if Path(lora_path).is_file():
         try:
             target.mkdir(parents=True, exist_ok=True)
@@ -48,8 +52,38 @@ def setup(checkpoint_dir: Path, lora_path: Path, out_dir: Optional[Path] = None,
             overwrite,
             "Pass --out_dir NEW_FOLDER for the merged model, or --overwrite true to replace that file",
         )
-    path = merge_lora_checkpoint(checkpoint_dir, lora_path, out_dir)
+    try:
+        path = merge_lora_checkpoint(checkpoint_dir, lora_path, out_dir, allow_other_base=allow_other_base)
+    except BaseException:
+        _remove_empty(created, target)
+        raise
     print(f"Merged weights written to {path}", file=sys.stderr)
+
+
+setup.__doc__ = setup.__doc__.replace("{allow_other_base}", ALLOW_OTHER_BASE_HELP)  # the generate recipes' help
+
+
+def _first_missing(folder: Path) -> Optional[Path]:
+    """The outermost folder of `folder`'s path that does not exist yet (None: it exists)."""
+    missing = None
+    for p in [folder.absolute(), *folder.absolute().parents]:
+        if p.exists():
+            break
+        missing = p
+    return missing
+
+
+def _remove_empty(top: Optional[Path], folder: Path) -> None:
+    """Remove the empty folders this run created, from `folder` up to `top`: a refused merge leaves nothing behind."""
+    if top is None:
+        return
+    for p in [folder.absolute(), *folder.absolute().parents]:
+        try:
+            p.rmdir()  # only an empty folder goes
+        except OSError:
+            return
+        if p == top:
+            return
 
 
 if __name__ == "__main__":

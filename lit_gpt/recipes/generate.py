@@ -33,6 +33,7 @@ import torch
 from lit_gpt.compile_policy import Steps, resolve_compile
 from lit_gpt.config import load_config
 from lit_gpt.cpu_layout import prepare_for_generation
+from lit_gpt.fingerprint import ALLOW_OTHER_BASE_HELP
 from lit_gpt.generate import GenerationResult, check_lengths, compile_steps, timed_generate, unwrap
 from lit_gpt.loading import check_model_dir
 from lit_gpt.quantize import check_quantize, loader
@@ -130,6 +131,8 @@ class GenerationArgs:
     seed: int = 1234
     compile: Union[bool, str] = "auto"
     quantize: Optional[str] = None
+    allow_other_base: bool = False
+    """Apply the finetuned weights although they record another base than --checkpoint_dir holds (a warning line)."""
 
 
 def check_file(path: Path, flag: str, writer: str) -> None:
@@ -325,6 +328,10 @@ XLA_GENERATE: List[Flag] = [
     _flag("accelerator", str, "auto", XLA_FLAG_HELP),
 ]
 """The flags of every generate recipe on XLA devices (xla/generate/*.py)."""
+
+ALLOW_OTHER_BASE = Flag("allow_other_base", bool, False, ALLOW_OTHER_BASE_HELP)
+"""The method recipes' (finetuned weights on a base: lora, adapter, adapter_v2, CPU and XLA) override of the check
+that the base is the one the weights were finetuned on (`lit_gpt.fingerprint.check_base`); after the weights flag."""
 
 
 def with_weights_flag(flags: Sequence[Flag], own: Sequence[Flag]) -> List[Flag]:

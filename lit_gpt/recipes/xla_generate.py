@@ -36,19 +36,23 @@ def load_base_staged(fabric: Any, checkpoint_dir: Path) -> GPT:
 
 
 def load_variant_staged(
-    fabric: Any, model_cls: Type[GPT], config_cls: Type[Config], checkpoint_dir: Path, finetuned_path: Path
+    fabric: Any, model_cls: Type[GPT], config_cls: Type[Config], checkpoint_dir: Path, finetuned_path: Path,
+    allow_other_base: bool = False,
 ) -> GPT:
     """An Adapter / LoRA model (`lit_gpt.adapter.GPT`, `lit_gpt.lora.GPT`, ...) with the base weights and the
     finetuned-weights file (`lit_gpt.peft` format) loaded block by block onto the devices. The variant's settings
-    (e.g. lora_r) come from the file; nothing may be missing from the two files together. LoRA updates are merged
-    into the weights, as on the CPU/GPU: generation runs at the base model's cost."""
+    (e.g. lora_r) come from the file; nothing may be missing from the two files together. A file that records another
+    base than `checkpoint_dir` is refused in one line before anything is loaded, unless `allow_other_base`
+    (`lit_gpt.peft.check_finetuned_base`). LoRA updates are merged into the weights, as on the CPU/GPU: generation
+    runs at the base model's cost."""
     from lit_gpt.lora import GPT as LoRAGPT
     from lit_gpt.lora import merge_lora_weights
-    from lit_gpt.peft import load_finetuned
+    from lit_gpt.peft import check_finetuned_base, load_finetuned
     from lit_gpt.xla.loader import load_staged
 
     base_path = check_model_dir(checkpoint_dir)
     _, fields = load_finetuned(finetuned_path, model_cls.peft_method)  # also checks the file's method
+    check_finetuned_base(finetuned_path, checkpoint_dir, allow_other_base, model_cls.peft_method)
     config = config_cls.from_checkpoint(checkpoint_dir, **fields)
     # the later file overrides: the finetuned weights on top of the base checkpoint
     model = load_staged(lambda: model_cls(config), [base_path, finetuned_path], fabric)

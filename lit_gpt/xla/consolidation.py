@@ -34,6 +34,7 @@ into a staging folder beside it and moved in with the index (or the single file)
 written locally first and uploaded, that file last.
 """
 
+import json
 import math
 import shutil
 from pathlib import Path
@@ -46,6 +47,7 @@ from lit_gpt.utils import LitError, error_reason
 from lit_gpt.weights import (
     STEM,
     SUFFIX,
+    base_metadata,
     finetuned_stem,
     index_name,
     save_weights_streaming,
@@ -61,19 +63,32 @@ _ALIGN = 64  # byte alignment of each tensor inside the shard's buffer (any dtyp
 
 SHARD_SIZE = "512MB"  # the default output shard (the memory bound): see the module doc
 
+def _run_base(checkpoint_dir: Path) -> Optional[Dict[str, Any]]:
+    """The base-model record of the run that wrote a step checkpoint (its finetune.json), if it has one."""
+    run_file = checkpoint_dir / "finetune.json"
+    try:
+        base = json.loads(run_file.read_text()).get("base") if run_file.is_file() else None
+    except (OSError, ValueError):
+        return None
+    return base if isinstance(base, dict) else None
+
+
 def consolidate(
     checkpoint_dir: PathLike,
     output_dir: Optional[PathLike] = None,
     key: str = "model",
     max_shard_size: Union[int, str] = SHARD_SIZE,
     progress: bool = True,
+    base: Optional[Dict[str, Any]] = None,
 ) -> Path:
     """Write module `key` of a sharded checkpoint as safetensors into `output_dir` (default: the checkpoint folder),
     a folder or a URL. Returns the weights file that loaders take: the single file, or the index when sharded
     (`lit_gpt.weights.load_weights` reads either). Peak host memory: one output shard plus up to three DCP
-    chunks (see the module's docstring)."""
+    chunks (see the module's docstring). The base model the run was finetuned from (`base`, by default the record
+    in the step's finetune.json) is recorded with the weights (`lit_gpt.fingerprint`)."""
     checkpoint_dir = location(checkpoint_dir)
     marker, md = _check_and_verify_all(checkpoint_dir)
+    base = base if base is not None else _run_base(checkpoint_dir)
     specs = _module_specs(checkpoint_dir, marker, md, key)
     tied = marker.get("state", {}).get(key, {}).get("tied", {})
     aliases = {alias: name for alias, name in tied.items() if name in specs and alias not in specs}
@@ -81,10 +96,11 @@ def consolidate(
     out = _output_dir(checkpoint_dir, output_dir)
 
     def write(directory: Path) -> List[Path]:
-        stem = write_finetuned_json(directory, method, config) if method else STEM
+        stem = write_finetuned_json(directory, method, config, base=base) if method else STEM
+        metadata = aliases if method else {**aliases, **base_metadata(base)}
         with _ShardReader(checkpoint_dir, key, specs, progress) as materialize:
             return save_weights_streaming(specs, materialize, directory, stem=stem, max_shard_size=max_shard_size,
-                                          metadata=aliases)
+                                          metadata=metadata)
 
     created = not is_url(out) and not out.exists()
     try:

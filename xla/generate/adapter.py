@@ -5,8 +5,8 @@
         --adapter_path out/xla/adapter/alpaca/final/lit_model.adapter.safetensors \\
         --prompt_style alpaca --prompt "What food do llamas eat?"
 
-Flags and output as in `xla/generate/base.py`, plus `--adapter_path`. The base weights and the Adapter weights are
-loaded block by block onto the devices, sharded with FSDP over SPMD.
+Flags and output as in `xla/generate/base.py`, plus `--adapter_path` and `--allow_other_base`. The base weights and
+the Adapter weights are loaded block by block onto the devices, sharded with FSDP over SPMD.
 """
 
 from pathlib import Path
@@ -14,7 +14,7 @@ from pathlib import Path
 from lit_gpt import adapter
 from lit_gpt.generate import compile_steps
 from lit_gpt.recipes.flags import Flag
-from lit_gpt.recipes.generate import GenerationArgs, run
+from lit_gpt.recipes.generate import ALLOW_OTHER_BASE, GenerationArgs, run
 from lit_gpt.recipes.xla_generate import load_variant_staged, xla_generate_command
 from lit_gpt.utils import run_cli
 
@@ -27,7 +27,8 @@ def main(fabric, args: GenerationArgs) -> None:
     from lit_gpt.xla.runtime import XLARuntime
 
     def load(args: GenerationArgs) -> adapter.GPT:  # block by block onto the devices, sharded
-        return load_variant_staged(fabric, adapter.GPT, adapter.Config, args.checkpoint_dir, args.finetuned_path)
+        return load_variant_staged(fabric, adapter.GPT, adapter.Config, args.checkpoint_dir, args.finetuned_path,
+                                   allow_other_base=args.allow_other_base)
 
     # generate/base.py's steps with this load: eager steps that XLA traces and compiles itself, XLA's runtime
     # (host-side prompt buckets, replicated caches, a graph cut per step)
@@ -36,7 +37,7 @@ def main(fabric, args: GenerationArgs) -> None:
 
 setup = xla_generate_command(
     "Generate `num_samples` continuations of a prompt on XLA devices with the base model plus its Adapter weights.",
-    main, own=[ADAPTER_PATH],
+    main, own=[ADAPTER_PATH, ALLOW_OTHER_BASE],
     writer="the adapter finetuning recipe",
 )
 

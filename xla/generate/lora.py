@@ -5,8 +5,8 @@
         --lora_path out/xla/lora/alpaca/final/lit_model.lora.safetensors \\
         --prompt_style alpaca --prompt "What food do llamas eat?"
 
-Flags and output as in `xla/generate/base.py`, plus `--lora_path`. The base weights and the LoRA weights are
-loaded block by block onto the devices, sharded with FSDP over SPMD.
+Flags and output as in `xla/generate/base.py`, plus `--lora_path` and `--allow_other_base`. The base weights and the
+LoRA weights are loaded block by block onto the devices, sharded with FSDP over SPMD.
 """
 
 from pathlib import Path
@@ -14,7 +14,7 @@ from pathlib import Path
 from lit_gpt import lora
 from lit_gpt.generate import compile_steps
 from lit_gpt.recipes.flags import Flag
-from lit_gpt.recipes.generate import GenerationArgs, run
+from lit_gpt.recipes.generate import ALLOW_OTHER_BASE, GenerationArgs, run
 from lit_gpt.recipes.xla_generate import load_variant_staged, xla_generate_command
 from lit_gpt.utils import run_cli
 
@@ -27,7 +27,8 @@ def main(fabric, args: GenerationArgs) -> None:
     from lit_gpt.xla.runtime import XLARuntime
 
     def load(args: GenerationArgs) -> lora.GPT:  # block by block onto the devices, sharded; LoRA merged in
-        return load_variant_staged(fabric, lora.GPT, lora.Config, args.checkpoint_dir, args.finetuned_path)
+        return load_variant_staged(fabric, lora.GPT, lora.Config, args.checkpoint_dir, args.finetuned_path,
+                                   allow_other_base=args.allow_other_base)
 
     # generate/base.py's steps with this load: eager steps that XLA traces and compiles itself, XLA's runtime
     # (host-side prompt buckets, replicated caches, a graph cut per step)
@@ -36,7 +37,7 @@ def main(fabric, args: GenerationArgs) -> None:
 
 setup = xla_generate_command(
     "Generate `num_samples` continuations of a prompt with the LoRA-finetuned model on XLA devices.", main,
-    own=[LORA_PATH],
+    own=[LORA_PATH, ALLOW_OTHER_BASE],
     writer="the lora finetuning recipe",
 )
 
