@@ -80,12 +80,16 @@ def commit_folder(tmp: Path, directory: Path, token: str = "") -> None:
     """Rename the complete folder `tmp` to `directory`; an existing `directory` is moved aside first and deleted
     after, so at every moment one complete version exists under a name that `--resume` and the loaders accept.
     `token` makes the moved-aside name unique when several hosts commit into one shared folder."""
+    from lit_gpt.interrupts import deferred
+
     old = None
     if directory.exists():
         old = directory.with_name(f".{directory.name}.old{'-' + token if token else ''}")
         shutil.rmtree(old, ignore_errors=True)
-        os.replace(directory, old)
-    os.replace(tmp, directory)
+    with deferred():  # an interrupt between the two renames would leave neither version under the name
+        if old is not None:
+            os.replace(directory, old)
+        os.replace(tmp, directory)
     fsync_dir(directory.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)

@@ -39,6 +39,8 @@ import torch.nn as nn
 
 from lit_gpt.args import DataArgs, EvalArgs, TrainArgs
 from lit_gpt.checkpoints import resume_path, resume_run, run_files, step_dir
+from lit_gpt.interrupts import on_interrupt, resume_command
+from lit_gpt.manifest import MANIFEST
 from lit_gpt.data import IGNORE_INDEX, PreparedData, TrainBatches, count_cropped, load_prepared, val_batches
 from lit_gpt.losses import cross_entropy_sum, labelled_rows, loss_sum
 from lit_gpt.runtime import FINAL_DIR, Runtime
@@ -297,11 +299,13 @@ def fit(
     resume: Union[bool, Literal["auto"], Path] = False,
     run_config: Optional[Dict[str, Any]] = None,
     runtime: Optional[Runtime] = None,
+    allow_other_base: bool = False,
 ) -> Dict[str, Any]:
     """Train for `train.max_steps` optimizer steps (or `train.epochs` epochs), validating every `eval.interval` steps
     and checkpointing every `train.save_interval` steps and at the last step; then export the last step's trained
     weights to `out_dir/final`. Returns a summary (steps, per-step losses, last val loss, throughput, MFU,
-    compilations)."""
+    compilations). `run_config["base"]` (the base model's record, `lit_gpt.fingerprint`) goes with every checkpoint
+    and the export; a resumed run must have the same base unless `allow_other_base`."""
     from tqdm import tqdm
 
     from lit_gpt.tokenizer import Tokenizer
@@ -343,7 +347,7 @@ def fit(
     last_saved: Optional[Path] = None
     resume_from = resume_path(runtime, resume, out_dir)
     if resume_from is not None:
-        train_state = resume_run(runtime, resume_from, model, optimizer, method, data, run_config)
+        train_state = resume_run(runtime, resume_from, model, optimizer, method, data, run_config, allow_other_base)
         step = int(train_state["step"])
         last_saved = resume_from
         fabric.print(f"Resumed from {resume_from} at step {step} (epoch {data.train.epoch}, batch {data.train.index})")
@@ -374,114 +378,125 @@ def fit(
                dynamic_ncols=True, file=sys.stdout)
     model.train()
     first_step_of_run = True
-    while step < total_steps:
-        t0 = time.perf_counter()
-        c0 = runtime.compile_count()
-        set_lr(optimizer, lr_at(step, total_steps, train.lr_warmup_steps, train.learning_rate, train.min_lr))
-        # the whole step's micro-batches first: the loss is divided by the step's target count over all processes
-        batches = [pad_rows(next(data.train), data.rows) for _ in range(accum)]
-        step_targets = sum_over_processes(fabric, [sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in batches)])[0]
-        scale = runtime.scalar(runtime.grad_scale / step_targets)
-        mean_scale = runtime.scalar(1.0 / step_targets)
-        for micro, batch in enumerate(batches):
-            last = micro == accum - 1
-            # the labelled positions from the host copy: no device-to-host wait inside the step
-            # (None: every position has a label, so the head runs on all of them and nothing is selected)
-            rows = labelled_rows(batch["labels"]) if runtime.targets_only else None
-            input_ids, labels = runtime.place((batch["input_ids"], batch["labels"]))
-            rows = runtime.place(rows) if rows is not None else None
-            with runtime.backward_sync(model, last):
-                loss = loss_sum(model, input_ids, labels, targets_only=rows is not None, rows=rows)
-                fabric.backward(loss * scale)
-            running_loss += loss.detach().float() * mean_scale
-            runtime.end_micro_batch(last)
-        if train.max_norm is not None:
-            # error_if_nonfinite=False: no host read of the norm inside the step
-            fabric.clip_gradients(model, optimizer, max_norm=train.max_norm, error_if_nonfinite=False)
-        optimizer.step()  # on XLA the strategy ends the step's graph here
-        optimizer.zero_grad(set_to_none=True)
-        step += 1
-        running_steps += 1
-        n_tokens = sum(b["n_tokens"] for b in batches) * fabric.world_size
-        n_padded = sum(b["input_ids"].numel() for b in batches) * fabric.world_size
-        tokens_seen += n_tokens
-        padded_seen += n_padded
 
-        loss_value = None
-        if step % train.log_interval == 0 or step == total_steps:
-            # the only host read of the loss (on async backends it waits for the step)
-            loss_value = sum_over_processes(fabric, [float(running_loss.cpu())])[0] / running_steps
-            running_loss = runtime.zeros(())
-            running_steps = 0
-        step_time = time.perf_counter() - t0
-        train_time += step_time
-        new_compiles = runtime.compile_count() - c0
-        summary.setdefault("step_times", []).append((step_time, new_compiles, n_padded // fabric.world_size))
-        length = max(b["input_ids"].size(1) for b in batches)
-        step_compiles[length] = step_compiles.get(length, 0) + new_compiles
-        if first_step_of_run or new_compiles:
-            warmup["time"] += step_time
-            warmup["steps"] += 1
-        else:
-            steady["time"] += step_time
-            steady["tokens"] += n_tokens
-            steady["padded"] += n_padded
-            steady["steps"] += 1
-        first_step_of_run = False
-        bar.update(1)
+    def interrupted(signal_name: str) -> str:
+        where = f"interrupted by {signal_name} at step {step} of {total_steps}"
+        # this step's save may have been committed just before the signal came, before `last_saved` was set
+        saved = step_dir(out_dir, step) if step and (step_dir(out_dir, step) / MANIFEST).is_file() else last_saved
+        if saved is None:
+            return f"{where}, before any checkpoint was saved; start again with: {resume_command()}"
+        return f"{where}; the last complete checkpoint is {saved}; resume with: {resume_command()}"
 
-        if loss_value is not None:
-            summary["losses"][step] = loss_value
-            metrics: Dict[str, Any] = {"loss": loss_value, "lr": optimizer.param_groups[0]["lr"], "step": step,
-                                       "epoch": data.train.epoch, "tokens": tokens_seen, "step_time": step_time,
-                                       # cumulative, named like Lightning's ThroughputMonitor columns
-                                       "time": train_time, "lengths": padded_seen}
-            if steady["time"] > 0:
-                metrics["tokens_per_sec"] = steady["tokens"] / steady["time"]
-                metrics["padded_tokens_per_sec"] = steady["padded"] / steady["time"]
-                if peak:
-                    metrics["mfu"] = flops_per_token * metrics["padded_tokens_per_sec"] / (
-                        peak * runtime.data_parallel_size)
-            if runtime.compiles_graphs:
-                metrics["compiles"] = new_compiles
-            fabric.log_dict(metrics, step=step)
-            postfix = {"loss": f"{loss_value:.4f}", "lr": f"{metrics['lr']:.2e}"}
-            if "tokens_per_sec" in metrics:
-                postfix["steady_tok_s"] = f"{metrics['tokens_per_sec']:.0f}"
-            bar.set_postfix(postfix)
-            summary.update(train_loss=loss_value, tokens_per_sec=metrics.get("tokens_per_sec"),
-                           mfu=metrics.get("mfu"))
+    with on_interrupt(interrupted, quiet=fabric.global_rank != 0):
+        while step < total_steps:
+            t0 = time.perf_counter()
+            c0 = runtime.compile_count()
+            set_lr(optimizer, lr_at(step, total_steps, train.lr_warmup_steps, train.learning_rate, train.min_lr))
+            # the whole step's micro-batches first: the loss is divided by the step's target count over all processes
+            batches = [pad_rows(next(data.train), data.rows) for _ in range(accum)]
+            step_targets = sum_over_processes(fabric, [sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in batches)])[0]
+            scale = runtime.scalar(runtime.grad_scale / step_targets)
+            mean_scale = runtime.scalar(1.0 / step_targets)
+            for micro, batch in enumerate(batches):
+                last = micro == accum - 1
+                # the labelled positions from the host copy: no device-to-host wait inside the step
+                # (None: every position has a label, so the head runs on all of them and nothing is selected)
+                rows = labelled_rows(batch["labels"]) if runtime.targets_only else None
+                input_ids, labels = runtime.place((batch["input_ids"], batch["labels"]))
+                rows = runtime.place(rows) if rows is not None else None
+                with runtime.backward_sync(model, last):
+                    loss = loss_sum(model, input_ids, labels, targets_only=rows is not None, rows=rows)
+                    fabric.backward(loss * scale)
+                running_loss += loss.detach().float() * mean_scale
+                runtime.end_micro_batch(last)
+            if train.max_norm is not None:
+                # error_if_nonfinite=False: no host read of the norm inside the step
+                fabric.clip_gradients(model, optimizer, max_norm=train.max_norm, error_if_nonfinite=False)
+            optimizer.step()  # on XLA the strategy ends the step's graph here
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            running_steps += 1
+            n_tokens = sum(b["n_tokens"] for b in batches) * fabric.world_size
+            n_padded = sum(b["input_ids"].numel() for b in batches) * fabric.world_size
+            tokens_seen += n_tokens
+            padded_seen += n_padded
 
-        c1 = runtime.compile_count()
-        if has_val and (step % eval.interval == 0 or (step == total_steps and eval.final_validation)):
-            val_loss = validate(runtime, model, data.val, data.rows)
-            fabric.log_dict({"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50))}, step=step)
-            summary["val_loss"] = val_loss
-            text = generate_sample(runtime, model, raw_model, data.sample_prompt, tokenizer,
-                                   eval.max_new_tokens) if sampling else ""
-            if fabric.global_rank == 0:
-                bar.write(f"step {step}: val loss {val_loss:.4f}" + (f" | sample: {text!r}" if text else ""))
+            loss_value = None
+            if step % train.log_interval == 0 or step == total_steps:
+                # the only host read of the loss (on async backends it waits for the step)
+                loss_value = sum_over_processes(fabric, [float(running_loss.cpu())])[0] / running_steps
+                running_loss = runtime.zeros(())
+                running_steps = 0
+            step_time = time.perf_counter() - t0
+            train_time += step_time
+            new_compiles = runtime.compile_count() - c0
+            summary.setdefault("step_times", []).append((step_time, new_compiles, n_padded // fabric.world_size))
+            length = max(b["input_ids"].size(1) for b in batches)
+            step_compiles[length] = step_compiles.get(length, 0) + new_compiles
+            if first_step_of_run or new_compiles:
+                warmup["time"] += step_time
+                warmup["steps"] += 1
+            else:
+                steady["time"] += step_time
+                steady["tokens"] += n_tokens
+                steady["padded"] += n_padded
+                steady["steps"] += 1
+            first_step_of_run = False
+            bar.update(1)
 
-        if (train.save_interval is not None and step % train.save_interval == 0) or step == total_steps:
-            rng = runtime.rng_state()
-            train_state = {"step": step, "data": data.train.state_dict(), "total_steps": total_steps, "rows": data.rows,
-                           "rng": gather_objects(fabric, rng)}
-            state = {"model": model, "optimizer": optimizer, "train_state": train_state, **method.metadata}
-            push_logs(fabric)  # a URL out_dir's logs reach the bucket before the step they lead to is committed
-            last_saved = runtime.save_step(step_dir(out_dir, step), state, filters, write_files)
-            # go on from the saved generator state, like a run resumed from this checkpoint: saving may advance a
-            # backend's generator (XLA advances its seed at every graph cut, and a save cuts the graph)
-            runtime.set_rng_state(rng)
-            bar.write(f"saved {last_saved}") if fabric.global_rank == 0 else None
-        other_compiles += runtime.compile_count() - c1
-    bar.close()
-    summary["steps"] = step
+            if loss_value is not None:
+                summary["losses"][step] = loss_value
+                metrics: Dict[str, Any] = {"loss": loss_value, "lr": optimizer.param_groups[0]["lr"], "step": step,
+                                           "epoch": data.train.epoch, "tokens": tokens_seen, "step_time": step_time,
+                                           # cumulative, named like Lightning's ThroughputMonitor columns
+                                           "time": train_time, "lengths": padded_seen}
+                if steady["time"] > 0:
+                    metrics["tokens_per_sec"] = steady["tokens"] / steady["time"]
+                    metrics["padded_tokens_per_sec"] = steady["padded"] / steady["time"]
+                    if peak:
+                        metrics["mfu"] = flops_per_token * metrics["padded_tokens_per_sec"] / (
+                            peak * runtime.data_parallel_size)
+                if runtime.compiles_graphs:
+                    metrics["compiles"] = new_compiles
+                fabric.log_dict(metrics, step=step)
+                postfix = {"loss": f"{loss_value:.4f}", "lr": f"{metrics['lr']:.2e}"}
+                if "tokens_per_sec" in metrics:
+                    postfix["steady_tok_s"] = f"{metrics['tokens_per_sec']:.0f}"
+                bar.set_postfix(postfix)
+                summary.update(train_loss=loss_value, tokens_per_sec=metrics.get("tokens_per_sec"),
+                               mfu=metrics.get("mfu"))
 
-    if last_saved is not None:
-        final = runtime.export_final(last_saved, out_dir / FINAL_DIR, model, method.name, method.save_filter,
-                                     method.metadata.get("config", {}), write_files)
-        fabric.print(f"Saved the {method.name} weights of step {step} to {final}")
-        summary["final"] = final
+            c1 = runtime.compile_count()
+            if has_val and (step % eval.interval == 0 or (step == total_steps and eval.final_validation)):
+                val_loss = validate(runtime, model, data.val, data.rows)
+                fabric.log_dict({"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50))}, step=step)
+                summary["val_loss"] = val_loss
+                text = generate_sample(runtime, model, raw_model, data.sample_prompt, tokenizer,
+                                       eval.max_new_tokens) if sampling else ""
+                if fabric.global_rank == 0:
+                    bar.write(f"step {step}: val loss {val_loss:.4f}" + (f" | sample: {text!r}" if text else ""))
+
+            if (train.save_interval is not None and step % train.save_interval == 0) or step == total_steps:
+                rng = runtime.rng_state()
+                train_state = {"step": step, "data": data.train.state_dict(), "total_steps": total_steps, "rows": data.rows,
+                               "rng": gather_objects(fabric, rng)}
+                state = {"model": model, "optimizer": optimizer, "train_state": train_state, **method.metadata}
+                push_logs(fabric)  # a URL out_dir's logs reach the bucket before the step they lead to is committed
+                last_saved = runtime.save_step(step_dir(out_dir, step), state, filters, write_files)
+                # go on from the saved generator state, like a run resumed from this checkpoint: saving may advance a
+                # backend's generator (XLA advances its seed at every graph cut, and a save cuts the graph)
+                runtime.set_rng_state(rng)
+                bar.write(f"saved {last_saved}") if fabric.global_rank == 0 else None
+            other_compiles += runtime.compile_count() - c1
+        bar.close()
+        summary["steps"] = step
+
+        if last_saved is not None:
+            final = runtime.export_final(last_saved, out_dir / FINAL_DIR, model, method.name, method.save_filter,
+                                         method.metadata.get("config", {}), write_files,
+                                         base=(run_config or {}).get("base"))
+            fabric.print(f"Saved the {method.name} weights of step {step} to {final}")
+            summary["final"] = final
     _report(fabric, runtime, summary, steady, warmup, step_compiles, other_compiles, flops_per_token, peak)
     push_logs(fabric)
     return summary
