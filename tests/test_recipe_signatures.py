@@ -44,6 +44,8 @@ TRAIN = "each method has its own training hyperparameters (a LoRA or an adapter 
 LORA_SETTINGS = "the LoRA rank, scale, dropout and the layers it adapts: LoRA's own settings"
 ADAPTER_SETTINGS = "the adapter prompt's length and the first adapted layer: the adapter methods' own settings"
 QLORA = "QLoRA: the frozen base weights quantized under the LoRA matrices (bitsandbytes nf4); a LoRA setting"
+OTHER_BASE = ("the override of the check that finetuned weights go on the base they were trained on: only the recipes"
+              " that load a method's weights on a base have it (full.py's weights replace the base's)")
 
 OWN: Dict[Tuple[str, str], str] = {
     ("generate/lora.py", "lora_path"): LORA_WEIGHTS,
@@ -52,6 +54,9 @@ OWN: Dict[Tuple[str, str], str] = {
     ("generate/full.py", "checkpoint_path"): FULL_WEIGHTS,
     ("xla/generate/lora.py", "lora_path"): LORA_WEIGHTS,
     ("xla/generate/adapter.py", "adapter_path"): ADAPTER_WEIGHTS,
+    **{(recipe, "allow_other_base"): OTHER_BASE for recipe in ("generate/lora.py", "generate/adapter.py",
+                                                               "generate/adapter_v2.py", "xla/generate/lora.py",
+                                                               "xla/generate/adapter.py")},
     ("chat/base.py", "system_prompt"): "a system message that starts the conversation: chat's own",
     **{(f"finetune/{m}.py", "out_dir"): OUT_DIR for m in ("adapter", "adapter_v2", "lora", "full")},
     **{(f"finetune/{m}.py", "train"): TRAIN for m in ("adapter", "adapter_v2", "lora", "full")},
@@ -103,6 +108,8 @@ ACROSS: Dict[Tuple[str, str], Dict[str, Tuple[set, str]]] = {
         "out_dir": ({"default", "help"}, "the XLA recipes write sharded step checkpoints, under out/xla/<method>"),
         "strategy": ({"missing"}, "DDP/FSDP are Fabric strategies of the CPU/GPU recipes; XLA shards with SPMD"),
         "num_nodes": ({"missing"}, "Lightning launches CPU/GPU nodes; on XLA the PJRT runtime finds the hosts"),
+        "peer_timeout": ({"missing"}, "bounds the wait for Lightning-launched processes (torch.distributed's timeout);"
+                                      " XLA's hosts are joined by the PJRT runtime"),
         "scan_layers": ({"missing"}, "torch_xla's scan over the blocks (one compiled block): XLA only"),
         "activation_checkpointing": ({"missing"}, "torch_xla's checkpoint_module per block under SPMD (XLA only: the"
                                                   " CPU/GPU recipes do not offer recomputation)"),

@@ -21,6 +21,8 @@ import torch
 import torch.nn as nn
 
 from lit_gpt.args import DataArgs, EvalArgs, TrainArgs
+from lit_gpt.fingerprint import base_record
+from lit_gpt.launch import check_launcher, launch, strategy_timeout
 from lit_gpt.config import Config, load_config  # noqa: F401  (the recipes import `load_config` from here)
 from lit_gpt.runtime import FINAL_DIR, STEP_DIR, param_dtype, resolve_accelerator
 from lit_gpt.storage import location, log_folder
@@ -56,6 +58,11 @@ class FinetuneRun:
     """"xla" for the XLA recipes (recorded: a run resumes on the backend that started it)."""
     options: Dict[str, Any] = field(default_factory=dict)
     """Backend options that do not change what is computed (e.g. xla_metrics)."""
+    base: Optional[Dict[str, Any]] = None
+    """The base model's record ({"fingerprint", "checkpoint_dir"}, `lit_gpt.fingerprint`): kept with every
+    checkpoint and the final weights, compared on resume, generation and merging."""
+    allow_other_base: bool = False
+    """Resume although the base's fingerprint differs from the run's (one warning line instead of an error)."""
 
     @property
     def run_config(self) -> Dict[str, Any]:
@@ -65,6 +72,8 @@ class FinetuneRun:
             extra["quantize"] = self.quantize
         if self.platform:
             extra["platform"] = self.platform
+        if self.base:
+            extra["base"] = self.base
         return run_config(method=self.method, checkpoint_dir=self.checkpoint_dir, data=self.data, train=self.train,
                           eval=self.eval, optimizer=self.optimizer, **extra)
 
@@ -79,6 +88,7 @@ def setup_fabric(
     accelerator: str = "auto",
     num_nodes: int = 1,
     resume: Union[bool, str, Path] = False,
+    peer_timeout: float = 1800.0,
 ) -> L.Fabric:
     """Fabric for the run: one device, or several (on `num_nodes` machines) with FSDP (sharding per `block_cls`)
     on GPUs and DDP on CPU processes, where Fabric has no FSDP. `out_dir` is checked first (see `check_out_dir`)."""
@@ -92,6 +102,7 @@ def setup_fabric(
             f"--devices {devices} but only {torch.cuda.device_count()} GPU(s) are visible: lower --devices, or"
             " train on CPU processes with --accelerator cpu"
         )
+    timeout = strategy_timeout(peer_timeout)  # how long any process waits for the others (join, collectives)
     check_out_dir(out_dir, resume)
     if precision is None:
         precision = "bf16-true" if accelerator == "cuda" and torch.cuda.is_bf16_supported() else "32-true"
@@ -111,13 +122,14 @@ def setup_fabric(
             sharding_strategy="FULL_SHARD",
             limit_all_gathers=True,
             cpu_offload=False,
+            timeout=timeout,
         )
     elif strategy == "ddp":
         from lightning.fabric.strategies import DDPStrategy
 
         # the rope and KV caches are buffers computed identically on every rank: broadcasting them each forward
         # would only cost time
-        strategy_obj = DDPStrategy(broadcast_buffers=False)
+        strategy_obj = DDPStrategy(broadcast_buffers=False, timeout=timeout)
     else:
         strategy_obj = "auto"
     logger = make_logger(out_dir, logger_name)
@@ -347,6 +359,7 @@ def fit(fabric: L.Fabric, runtime: Runtime, model: nn.Module, raw_model: nn.Modu
     return training.fit(
         fabric, model, raw_model, optimizer, data, method, checkpoint_dir=run.checkpoint_dir, out_dir=run.out_dir,
         train=run.train, eval=run.eval, resume=run.resume, run_config=run.run_config, runtime=runtime,
+        allow_other_base=run.allow_other_base,
     )
 
 
@@ -366,15 +379,18 @@ def finetune_command(
 
     def setup(**flags: Any) -> Dict[str, Any]:
         flags["train"].validate(flags["devices"] * flags["num_nodes"])
+        check_launcher(flags["num_nodes"], flags["devices"], flags["accelerator"])  # before anything is loaded
         if check is not None:
             check(flags)
         config = load_config(flags["checkpoint_dir"], config_cls, **values(flags, own))
         fabric = setup_fabric(
             flags["devices"], flags["precision"], flags["out_dir"], flags["logger_name"], flags["strategy"],
             block_cls=Block, accelerator=flags["accelerator"], num_nodes=flags["num_nodes"], resume=flags["resume"],
+            peer_timeout=flags["peer_timeout"],
         )
         run = FinetuneRun(method, flags["checkpoint_dir"], flags["out_dir"], config, flags["data"], flags["train"],
-                          flags["eval"], flags["resume"], flags["optimizer"], quantize=flags.get("quantize"))
-        return fabric.launch(main, run)
+                          flags["eval"], flags["resume"], flags["optimizer"], quantize=flags.get("quantize"),
+                          base=base_record(flags["checkpoint_dir"]), allow_other_base=flags["allow_other_base"])
+        return launch(fabric, main, run, peer_timeout=flags["peer_timeout"])  # a wait for peers that ends
 
     return command(summary, finetune_flags(FINETUNE, own, tail, **defaults), setup)

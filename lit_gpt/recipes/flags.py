@@ -28,6 +28,8 @@ _OUT_DIR_DOC = ("Where checkpoints (step-XXXXXX/, final/) and logs go:\n"
 _RESUME_DOC = ('Continue from a checkpoint: a step directory, True (the newest complete one in out_dir), or "auto"\n'
                "(the newest if there is one, else start fresh).")
 _TRAIN_DOC = "Optimisation and checkpointing (micro_batch_size is per device)."
+_ALLOW_OTHER_BASE_DOC = ("Resume although --checkpoint_dir holds other base weights than the run was started on (their\n"
+                         "fingerprints differ): for experts who know the two bases are interchangeable.")
 _LOGGER_DOC = ('"csv", "tensorboard" or "wandb" (under out_dir/logs; W&B: project from WANDB_PROJECT,\n'
                "offline with WANDB_MODE=offline).")
 
@@ -36,14 +38,14 @@ _LOGGER_DOC = ('"csv", "tensorboard" or "wandb" (under out_dir/logs; W&B: projec
 # ---------------------------------------------------------------------------------------------------------------
 FINETUNE: List[Flag] = [
     Flag("checkpoint_dir", Path, DEFAULT_CHECKPOINT_DIR, "The base model (a converted lit checkpoint directory)."),
-    Flag("out_dir", str, "out/METHOD/alpaca", _OUT_DIR_DOC),
+    Flag("out_dir", str, "out/METHOD/alpaca", _OUT_DIR_DOC, url="output"),
     Flag("precision", Optional[Precision], None,
          '"32-true", "bf16-true", "bf16-mixed", "16-true" or "16-mixed" (default: bf16-true on GPUs\n'
          "that support it, else 32-true)."),
     Flag("devices", int, 1, "How many devices (GPUs, or CPU processes) to train on."),
     Flag("strategy", Literal["auto", "ddp", "fsdp"], "auto",
          '"auto" = FSDP on several GPUs, DDP on several CPU processes.'),
-    Flag("resume", Union[bool, Literal["auto"], str], False, _RESUME_DOC),
+    Flag("resume", Union[bool, Literal["auto"], str], False, _RESUME_DOC, url="input"),
     Flag("optimizer", Literal["adamw", "sgd"], "adamw", '"adamw" or "sgd" (with momentum 0.9).'),
     Flag("data", DataArgs, DataArgs(), "Where the prepared data is and how it is batched."),
     Flag("train", TrainArgs, TrainArgs(), _TRAIN_DOC),
@@ -53,6 +55,10 @@ FINETUNE: List[Flag] = [
          '"cpu", "cuda" or "auto" (a GPU when one is visible, else the CPU).'),
     Flag("num_nodes", int, 1,
          "Machines to train on, `devices` processes each (launched by torchrun or SLURM on every node)."),
+    Flag("peer_timeout", float, 1800.0,
+         "Seconds to wait for the other processes: to join at start-up, and at each collective (rank 0's\n"
+         "checkpoint save makes the others wait at a barrier: keep it above your longest save)."),
+    Flag("allow_other_base", bool, False, _ALLOW_OTHER_BASE_DOC),
 ]
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -62,12 +68,13 @@ XLA_FINETUNE: List[Flag] = [
     Flag("checkpoint_dir", Path, DEFAULT_CHECKPOINT_DIR, "The base model (a converted lit checkpoint directory)."),
     Flag("out_dir", str, "out/xla/METHOD/alpaca",
          "Where sharded checkpoints (step-XXXXXX/), the final weights (final/) and logs go:\n"
-         "a folder, or an fsspec URL such as gs://bucket/run (needs gcsfs) or s3://bucket/run (needs s3fs)."),
+         "a folder, or an fsspec URL such as gs://bucket/run (needs gcsfs) or s3://bucket/run (needs s3fs).",
+         url="output"),
     Flag("precision", Optional[str], None,
          '"32-true", "bf16-true" or "bf16-mixed" (default: bf16-true on TPUs, else 32-true).'),
     Flag("devices", Union[int, str], "auto",
          '"auto" (all devices of the XLA runtime) or their number: the SPMD mesh spans all of them.'),
-    Flag("resume", Union[bool, Literal["auto"], str], False, _RESUME_DOC),
+    Flag("resume", Union[bool, Literal["auto"], str], False, _RESUME_DOC, url="input"),
     Flag("activation_checkpointing", bool, False,
          "Recompute each block's activations in the backward pass (less memory, ~1/3\nmore compute)."),
     Flag("scan_layers", Union[bool, Literal["auto"]], "auto",
@@ -87,6 +94,7 @@ XLA_FINETUNE: List[Flag] = [
          "Print torch_xla's metrics report (compilations, transfers, timings) at the end."),
     Flag("accelerator", str, "auto",
          'The PJRT device: "auto" (the TPU when there is one, else the CPU), "tpu", "cpu" or "cuda".'),
+    Flag("allow_other_base", bool, False, _ALLOW_OTHER_BASE_DOC),
 ]
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ from typing import Any, Callable, Dict, Optional, Sequence, Type, Union
 
 import torch.nn as nn
 
+from lit_gpt.fingerprint import base_record
 from lit_gpt import training
 from lit_gpt.args import TrainArgs
 from lit_gpt.config import Config
@@ -120,7 +121,8 @@ def xla_finetune_command(
         )
         run = FinetuneRun(method, flags["checkpoint_dir"], flags["out_dir"], config, flags["data"], flags["train"],
                           flags["eval"], flags["resume"], flags["optimizer"], platform="xla",
-                          options={"xla_metrics": flags["xla_metrics"]})
+                          options={"xla_metrics": flags["xla_metrics"]},
+                          base=base_record(flags["checkpoint_dir"]), allow_other_base=flags["allow_other_base"])
         return fabric.launch(main, run)
 
     return command(summary, finetune_flags(XLA_FINETUNE, own, **defaults), setup)
