@@ -36,11 +36,16 @@ def check_quantize(mode: Optional[str], device: torch.device, dtype: torch.dtype
     """Raise a one-line LitError when `mode` cannot run on `device` in `dtype` (nothing for None)."""
     if mode is None:
         return
-    if mode not in choices:
-        if mode in CHOICES:  # a generation mode asked of finetuning (or the reverse)
-            raise LitError(f"{flag} {mode} is not available here: use {' or '.join(choices)}")
-        raise LitError(f"{flag} must be one of {', '.join(choices)} (got {mode!r})")
     device = torch.device(device)
+    if mode not in choices:
+        # suggest only what can run on this device: bitsandbytes needs CUDA
+        usable = [c for c in choices if device.type == "cuda" or not c.startswith("bnb.")]
+        if not usable:
+            raise LitError(f"{flag} {mode!r} is not a choice here, and {' or '.join(choices)} needs a CUDA GPU: on"
+                           f" the {device.type.upper()} run without {flag}")
+        if mode in CHOICES:  # a generation mode asked of finetuning (or the reverse)
+            raise LitError(f"{flag} {mode} is not available here: use {' or '.join(usable)}")
+        raise LitError(f"{flag} must be one of {', '.join(usable)} (got {mode!r})")
     if mode.startswith("bnb."):
         if device.type != "cuda":
             other = [c for c in choices if not c.startswith("bnb.")]

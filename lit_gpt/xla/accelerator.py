@@ -179,6 +179,8 @@ class PJRTAccelerator(XLAAccelerator):
             n = int(devices)
         except (TypeError, ValueError):
             raise LitError(f"devices={devices!r} is not a number of devices: use 'auto' (= {count})") from None
+        if n < 1:
+            raise LitError(f"devices={n}: give 'auto' or the number of devices of the XLA runtime ({count})")
         if n != count:
             raise LitError(
                 f"devices={n} but the XLA runtime has {count} device(s), and an SPMD mesh spans all of them: use"
