@@ -60,7 +60,7 @@ def checksums(folder: Path, names: Optional[Iterable[str]] = None) -> Dict[str, 
     return {name: file_checksum(folder / name) for name in names if name != MANIFEST}
 
 
-def write_json_synced(path: Path, obj: Any) -> None:
+def write_json_synced(path: PathLike, obj: Any) -> None:
     """A small JSON file, on disk before this returns (fsync); in a bucket an object is whole or absent."""
     path = location(path)
     if is_url(path):
@@ -90,6 +90,10 @@ class StepProblem:
     """"incomplete" (its save did not finish: no readable manifest) or "damaged" (a recorded file differs)."""
     detail: str
     """What is wrong, naming the file: "checkpoint.pth has 1024 bytes, 4096 recorded at save time"."""
+    name: str = ""
+    """The file that is missing or differs ("" when the problem is not one file's)."""
+    difference: str = ""
+    """How it differs: "1024 bytes instead of 4096", "CRC32 0a1b2c3d instead of 4e5f6a7b" ("" when missing)."""
 
     def __str__(self) -> str:
         return f"{self.kind} ({self.detail})"
@@ -119,14 +123,13 @@ def verify_checksums(step: PathLike, recorded: Dict[str, Dict[str, Any]], names:
             continue
         f = step / name
         if not f.is_file():
-            return StepProblem("damaged", f"{name} is missing")
+            return StepProblem("damaged", f"{name} is missing", name)
         actual = file_checksum(f)
-        if actual["size"] != expected["size"]:
-            return StepProblem("damaged", f"{name} has {actual['size']} bytes, {expected['size']} recorded at save"
-                                          " time")
-        if actual["crc32"] != expected["crc32"]:
-            return StepProblem("damaged", f"{name} has CRC32 {actual['crc32']}, {expected['crc32']} recorded at"
-                                          " save time")
+        for key, unit in (("size", "bytes"), ("crc32", "")):
+            if actual[key] != expected[key]:
+                a, e = (f"{actual[key]} {unit}", expected[key]) if unit else (f"CRC32 {actual[key]}", expected[key])
+                return StepProblem("damaged", f"{name} has {a}, {e} recorded at save time", name,
+                                   f"{a} instead of {e}")
     return None
 
 

@@ -220,14 +220,34 @@ class Runtime:
         fabric.barrier()
         try:
             fabric.save(tmp / STEP_FILE, state, filter=filter)
-            if fabric.global_rank == 0:
-                write_files(tmp)
-                write_manifest(tmp)  # what the step holds (sizes, CRC32s): verified before it is resumed
-                commit_folder(tmp, directory)
         except OSError as e:
             raise write_error(directory, [tmp], e) from e
-        fabric.barrier()
+
+        def commit() -> None:
+            write_files(tmp)
+            write_manifest(tmp)  # what the step holds (sizes, CRC32s): verified before it is resumed
+            commit_folder(tmp, directory)
+
+        self.on_rank_zero(commit, directory, [tmp])
         return directory
+
+    def on_rank_zero(self, fn: Callable[[], Any], directory: Path, partials: Sequence[Path]) -> Any:
+        """`fn()` on rank 0 while the other processes wait for its outcome (not at a bare barrier): when it fails
+        to write, every process raises the same one line, instead of the others waiting at the next collective."""
+        fabric = self.fabric
+        result, failure = None, None
+        if fabric.global_rank == 0:
+            try:
+                result = fn()
+            except OSError as e:
+                failure = str(write_error(directory, partials, e))
+            except LitError as e:
+                failure = str(e)
+        if fabric.world_size > 1:
+            failure = fabric.broadcast(failure, src=0)
+        if failure is not None:
+            raise LitError(failure)
+        return result
 
     def _save_step_in_bucket(
         self,
@@ -338,18 +358,12 @@ class Runtime:
         the base model it was trained from (`lit_gpt.fingerprint`)."""
         from lit_gpt.export import export_weights
 
-        fabric = self.fabric
         state = full_state_dict(model)
         if save_filter is not None:
             state = {k: v for k, v in state.items() if save_filter(k, v)}
         final = location(final)
-        path = None
-        if fabric.global_rank == 0:
-            try:
-                path = export_weights(state, final, method, method_config, write_files, base=base)
-            except OSError as e:
-                raise write_error(final, [], e) from e
-        fabric.barrier()
+        path = self.on_rank_zero(lambda: export_weights(state, final, method, method_config, write_files, base=base),
+                                 final, [])
         return path if path is not None else final
 
     # ----------------------------------------------------------------- model

@@ -38,7 +38,6 @@ This module imports torch_xla only when it is used with XLA tensors, so the cons
 """
 
 import io
-import json
 import os
 import re
 import shutil
@@ -53,6 +52,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from lightning_utilities.core.imports import RequirementCache
 from torch.optim import Optimizer
 
+from lit_gpt.manifest import write_json_synced
 from lit_gpt.state import commit_folder, fsync_dir, rng_state, set_rng_state
 from lit_gpt.storage import is_url, location, remove, write_into
 from lit_gpt.utils import LitError
@@ -284,7 +284,7 @@ def save_sharded(
         if write_files is not None:
             write_files(tmp)  # inside before the commit: a complete checkpoint always has them
             marker["checksums"].update(run_file_checksums(tmp))
-        _write_json_synced(tmp / MARKER, marker)
+        write_json_synced(tmp / MARKER, marker)
         fsync_dir(tmp)
         commit_folder(tmp, path, token)
     _barrier()
@@ -296,7 +296,7 @@ def save_sharded(
                 f.write(index)
                 f.flush()
                 os.fsync(f.fileno())
-            _write_json_synced(tmp / MARKER, marker)
+            write_json_synced(tmp / MARKER, marker)
             fsync_dir(tmp)
         commit_folder(tmp, path, token)
     _barrier()
@@ -351,7 +351,7 @@ def _save_in_bucket(
         if write_files is not None:
             write_into(path, write_files)
             marker["checksums"].update(run_file_checksums(path))  # read back: what the bucket holds
-        _write_json_synced(path / MARKER, marker)
+        write_json_synced(path / MARKER, marker)
     _barrier()
     return path
 
@@ -369,16 +369,6 @@ def _device_count() -> int:
 
         return xr.global_runtime_device_count()
     return 1
-
-
-def _write_json_synced(path: Path, obj: Any) -> None:
-    if is_url(path):  # an object: whole or absent once the write returns
-        path.write_text(json.dumps(obj, indent=1), encoding="utf-8")
-        return
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 # ---------------------------------------------------------------------------------------------------------------

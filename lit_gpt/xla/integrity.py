@@ -111,24 +111,15 @@ def verify_files(path: PathLike, names: Optional[List[str]] = None, marker: Opti
     path = location(path)
     marker = read_marker(path) if marker is None else marker
     recorded: Dict[str, Dict[str, Any]] = marker.get("checksums") or {}
-    for name in sorted(recorded) if names is None else names:
-        expected = recorded.get(name)
-        if expected is None:
-            continue
-        f = path / name
-        if not f.is_file():
+    problem = verify_checksums(path, recorded, sorted(recorded) if names is None else names)
+    if problem is not None:
+        f = path / problem.name
+        if not problem.difference:
             raise LitError(f"sharded checkpoint file {str(f)!r} is missing: copy it from the host that wrote it")
-        actual = file_checksum(f)
-        if actual != expected:
-            what = (
-                f"{actual['size']} bytes instead of {expected['size']}"
-                if actual["size"] != expected["size"]
-                else f"CRC32 {actual['crc32']} instead of {expected['crc32']}"
-            )
-            raise LitError(
-                f"sharded checkpoint file {str(f)!r} is damaged ({what} recorded at save time): copy it again from"
-                " the host that wrote it, or use an earlier checkpoint"
-            )
+        raise LitError(
+            f"sharded checkpoint file {str(f)!r} is damaged ({problem.difference} recorded at save time): copy it"
+            " again from the host that wrote it, or use an earlier checkpoint"
+        )
 
 
 def read_marker(path: PathLike) -> Dict[str, Any]:

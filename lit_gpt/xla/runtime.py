@@ -187,17 +187,12 @@ class XLARuntime(Runtime):
         shard by shard. Host 0 does it; the other hosts' shards must be readable from it (shared storage: a bucket
         is one). Committed like every export (`lit_gpt.export`)."""
         from lit_gpt.export import export_final_folder
-        from lit_gpt.runtime import write_error
         from lit_gpt.xla.consolidation import consolidate
 
-        path = None
-        if self.fabric.global_rank == 0:
-            try:
-                path = export_final_folder(final, write_files, lambda stage: consolidate(step, stage, key="model",
-                                                                                          progress=False, base=base))
-            except OSError as e:
-                raise write_error(location(final), [], e) from e
-        self.fabric.barrier()
+        path = self.on_rank_zero(
+            lambda: export_final_folder(final, write_files, lambda stage: consolidate(step, stage, key="model",
+                                                                                       progress=False, base=base)),
+            location(final), [])
         return path if path is not None else location(final)
 
     # ----------------------------------------------------------------- model
