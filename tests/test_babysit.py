@@ -1,16 +1,19 @@
-"""xla/scripts/babysit.py against a fake `gcloud` (first on PATH; the real one is never run, nothing reaches the
-network).
+"""xla/scripts/babysit.py against a stand-in `gcloud` (tests/fake_gcloud.py, first on PATH; the real one is never
+run, nothing reaches the network).
 
 The fake keeps the TPU VMs and queued resources in a JSON file next to itself. `create` fails with "no more
 capacity" as often as the scenario says; `ssh --worker=all --command CMD` runs CMD here with bash (the real recipe),
 and preempts the slice in the middle of a run: when a trigger file appears (a checkpoint's commit marker) it
 SIGKILLs the command, marks the node PREEMPTED (its queued resource SUSPENDED) and exits 255 like an ssh session
-whose VM vanished.
+whose VM vanished. Its scenario can also make any call fail, hang, print junk, or do its work and then fail or hang
+(a slice left half created).
 
 The main test babysits the real `xla/finetune/lora.py` (LoRA with dropout, XLA:CPU, 1 device) through one failed
 creation and two preemptions (after the step-2 and step-4 checkpoints); the final LoRA weights must be bit-identical
 to an uninterrupted run of the same command, which runs meanwhile. The others use shell commands: the retry limit,
-a failure on a healthy slice, Ctrl-C, and a queued spot resource.
+a failure on a healthy slice, Ctrl-C and SIGTERM, a queued spot resource, and the fault table (bad arguments and a
+gcloud that fails, hangs, prints junk or leaves a slice half created; run in this process, for speed: the fake
+gcloud still runs as its own program), which checks the exit code, the one error line and what is left afterwards.
 """
 
 import importlib.util
@@ -20,7 +23,6 @@ import re
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 from typing import Dict, List, Optional, Union
@@ -33,146 +35,7 @@ BABYSIT = REPO / "xla" / "scripts" / "babysit.py"
 TIMEOUT = 300
 HAS_XLA = importlib.util.find_spec("torch_xla") is not None
 
-FAKE_GCLOUD = r'''
-import fcntl, json, os, signal, subprocess, sys, time
-from pathlib import Path
-
-HERE = Path(__file__).resolve().parent
-STATE, SCENARIO = HERE / "state.json", json.loads((HERE / "scenario.json").read_text())
-
-
-class Locked:
-    """Read-modify-write of the state file under a lock (describe polls while ssh preempts)."""
-    def __enter__(self):
-        self.lock = open(HERE / "state.lock", "w")
-        fcntl.flock(self.lock, fcntl.LOCK_EX)
-        self.state = json.loads(STATE.read_text()) if STATE.exists() else {
-            "nodes": {}, "queued": {}, "create_failures": SCENARIO.get("create_failures", 0),
-            "preempt_when": SCENARIO.get("preempt_when", [])}
-        return self.state
-    def __exit__(self, *exc):
-        STATE.with_suffix(".tmp").write_text(json.dumps(self.state))
-        os.replace(STATE.with_suffix(".tmp"), STATE)
-        self.lock.close()
-
-
-def happened(trigger):
-    """A trigger file exists; a JSON one (a checkpoint's marker) also holds its whole content: the fake preempts
-    after the commit, not while the marker is being written (file:// writes it in place)."""
-    path = Path(trigger)
-    if not path.exists():
-        return False
-    if path.suffix != ".json":
-        return True
-    try:
-        json.loads(path.read_text())
-        return True
-    except ValueError:
-        return False
-
-
-def fail(message, code=1):
-    print(f"ERROR: (gcloud.compute.tpus.{'.'.join(cmd)}) {message}", file=sys.stderr)
-    sys.exit(code)
-
-
-def flag(name, default=None):
-    for i, a in enumerate(args):
-        if a == name and i + 1 < len(args):
-            return args[i + 1]
-        if a.startswith(name + "="):
-            return a.split("=", 1)[1]
-    return default
-
-
-argv = sys.argv[1:]
-with open(HERE / "calls.jsonl", "a") as f:
-    f.write(json.dumps(argv) + "\n")
-if argv and argv[0] == "alpha":
-    argv = argv[1:]
-if argv[:2] != ["compute", "tpus"] or len(argv) < 5:
-    sys.exit(f"fake gcloud: unexpected command {argv}")
-cmd, name, args = argv[2:4], argv[4], argv[5:]
-not_found = f"NOT_FOUND: Resource 'projects/p/locations/{flag('--zone')}/x/{name}' was not found"
-assert flag("--zone"), "every command names the zone"
-
-if cmd == ["tpu-vm", "create"] or cmd == ["queued-resources", "create"]:
-    with Locked() as s:
-        if SCENARIO.get("create_error"):
-            fail(SCENARIO["create_error"])
-        if s["create_failures"] > 0:
-            s["create_failures"] -= 1
-            fail('{"code": 8, "message": "There is no more capacity in the zone; you can try in another zone"}')
-        node = flag("--node-id", name)
-        if node in s["nodes"] or name in s["queued"]:
-            fail(f"ALREADY_EXISTS: {name}")
-        tier = "spot" if "--spot" in args else "preemptible" if "--preemptible" in args else \
-            "best-effort" if "--best-effort" in args else "on-demand"
-        if cmd[0] == "queued-resources":
-            s["queued"][name] = {"state": "WAITING_FOR_RESOURCES", "node": node, "tier": tier,
-                                 "waits": SCENARIO.get("queue_waits", 0)}
-        else:
-            s["nodes"][name] = {"state": "READY", "health": "HEALTHY", "tier": tier}
-elif cmd == ["tpu-vm", "describe"] or cmd == ["queued-resources", "describe"]:
-    with Locked() as s:
-        if cmd[0] == "queued-resources":
-            qr = s["queued"].get(name)
-            if qr is None:
-                fail(not_found)
-            if qr["state"] == "WAITING_FOR_RESOURCES":
-                qr["waits"] -= 1
-                if qr["waits"] < 0:  # capacity came: the node exists
-                    qr["state"] = "ACTIVE"
-                    s["nodes"][qr["node"]] = {"state": "READY", "health": "HEALTHY", "tier": qr["tier"]}
-            print(json.dumps({"name": name, "state": {"state": qr["state"]}}))
-        else:
-            if name not in s["nodes"]:
-                fail(not_found)
-            print(json.dumps({"name": name, **s["nodes"][name]}))
-elif cmd == ["tpu-vm", "delete"] or cmd == ["queued-resources", "delete"]:
-    with Locked() as s:
-        if cmd[0] == "queued-resources":
-            if name not in s["queued"]:
-                fail(not_found)
-            s["nodes"].pop(s["queued"].pop(name)["node"], None)
-        elif s["nodes"].pop(name, None) is None:
-            fail(not_found)
-elif cmd == ["tpu-vm", "ssh"]:
-    assert flag("--worker") == "all", args
-    with Locked() as s:
-        node = s["nodes"].get(name, {})
-    if node.get("state") != "READY":
-        print(f"ssh: connect to host {name} port 22: Connection timed out", file=sys.stderr)
-        sys.exit(255)
-    command = flag("--command")
-    # the babysitter ends a session with SIGTERM: take the remote command down too, like a closed connection.
-    # SIGTERM stays blocked until the handler knows the command, so none can end this fake alone and leave the
-    # command (in a session of its own) running with the babysitter's output pipes
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
-    proc = subprocess.Popen(["bash", "-c", command], cwd=SCENARIO["workdir"], start_new_session=True)
-    signal.signal(signal.SIGTERM, lambda *a: (os.killpg(proc.pid, signal.SIGKILL), sys.exit(143)))
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
-    watched = SCENARIO.get("preempt_match", "") in command
-    while proc.poll() is None:
-        time.sleep(0.05)
-        with Locked() as s:
-            triggers = s["preempt_when"]
-            if not (watched and triggers and happened(triggers[0])):
-                continue
-            os.killpg(proc.pid, signal.SIGKILL)  # the VM is gone, and its processes with it
-            proc.wait()
-            if not SCENARIO.get("preempt_repeat"):
-                triggers.pop(0)
-            s["nodes"][name].update(state="PREEMPTED", health="")
-            for qr in s["queued"].values():
-                if qr["node"] == name:
-                    qr["state"] = "SUSPENDED"
-        print(f"Connection to {name} closed by remote host.", file=sys.stderr)
-        sys.exit(255)
-    sys.exit(proc.returncode)
-else:
-    sys.exit(f"fake gcloud: unexpected command {argv}")
-'''
+FAKE_GCLOUD = Path(__file__).resolve().parent / "fake_gcloud.py"  # the stand-in gcloud, copied per test
 
 XLA_ENV = {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "1", "TF_CPP_MIN_LOG_LEVEL": "2",
            "XLA_FLAGS": "--xla_backend_optimization_level=0"}
@@ -184,17 +47,20 @@ RECIPE_ARGS = ["--lora_r", "4", "--lora_alpha", "8", "--lora_dropout", "0.1", "-
 FAST = ["--create_retry_delay", "0.2", "--poll_interval", "1", "--preemption_grace", "1"]
 TPU = ["--name", "my-tpu", "--zone", "us-central2-b", "--accelerator_type", "v4-8", "--version",
        "tpu-ubuntu2204-base"]
+DELETE = "compute tpus tpu-vm delete my-tpu --zone us-central2-b --quiet"  # after the gcloud's path
 
 
 class Fake:
     """A directory holding the fake gcloud, its scenario, state and call record."""
 
-    def __init__(self, root: Path, workdir: Path, **scenario) -> None:
+    def __init__(self, root: Path, workdir: Path, shebang: Optional[str] = None, mode: int = 0o755,
+                 **scenario) -> None:
         self.dir = root / "bin"
         self.dir.mkdir(parents=True)
         gcloud = self.dir / "gcloud"
-        gcloud.write_text(f"#!{sys.executable}\n" + FAKE_GCLOUD)
-        gcloud.chmod(0o755)
+        # -S: no site-packages to scan at each start (the fake needs only the standard library)
+        gcloud.write_text(f"{shebang or f'#!{sys.executable} -S'}\n" + FAKE_GCLOUD.read_text())
+        gcloud.chmod(mode)
         (self.dir / "scenario.json").write_text(json.dumps({"workdir": str(workdir), **scenario}))
 
     def env(self, **extra: str) -> Dict[str, str]:
@@ -205,8 +71,16 @@ class Fake:
     def state(self) -> dict:
         return json.loads((self.dir / "state.json").read_text())
 
+    def nodes(self) -> set:
+        """The TPU VMs that exist afterwards (none when no call changed or read the state)."""
+        return set(self.state()["nodes"]) if (self.dir / "state.json").exists() else set()
+
     def calls(self) -> List[List[str]]:
-        return [json.loads(line) for line in (self.dir / "calls.jsonl").read_text().splitlines()]
+        log = self.dir / "calls.jsonl"
+        return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+
+    def count(self, verb: str) -> int:
+        return sum(len(c) > 3 and verb == (c[3] if c[0] != "alpha" else c[4]) for c in self.calls())
 
     def babysit(self, *args: str, timeout: float = TIMEOUT, **env: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, str(BABYSIT), *args], cwd=REPO, env=self.env(**env),
@@ -340,8 +214,9 @@ def test_a_command_failing_on_a_healthy_slice_stops_at_once_with_its_exit_code(t
     assert ssh[0][ssh[0].index("--command") + 1] == "python -c 'import sys; sys.exit(3)' --resume auto"
 
 
-@pytest.mark.parametrize("delete", [False, True], ids=["keeps", "delete_on_interrupt"])
-def test_ctrl_c_stops_watching_and_deletes_only_when_asked(tmp_path, delete):
+@pytest.mark.parametrize("sig, delete", [(signal.SIGINT, False), (signal.SIGINT, True), (signal.SIGTERM, False)],
+                         ids=["keeps", "delete_on_interrupt", "sigterm_keeps"])
+def test_ctrl_c_stops_watching_and_deletes_only_when_asked(tmp_path, sig, delete):
     fake = Fake(tmp_path, tmp_path)
     marker = tmp_path / "running"
     args = [sys.executable, str(BABYSIT), *TPU, *FAST, "--delete_on_interrupt", str(delete).lower(), "--",
@@ -355,15 +230,16 @@ def test_ctrl_c_stops_watching_and_deletes_only_when_asked(tmp_path, delete):
     while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.1)
     assert marker.exists(), proc.communicate(timeout=30)
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(sig)
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == 130, err
     assert "interrupted" in err and not (tmp_path / "finished").exists()
     deleted = any(c[2:4] == ["tpu-vm", "delete"] for c in fake.calls())
     assert deleted == delete
     assert ("my-tpu" in fake.state()["nodes"]) == (not delete)
-    if not delete:
-        assert "left as it is" in err and "gcloud compute tpus tpu-vm delete my-tpu" in err
+    if not delete:  # the slice that is left and the exact command that deletes it
+        assert "left as it is" in err, err
+        assert f"delete it with: {fake.dir / 'gcloud'} {DELETE}" in err
 
 
 def test_queued_spot_resource_waits_is_recreated_and_deleted_on_success(tmp_path):
@@ -399,3 +275,187 @@ def test_a_creation_gcloud_refuses_stops_at_once(tmp_path):
     assert len(errors) == 1 and "refused to create" in errors[0] and "v4-7" in errors[0], proc.stderr
     assert sum(c[2:4] == ["tpu-vm", "create"] for c in fake.calls()) == 1
     assert not any(c[2:4] == ["tpu-vm", "ssh"] for c in fake.calls())
+
+
+# -- the fault table ---------------------------------------------------------------------------------------------
+# Each case runs the babysitter's command line in this process (its `main`) against a fresh fake gcloud, with quick
+# limits: a state query may take 10 s and is tried twice (0.05 s apart), one creation attempt. A case overrides them
+# (the last flag wins). Placeholders: {tmp} is the case's folder, {gcloud} the fake's path. A case that sets PATH
+# leaves out the system's folders: a real gcloud there must never run.
+QUICK = ["--create_retry_delay", "0", "--poll_interval", "0.2", "--preemption_grace", "0", "--gcloud_timeout", "10",
+         "--create_timeout", "10", "--gcloud_retries", "1", "--gcloud_backoff", "0.05", "--create_attempts", "1"]
+LEFT = "is left as it is (READY HEALTHY); delete it with: {gcloud} " + DELETE
+
+
+def case(id: str, *args: str, line: Optional[str] = None, code: int = 1, creates: int = 0, deletes: int = 0,
+         nodes: tuple = (), no_leftover: bool = False, hangs: int = 0, command: str = "bash {tmp}/run.sh",
+         run_sh: str = "true", setup: Optional[Union[str, bytes]] = None, path: Optional[str] = None,
+         **fake) -> "pytest.param":
+    """One row: the flags and fake (faults, starting nodes, ...), then what must come of it: the exit code, a part of
+    the one error line (none: success), how many create and delete calls reached the fake, the TPU VMs left, whether
+    the line must not name a leftover slice, and how many hung gcloud calls (each with a child) were killed."""
+    return pytest.param(dict(args=args, line=line, code=code, creates=creates, deletes=deletes, nodes=set(nodes),
+                             no_leftover=no_leftover, hangs=hangs, command=command, run_sh=run_sh, setup=setup,
+                             path=path, fake=fake), id=id)
+
+
+def describe_fault(**fault) -> dict:
+    return {"faults": {"tpu-vm describe": fault}}
+
+
+ARGUMENT_CASES = [
+    case("name_not_a_resource_name", "--name", "My_TPU", line="--name 'My_TPU' is not a valid value"),
+    case("zone_without_letter", "--zone", "us-central2", line="--zone 'us-central2' is not a valid value"),
+    case("accelerator_type_malformed", "--accelerator_type", "v4_32", line="--accelerator_type 'v4_32'"),
+    case("version_with_space", "--version", "tpu ubuntu", line="--version 'tpu ubuntu' is not a valid value"),
+    case("project_malformed", "--project", "X!", line="--project 'X!' is not a valid value"),
+    case("spot_and_preemptible", "--spot", "true", "--preemptible", "true", line="exclude each other"),
+    case("best_effort_without_queued", "--best_effort", "true", line="--best_effort applies to queued resources"),
+    case("best_effort_with_spot", "--queued", "true", "--best_effort", "true", "--spot", "true",
+         line="excludes --spot"),
+    case("queued_preemptible", "--queued", "true", "--preemptible", "true", line="queued resources take --spot"),
+    case("queued_resource_without_queued", "--queued_resource", "req", line="pass --queued true with it"),
+    case("max_restarts_negative", "--max_restarts", "-1", line="--max_restarts -1 is out of range"),
+    case("poll_interval_zero", "--poll_interval", "0", line="--poll_interval 0.0 is out of range: give a number above"),
+    case("create_timeout_negative", "--create_timeout", "-5", line="--create_timeout -5.0 is out of range"),
+    case("gcloud_retries_too_many", "--gcloud_retries", "11", line="--gcloud_retries 11 is out of range"),
+    case("create_attempts_zero", "--create_attempts", "0", line="--create_attempts 0 is out of range"),
+    case("create_flags_set_the_zone", "--create_flags=--scopes x --zone=europe-west4-a", line="sets --zone, which"),
+    case("create_flags_unbalanced_quote", "--create_flags", "--labels 'a=b", line="--create_flags is not a valid"),
+    case("setup_script_missing", "--setup_script", "{tmp}/nope.sh", line="cannot read the setup script"),
+    case("setup_script_is_a_folder", "--setup_script", "{tmp}", line="Is a directory"),
+    case("setup_script_binary", setup=b"\x7fELF\x02\x01\x01\x00\xff\xfe", line="is not a text file"),
+    case("setup_script_bad_bash", setup="if true; then echo x\n", line="is not valid bash"),
+    case("command_unbalanced_quote", command="python train.py --out_dir 'gs://b", line="not a valid shell command"),
+    case("command_bad_bash", command="python train.py )", line="is not valid bash"),
+    case("command_empty", command=" ", line="no training command"),
+    case("gcloud_not_on_path", path="{tmp}/empty", line="gcloud is not on PATH"),
+    case("gcloud_not_executable", mode=0o644, path="{tmp}/bin", line="{gcloud} is not executable: chmod +x it"),
+    case("gcloud_flag_a_folder", "--gcloud", "{tmp}", line="is not a file"),
+    # found and executable, but it cannot start: the first state query (before any creation) says so
+    case("gcloud_cannot_start", shebang="#!/nonexistent/python", line="cannot run {gcloud}"),
+]
+for row in ARGUMENT_CASES:
+    row.values[0]["no_calls"] = True  # refused before the first gcloud call, not only before the first create
+
+FAULT_CASES = [
+    # state queries that fail before anything was created: no create call, nothing left
+    case("describe_hangs", "--gcloud_timeout", "1", line="describe my-tpu --zone us-central2-b --format json` timed"
+         " out after 1 s (2 tries)", hangs=2, no_leftover=True, **describe_fault(hang=True)),
+    case("describe_hangs_once_then_answers", "--gcloud_timeout", "2", code=0, creates=1, nodes=["my-tpu"], hangs=1,
+         **describe_fault(hang=True, times=1)),
+    case("describe_fails", line="failed with exit code 1: ERROR: (gcloud.compute.tpus.tpu-vm.describe) UNAVAILABLE:"
+         " try later (2 tries)", **describe_fault(exit=1, stderr="UNAVAILABLE: try later")),
+    case("describe_prints_html", line="printed '<html><body>Sign in</body></html>', not the JSON it should",
+         **describe_fault(stdout="<html><body>Sign in</body></html>\n")),
+    case("describe_prints_a_list", line="printed '[]', not the JSON", **describe_fault(stdout="[]")),
+    case("describe_prints_nothing", line="printed nothing, not the JSON", **describe_fault(stdout="")),
+    case("describe_without_state", line="""printed '{"name": "my-tpu"}'""",
+         **describe_fault(stdout='{"name": "my-tpu"}')),
+    case("describe_prints_binary", line="not the JSON it should", **describe_fault(stdout_hex="fffe00017f")),
+    case("queued_describe_wrong_shape", "--queued", "true", "--spot", "true", line="""printed '{"state": {}}'""",
+         faults={"queued-resources describe": {"stdout": '{"state": {}}'}}),
+    # creations that fail or hang, with or without making the slice
+    case("create_fails_after_making_the_slice", line="could not create the slice my-tpu in 1 attempts (last: ERROR:"
+         " (gcloud.compute.tpus.tpu-vm.create) INTERNAL: backend error)", creates=1, deletes=1, no_leftover=True,
+         faults={"tpu-vm create": {"act": True, "stderr": "INTERNAL: backend error"}}),
+    case("create_refused_after_making_the_slice", line="refused to create the slice my-tpu: ERROR:"
+         " (gcloud.compute.tpus.tpu-vm.create) PERMISSION_DENIED: no quota; the slice my-tpu " + LEFT, creates=1,
+         nodes=["my-tpu"], faults={"tpu-vm create": {"act": True, "stderr": "PERMISSION_DENIED: no quota"}}),
+    case("create_refused_after_making_the_slice_delete_on_error", "--delete_on_error", "true",
+         line="refused to create the slice my-tpu: ERROR: (gcloud.compute.tpus.tpu-vm.create) PERMISSION_DENIED: no"
+         " quota; the slice my-tpu was deleted (--delete_on_error)", creates=1, deletes=1, no_leftover=True,
+         faults={"tpu-vm create": {"act": True, "stderr": "PERMISSION_DENIED: no quota"}}),
+    case("create_hangs_after_making_the_slice", "--create_timeout", "1.5", code=0, creates=1, nodes=["my-tpu"],
+         hangs=1, faults={"tpu-vm create": {"act": True, "hang": True}}),
+    case("create_hangs_without_a_slice", "--create_timeout", "1", line="could not create the slice my-tpu in 1"
+         " attempts (last: `gcloud compute tpus tpu-vm create my-tpu --zone us-central2-b --accelerator-type v4-8"
+         " --version tpu-ubuntu2204-base` timed out after 1 s (--create_timeout))", creates=1, hangs=1,
+         no_leftover=True, faults={"tpu-vm create": {"hang": True}}),
+    # errors after the slice was made: the line names it and the command that deletes it, or it is deleted
+    case("describe_junk_while_the_command_runs", run_sh="sleep 30; touch {tmp}/finished",
+         line="printed 'Traceback (most recent call last): oops', not the JSON it should (2 tries): is {gcloud} the"
+         " Google Cloud CLI?; the slice my-tpu " + LEFT, creates=1, nodes=["my-tpu"],
+         **describe_fault(stdout="Traceback (most recent call last):\n  oops\n", skip=2)),
+    case("describe_fails_while_the_command_runs_delete_on_error", "--delete_on_error", "true",
+         run_sh="sleep 30; touch {tmp}/finished", line="UNAVAILABLE: try later (2 tries): run it by hand to see why;"
+         " the slice my-tpu was deleted (--delete_on_error)", creates=1, deletes=1, no_leftover=True,
+         **describe_fault(stderr="UNAVAILABLE: try later", skip=2, times=2)),
+    case("delete_hangs_on_a_preempted_slice", "--create_timeout", "0.5", line="could not delete the slice my-tpu: it"
+         " is still PREEMPTED after 3 deletes of up to --create_timeout 0.5 s each; the slice my-tpu is left as it is"
+         " (PREEMPTED); delete it with: {gcloud} " + DELETE, deletes=3, hangs=3, nodes=["my-tpu"],
+         nodes_at_start={"my-tpu": {"state": "PREEMPTED", "health": ""}}, faults={"tpu-vm delete": {"hang": True}}),
+    case("setup_script_runs_too_long", "--setup_timeout", "1", setup="sleep 30", line="the setup script ran longer"
+         " than --setup_timeout 1 s on the slice my-tpu: ended it; make it finish sooner or raise --setup_timeout;"
+         " the slice my-tpu " + LEFT, creates=1, nodes=["my-tpu"]),
+    case("command_fails_delete_on_error", "--delete_on_error", "true", run_sh="exit 3", code=3,
+         line="the command failed with exit code 3 while the slice my-tpu is healthy (READY HEALTHY): not a"
+         " preemption, not retrying; the slice my-tpu was deleted (--delete_on_error)", creates=1, deletes=1),
+]
+
+
+@pytest.fixture(scope="module")
+def babysit_main():
+    """The babysitter's command line, loaded once into this process."""
+    spec = importlib.util.spec_from_file_location("babysit_script", BABYSIT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main
+
+
+def alive(pid: int, wait: float = 2.0) -> bool:
+    """Is the process still running after up to `wait` s (a SIGKILLed process takes a moment to exit; a zombie whose
+    parent was killed counts as dead)?"""
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            running = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        except (OSError, IndexError):
+            return False
+        if not running or time.monotonic() >= deadline:
+            return running
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("row", ARGUMENT_CASES + FAULT_CASES)
+def test_fault_table(row, tmp_path, babysit_main, monkeypatch, capfd):
+    def fill(text: str) -> str:
+        return text.replace("{tmp}", str(tmp_path)).replace("{gcloud}", str(tmp_path / "bin" / "gcloud"))
+
+    fake_args = dict(row["fake"])
+    if "nodes_at_start" in fake_args:
+        fake_args["nodes"] = fake_args.pop("nodes_at_start")
+    fake = Fake(tmp_path, tmp_path, **fake_args)
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "run.sh").write_text(fill(row["run_sh"]) + "\n")
+    setup = []
+    if row["setup"] is not None:
+        data = row["setup"] if isinstance(row["setup"], bytes) else row["setup"].encode()
+        (tmp_path / "setup.sh").write_bytes(data)
+        setup = ["--setup_script", str(tmp_path / "setup.sh")]
+    monkeypatch.setenv("PATH", fill(row["path"]) if row["path"] else f"{fake.dir}{os.pathsep}{os.environ['PATH']}")
+    args = [*TPU, *QUICK, *setup, *(fill(a) for a in row["args"]), "--", fill(row["command"])]
+    try:
+        babysit_main(args)
+        code = 0
+    except SystemExit as e:  # anything else (a traceback) fails the test
+        code = e.code
+    err = capfd.readouterr().err
+    assert code == row["code"], err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    if row["line"] is None:
+        assert not errors, err
+    else:
+        assert len(errors) == 1 and err.strip().splitlines()[-1] == errors[0], err
+        assert fill(row["line"]) in errors[0], err
+        if row["no_leftover"]:
+            assert "delete it with" not in errors[0] and "may exist" not in errors[0]
+    assert "Traceback (most recent call last):\n  File" not in err
+    assert fake.count("create") == row["creates"], fake.calls()
+    assert not (row.get("no_calls") and fake.calls()), fake.calls()
+    assert fake.count("delete") == row["deletes"], fake.calls()
+    assert fake.nodes() == row["nodes"]
+    # every hung gcloud call was killed with its whole process group
+    hung = (fake.dir / "hung.pids").read_text().split() if (fake.dir / "hung.pids").exists() else []
+    assert len(hung) == 2 * row["hangs"] and not any(alive(int(pid)) for pid in hung), hung
+    assert not (tmp_path / "finished").exists()  # a command stopped by an error does not go on

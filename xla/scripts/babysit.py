@@ -1,94 +1,64 @@
-"""Keep a training run going on a preemptible (spot) TPU slice until it finishes.
+"""Keep a training run going on a preemptible (spot) TPU slice until it finishes (xla/README.md, "Preemptible
+slices: the babysitter").
 
     python xla/scripts/babysit.py --name my-tpu --zone us-central2-b --accelerator_type v4-32 \\
         --version tpu-ubuntu2204-base --spot true --setup_script setup.sh -- \\
-        "cd lit-gpt-xla && python xla/finetune/lora.py --out_dir /mnt/gcs/out/lora --train.save_interval 100"
+        "cd lit-gpt-xla && python xla/finetune/lora.py --out_dir gs://my-bucket/lora --train.save_interval 100"
 
-It creates the slice with the `gcloud` CLI (`tpu-vm create`, or `queued-resources create` with `--queued true`),
-runs the setup script and then the training command on every worker (`tpu-vm ssh --worker=all`), with
-`--resume auto` appended when the command has no `--resume`, and watches the slice's state while it runs. When the
-slice is preempted, terminated, gone or unhealthy (a lost worker), it deletes the slice, creates it again, runs the
-setup script and the command again (which continues from its newest complete checkpoint), until the command exits 0
-or `--max_restarts` is used up. A failed creation (no capacity) is retried after `--create_retry_delay` seconds. A
-command that fails while the slice is healthy is the command's own error: the babysitter stops at once with the
-command's exit code. Ctrl-C stops watching and deletes nothing (unless `--delete_on_interrupt true`).
+It creates the slice with `gcloud`, runs the setup script and the command (`--resume auto` appended) on every
+worker, and after a preemption deletes the slice, creates it again and reruns them, until the command exits 0. It
+checks everything before it creates anything; every `gcloud` call has a time limit and a failed or garbled state
+query is retried with backoff, then named in one `error:` line, which also names a slice that is left and the command
+that deletes it (or `--delete_on_error true` deletes it). Ctrl-C or SIGTERM deletes nothing unless
+`--delete_on_interrupt true`, and says the same.
 
-The command after `--` is one shell command line run on every worker: one argument is taken as written (quote it
-as above), several are joined with shell quoting. `--out_dir` must be storage that outlives the VMs (a bucket):
-a preemption erases the VMs' disks.
+The gcloud calls themselves (time limits, retries, reading `describe`) and the checks of the names, the flags, the
+setup script and the gcloud program are in lit_gpt/xla/gcloud.py; here are the slice, the loop and the command line.
 """
 
-import json
+import math
 import os
 import shlex
-import shutil
 import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
-from typing import List, Optional, Tuple
+from types import SimpleNamespace
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
-from lit_gpt.utils import LitError, run_cli
+from lit_gpt.utils import LitError, error_reason, run_cli
+from lit_gpt.xla.gcloud import (FATAL_CREATE_ERRORS, NODE_PENDING, NODE_UNHEALTHY, QUEUED_PENDING, Gcloud,
+                                check_bash, check_names, find_gcloud, last_line, log, not_found, parse_state,
+                                read_setup, short, split_create_flags)
 
 # What `describe` reports, reduced to what the babysitter does about it.
 READY = "ready"  # usable: run on it
 PENDING = "pending"  # on its way to READY (queued, provisioning, creating): wait
 LOST = "lost"  # preempted, terminated, unhealthy, failed, being deleted: delete and create again
 MISSING = "missing"  # does not exist: create it
-
-# TPU node states (tpu.googleapis.com v2 Node.State) that come before READY; every other one that is not READY
-# (PREEMPTED, TERMINATED, REPAIRING, STOPPED, DELETING, UNKNOWN, ...) means the workers are gone or unusable.
-NODE_PENDING = {"CREATING", "STARTING", "RESTARTING"}
-# Node.Health values that mean a worker is unreachable or under maintenance; HEALTH_UNSPECIFIED / empty is "not
-# reported yet", which a freshly created node shows.
-NODE_UNHEALTHY = {"TIMEOUT", "UNHEALTHY_TENSORFLOW", "UNHEALTHY_MAINTENANCE", "DEPRECATED_UNHEALTHY"}
-# QueuedResourceState values before ACTIVE; FAILED / SUSPENDING / SUSPENDED (a preempted spot request) / DELETING
-# are LOST.
-QUEUED_PENDING = {"CREATING", "ACCEPTED", "WAITING_FOR_RESOURCES", "PROVISIONING"}
-# how long one delete may take to make the slice disappear (a large slice takes minutes) before it is sent again
-DELETE_TIMEOUT = 1200.0
-# gcloud errors that another attempt cannot fix (a typo in a flag, no permission): creation stops at once
-FATAL_CREATE_ERRORS = ("INVALID_ARGUMENT", "PERMISSION_DENIED", "UNAUTHENTICATED", "unrecognized arguments")
-
-
-def log(message: str) -> None:
-    """One timestamped line on stderr (the workers' output goes to stdout)."""
-    print(f"[babysit {datetime.now():%Y-%m-%d %H:%M:%S}] {message}", file=sys.stderr, flush=True)
-
-
-def short(text: str, limit: int = 160) -> str:
-    text = " ".join(text.split())
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def last_line(text: str) -> str:
-    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
-    return lines[-1] if lines else "(no output)"
-
-
-def command_line(words: List[str]) -> str:
-    """The shell command line run on the workers: one word is a command line already (`-- "cd x && python ..."`),
-    several are arguments to quote (`-- python xla/finetune/lora.py --out_dir ...`)."""
-    return words[0] if len(words) == 1 else shlex.join(words)
+# the numbers' ranges: (lowest, highest, whether the lowest itself is refused)
+RANGES = {"max_restarts": (0, math.inf, False), "create_attempts": (1, math.inf, False),
+          "gcloud_retries": (0, 10, False),
+          **{k: (0, math.inf, False) for k in ("create_retry_delay", "preemption_grace", "gcloud_backoff")},
+          **{k: (0, math.inf, True) for k in ("poll_interval", "gcloud_timeout", "create_timeout", "setup_timeout")}}
 
 
 def with_resume_auto(command: str) -> str:
     """Append `--resume auto` unless the command sets --resume itself: every run after a preemption must continue
     from the newest complete checkpoint, and the first one starts fresh with the same flag."""
+    command = command.rstrip()
     try:
         words = shlex.split(command)
     except ValueError as e:
         raise LitError(f"the training command is not a valid shell command line ({e}): {command!r}") from None
+    check_bash(command, f"the training command {short(command, 120)!r}")
     if any(w == "--resume" or w.startswith("--resume=") for w in words):
         return command
     return f"{command} --resume auto"
 
 
-@dataclass
-class Status:
+class Status(NamedTuple):
     kind: str  # READY, PENDING, LOST or MISSING
     detail: str  # what gcloud said, for the log ("PREEMPTED", "queued WAITING_FOR_RESOURCES", ...)
 
@@ -96,7 +66,7 @@ class Status:
 class Slice:
     """One TPU slice and the gcloud commands that manage it: a TPU VM node, or a queued resource owning one."""
 
-    def __init__(self, gcloud: str, name: str, zone: str, accelerator_type: str, version: str, spot: bool,
+    def __init__(self, gcloud: Gcloud, name: str, zone: str, accelerator_type: str, version: str, spot: bool,
                  preemptible: bool, queued: bool, best_effort: bool, queued_resource: Optional[str],
                  project: Optional[str], create_flags: List[str]) -> None:
         self.gcloud, self.name, self.zone = gcloud, name, zone
@@ -107,7 +77,7 @@ class Slice:
 
     # -- commands --------------------------------------------------------------------------------------------
     def _cmd(self, *args: str) -> List[str]:
-        return [self.gcloud, *args, *(["--project", self.project] if self.project else [])]
+        return [self.gcloud.path, *args, *(["--project", self.project] if self.project else [])]
 
     def create_cmd(self) -> List[str]:
         if self.queued:
@@ -134,36 +104,24 @@ class Slice:
                          "--command", command)
 
     # -- state -----------------------------------------------------------------------------------------------
-    def _describe(self, *what: str) -> Optional[dict]:
-        """The resource as JSON, or None when gcloud says it does not exist. Any other failure (network, auth) is
-        retried a few times and then reported: without knowing the state nothing may be deleted."""
-        cmd = self._cmd("compute", "tpus", *what, "--zone", self.zone, "--format", "json")
-        for attempt in range(3):
-            proc = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL)
-            if proc.returncode == 0:
-                return json.loads(proc.stdout or "{}")
-            if "NOT_FOUND" in proc.stderr or "was not found" in proc.stderr:
-                return None
-            if attempt < 2:
-                time.sleep(2.0 * (attempt + 1))
-        raise LitError(f"cannot get the state of {what[-1]!r}: {short(last_line(proc.stderr))}")
+    def _describe(self, kind: str, name: str, retries: Optional[int]) -> Optional[Tuple[str, str]]:
+        return self.gcloud.query(self._cmd("compute", "tpus", kind, "describe", name, "--zone", self.zone, "--format",
+                                           "json"), lambda out: parse_state(out, kind == "queued-resources"), retries)
 
-    def status(self) -> Status:
+    def status(self, retries: Optional[int] = None) -> Status:
         if self.queued:
-            qr = self._describe("queued-resources", "describe", self.queued_resource)
+            qr = self._describe("queued-resources", self.queued_resource, retries)
             if qr is None:
                 return Status(MISSING, "no queued resource")
-            state = qr.get("state")
-            state = state.get("state", "") if isinstance(state, dict) else str(state or "")
-            if state in QUEUED_PENDING:
-                return Status(PENDING, f"queued resource {state}")
-            if state != "ACTIVE":
-                return Status(LOST, f"queued resource {state or 'in no state'}")
-        node = self._describe("tpu-vm", "describe", self.name)
+            if qr[0] in QUEUED_PENDING:
+                return Status(PENDING, f"queued resource {qr[0]}")
+            if qr[0] != "ACTIVE":
+                return Status(LOST, f"queued resource {qr[0]}")
+        node = self._describe("tpu-vm", self.name, retries)
         if node is None:
             # an ACTIVE queued resource whose node is gone lost its slice
             return Status(LOST if self.queued else MISSING, "no TPU VM")
-        state, health = node.get("state", ""), node.get("health", "")
+        state, health = node
         if state == "READY" and health not in NODE_UNHEALTHY:
             return Status(READY, "READY" + (f" {health}" if health else ""))
         if state in NODE_PENDING:
@@ -173,34 +131,71 @@ class Slice:
 
 class Babysitter:
     """The loop: bring the slice up, run the setup script and the command on it, and tell a lost slice (delete,
-    create again, rerun) from a failed command (stop)."""
+    create again, rerun) from a failed command (stop). `settings` are babysit()'s numbers and delete_on_* flags."""
 
-    def __init__(self, tpu: Slice, setup: Optional[str], command: str, max_restarts: int, create_attempts: int,
-                 create_retry_delay: float, poll_interval: float, preemption_grace: float,
-                 delete_on_success: bool, delete_on_interrupt: bool) -> None:
+    max_restarts: int
+    create_attempts: int
+    create_retry_delay: float
+    poll_interval: float
+    preemption_grace: float
+    setup_timeout: float
+    delete_on_success: bool
+    delete_on_interrupt: bool
+    delete_on_error: bool
+
+    def __init__(self, tpu: Slice, setup: Optional[str], command: str, **settings: Any) -> None:
         self.tpu, self.setup, self.command = tpu, setup, command
-        self.max_restarts, self.create_attempts = max_restarts, create_attempts
-        self.create_retry_delay = create_retry_delay
-        self.poll_interval, self.preemption_grace = poll_interval, preemption_grace
-        self.delete_on_success, self.delete_on_interrupt = delete_on_success, delete_on_interrupt
+        self.__dict__.update(settings)
         self.running: Optional[subprocess.Popen] = None
         self.last_detail = ""
+        # does the slice exist? False: not that this run knows of (nothing to clean up); None: unknown (a create or
+        # delete call was made, or cut short, and no state query has answered since)
+        self.exists: Optional[bool] = False
+        self.undeletable = False  # deleting failed already: --delete_on_error does not try again
 
-    def gcloud(self, cmd: List[str], what: str) -> subprocess.CompletedProcess:
+    def gcloud(self, cmd: List[str], what: str) -> Tuple[Optional[int], str, str]:
+        """A create or delete call, logged, with its time limit."""
         log(f"{what}: {shlex.join(cmd)}")
-        return subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+        self.exists = None
+        return self.tpu.gcloud.once(cmd, self.tpu.gcloud.long_timeout)
 
-    def observe(self) -> Status:
+    def observe(self, retries: Optional[int] = None) -> Status:
         """The slice's status; logged when it changes (polling itself is not logged: once a minute adds noise)."""
-        status = self.tpu.status()
+        status = self.tpu.status(retries)
+        self.exists = status.kind != MISSING
         if status.detail != self.last_detail:
             log(f"slice {self.tpu.name}: {status.detail}")
             self.last_detail = status.detail
         return status
 
+    def leftover(self) -> str:
+        """Which slice is left and the exact command that deletes it."""
+        state = f"is left as it is ({self.last_detail})" if self.exists else "may exist (its creation was cut short)"
+        return f"the slice {self.tpu.name} {state}; delete it with: {shlex.join(self.tpu.delete_cmd())}"
+
+    def failed(self, message: str) -> str:
+        """The error line for `message`: as it is when no slice was made, else with the slice that is left and the
+        command that deletes it, or (--delete_on_error) with the word that it was deleted."""
+        self.stop_running()
+        if self.exists is None:  # one quick look (no retries: the error may be that gcloud does not answer)
+            try:
+                self.observe(retries=0)
+            except LitError:
+                pass
+        if self.exists is False:
+            return message
+        if self.delete_on_error and not self.undeletable:
+            log("stopping on an error: deleting the slice (--delete_on_error)")
+            try:
+                self.delete()
+                return f"{message}; the slice {self.tpu.name} was deleted (--delete_on_error)"
+            except LitError as e:
+                message = f"{message}; deleting the slice failed ({e})"
+        return f"{message}; {self.leftover()}"
+
     # -- bringing the slice up -------------------------------------------------------------------------------
     def wait_until_usable(self) -> Status:
-        """Poll until the slice is READY or LOST (a queued resource can wait for capacity for hours)."""
+        """Poll until the slice is READY, LOST or MISSING (a queued resource can wait for capacity for hours)."""
         status = self.observe()
         while status.kind == PENDING:
             time.sleep(self.poll_interval)
@@ -210,32 +205,40 @@ class Babysitter:
     def delete(self) -> None:
         """Delete the slice and wait until it is gone: creating it again under the same name needs the old one
         gone, and a delete can return (or fail transiently) before it is."""
+        limit = self.tpu.gcloud.long_timeout
         for _ in range(3):
-            proc = self.gcloud(self.tpu.delete_cmd(), "deleting the slice")
-            if proc.returncode != 0 and "NOT_FOUND" not in proc.stderr:
-                log(f"delete failed: {short(last_line(proc.stderr))}")
-            deadline = time.monotonic() + DELETE_TIMEOUT
-            while time.monotonic() < deadline:
-                if self.observe().kind == MISSING:
-                    return
-                time.sleep(self.poll_interval)
-        raise LitError(f"could not delete the slice {self.tpu.name}: it is still {self.last_detail}; delete it with"
-                       f" {shlex.join(self.tpu.delete_cmd())} and run the babysitter again")
+            code, _, err = self.gcloud(self.tpu.delete_cmd(), "deleting the slice")
+            if code is None or (code != 0 and not not_found(err)):
+                log(f"delete failed: {short(last_line(err))}" if code else f"the delete timed out after {limit:g} s")
+            deadline = time.monotonic() + limit
+            while self.observe().kind != MISSING:
+                if time.monotonic() >= deadline:
+                    break
+                time.sleep(min(self.poll_interval, max(0.0, deadline - time.monotonic())))
+            else:
+                return
+        self.undeletable = True
+        raise LitError(f"could not delete the slice {self.tpu.name}: it is still {self.last_detail} after 3 deletes"
+                       f" of up to --create_timeout {limit:g} s each")
 
     def create(self) -> None:
         """Create the slice and wait until it is READY; capacity errors are retried after a delay."""
+        limit = self.tpu.gcloud.long_timeout
         for attempt in range(1, self.create_attempts + 1):
-            proc = self.gcloud(self.tpu.create_cmd(), f"creating the slice (attempt {attempt}/{self.create_attempts})")
-            if proc.returncode == 0:
+            cmd = self.tpu.create_cmd()
+            code, _, err = self.gcloud(cmd, f"creating the slice (attempt {attempt}/{self.create_attempts})")
+            if code == 0 or code is None:
+                # a create cut short by its time limit may still be under way: its state says
                 status = self.wait_until_usable()
                 if status.kind == READY:
                     log(f"slice {self.tpu.name} is ready")
                     return
-                reason = f"the slice came up {status.detail}"
+                reason = f"the slice came up {status.detail}" if code == 0 else \
+                    f"`{self.tpu.gcloud.shown(cmd)}` timed out after {limit:g} s (--create_timeout)"
             else:
-                reason = short(last_line(proc.stderr))
+                reason = short(last_line(err))
                 # exit 2 is gcloud's usage error; these and the errors in FATAL_CREATE_ERRORS will not go away
-                if proc.returncode == 2 or any(e in proc.stderr for e in FATAL_CREATE_ERRORS):
+                if code == 2 or any(e in err for e in FATAL_CREATE_ERRORS):
                     raise LitError(f"gcloud refused to create the slice {self.tpu.name}: {reason}")
             log(f"creation failed: {reason}")
             if self.observe().kind != MISSING:  # a failed queued request or half-made node blocks the name
@@ -259,35 +262,38 @@ class Babysitter:
 
     # -- running on the workers ------------------------------------------------------------------------------
     def stop_running(self) -> None:
-        """End the local ssh session (its own process group: gcloud and the ssh it started)."""
+        """End the local ssh session (its own process group: gcloud and the ssh it started): SIGTERM, then SIGKILL."""
         proc, self.running = self.running, None
-        if proc is None or proc.poll() is not None:
-            return
-        for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)):
+        for sig in (signal.SIGTERM, signal.SIGKILL):
             try:
+                if proc is None or proc.poll() is not None:
+                    return
                 os.killpg(proc.pid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                proc.wait(wait)
-                break
-            except subprocess.TimeoutExpired:
-                continue
+                proc.wait(10.0)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                pass
 
-    def run_on_workers(self, command: str, what: str, shown: str) -> Optional[int]:
+    def run_on_workers(self, command: str, what: str, shown: str, limit: float = math.inf) -> Optional[int]:
         """Run a command on every worker, watching the slice meanwhile. Returns its exit code, or None when the
         slice was lost while it ran (ssh to a vanished worker can hang for a long time instead of failing)."""
         cmd = self.tpu.ssh_cmd(command)
         log(f"{what}: {shlex.join(cmd[:-1])} {shlex.quote(short(shown, 200))}")
-        # a session of its own, so that Ctrl-C in the terminal reaches only the babysitter, which ends it itself
-        self.running = proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, start_new_session=True)
+        end = time.monotonic() + limit
+        try:  # a session of its own, so that Ctrl-C in the terminal reaches only the babysitter, which ends it
+            self.running = proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, start_new_session=True)
+        except OSError as e:
+            raise LitError(f"cannot run {cmd[0]}: {error_reason(e)}") from None
         while True:
             try:
-                code = proc.wait(timeout=self.poll_interval)
+                code = proc.wait(timeout=max(0.01, min(self.poll_interval, end - time.monotonic())))
                 self.running = None
                 return code
             except subprocess.TimeoutExpired:
                 pass
+            if time.monotonic() >= end:
+                self.stop_running()
+                raise LitError(f"the setup script ran longer than --setup_timeout {limit:g} s on the slice"
+                               f" {self.tpu.name}: ended it; make it finish sooner or raise --setup_timeout")
             status = self.observe()
             if status.kind != READY:
                 log(f"the slice is {status.detail} while the command runs: ending the ssh session")
@@ -315,7 +321,7 @@ class Babysitter:
             step = "the setup script"
             if self.setup is not None:
                 code = self.run_on_workers(f"bash -ec {shlex.quote(self.setup)}", "running the setup script",
-                                           "<setup script>")
+                                           "<setup script>", self.setup_timeout)
             if code == 0:
                 step = "the command"
                 code = self.run_on_workers(self.command, "running the command", self.command)
@@ -332,9 +338,9 @@ class Babysitter:
                 # not a preemption: rerunning would fail the same way. (A local signal death, code -N, exits 128+N
                 # like a shell would report it.)
                 code = code if code > 0 else 128 - code
-                print(f"error: {step} failed with exit code {code} while the slice {self.tpu.name} is healthy"
-                      f" ({detail}): not a preemption, not retrying; the slice is left running", file=sys.stderr,
-                      flush=True)
+                message = self.failed(f"{step} failed with exit code {code} while the slice {self.tpu.name} is"
+                                      f" healthy ({detail}): not a preemption, not retrying")
+                print(f"error: {message}", file=sys.stderr, flush=True)
                 return code
             restarts += 1
             ended = "was stopped" if code is None else f"ended with exit code {code}"
@@ -349,37 +355,54 @@ class Babysitter:
             self.delete()
 
     def interrupted(self) -> int:
+        """Ctrl-C or SIGTERM: end the ssh session, delete the slice only with --delete_on_interrupt, and say what
+        is left and the command that deletes it."""
         self.stop_running()
-        if self.delete_on_interrupt:
+        if self.delete_on_interrupt and self.exists is not False:
             log("interrupted: deleting the slice (--delete_on_interrupt)")
-            self.delete()
-        else:
-            log(f"interrupted: the slice {self.tpu.name} is left as it is (delete it with:"
-                f" {shlex.join(self.tpu.delete_cmd())})")
+            try:
+                self.delete()
+                return 130
+            except (LitError, KeyboardInterrupt) as e:
+                log(f"the delete did not finish: {e or 'interrupted again'}")
+        log(f"interrupted: {self.leftover()}" if self.exists is not False else "interrupted: no slice was created")
         return 130
 
 
+def check_arguments(args: Dict[str, Any]) -> List[str]:
+    """Refuse a malformed argument or combination of babysit()'s `args` in one line before anything is created;
+    returns the create flags, split."""
+    a = SimpleNamespace(**args)
+    for refused, line in (
+        (not a.command.strip(), "no training command: give it after `--`, e.g. -- \"cd lit-gpt-xla && python"
+                                " xla/finetune/lora.py --out_dir gs://my-bucket/lora\""),
+        (a.spot and a.preemptible, "--spot and --preemptible exclude each other: spot is the newer preemptible"),
+        (a.queued and a.preemptible, "queued resources take --spot, not --preemptible"),
+        (a.best_effort and (not a.queued or a.spot), "--best_effort applies to queued resources only (--queued"
+                                                      " true) and excludes --spot"),
+        (a.queued_resource is not None and not a.queued, "--queued_resource names a queued resource: pass --queued"
+                                                         " true with it, or leave it out"),
+    ):
+        if refused:
+            raise LitError(line)
+    check_names(args)
+    for flag, (low, high, above) in RANGES.items():
+        value = args[flag]
+        if not (math.isfinite(value) and low <= value <= high and (value > low or not above)):
+            raise LitError(f"--{flag} {value} is out of range: give a number {'above' if above else 'at least'}"
+                           f" {low:g}" + (f" and at most {high:g}" if high < math.inf else ""))
+    return split_create_flags(a.create_flags)
+
+
 def babysit(
-    name: str,
-    zone: str,
-    accelerator_type: str,
-    version: str,
-    command: str = "",
-    spot: bool = False,
-    preemptible: bool = False,
-    queued: bool = False,
-    best_effort: bool = False,
-    queued_resource: Optional[str] = None,
-    project: Optional[str] = None,
-    setup_script: Optional[Path] = None,
-    create_flags: str = "",
-    max_restarts: int = 20,
-    create_attempts: int = 60,
-    create_retry_delay: float = 60.0,
-    poll_interval: float = 60.0,
-    preemption_grace: float = 120.0,
-    delete_on_success: bool = False,
-    delete_on_interrupt: bool = False,
+    name: str, zone: str, accelerator_type: str, version: str, command: str = "", spot: bool = False,
+    preemptible: bool = False, queued: bool = False, best_effort: bool = False, queued_resource: Optional[str] = None,
+    project: Optional[str] = None, setup_script: Optional[Path] = None, create_flags: str = "",
+    max_restarts: int = 20, create_attempts: int = 60, create_retry_delay: float = 60.0, poll_interval: float = 60.0,
+    preemption_grace: float = 120.0, delete_on_success: bool = False, delete_on_interrupt: bool = False,
+    delete_on_error: bool = False, gcloud: Optional[str] = None, gcloud_timeout: float = 300.0,
+    create_timeout: float = 1800.0, gcloud_retries: int = 4, gcloud_backoff: float = 5.0,
+    setup_timeout: float = 3600.0,
 ) -> None:
     """Run a training command on a preemptible TPU slice, recreating the slice after each preemption until the
     command succeeds. Give the command after `--`.
@@ -389,65 +412,56 @@ def babysit(
         zone: the zone, e.g. us-central2-b.
         accelerator_type: e.g. v4-32, v5litepod-16, v6e-8.
         version: the TPU software version, e.g. tpu-ubuntu2204-base (queued resources: the runtime version).
-        command: the training command, one shell command line run on every worker; usually given after `--`.
-            `--resume auto` is appended unless it sets --resume.
+        command: the training command, one shell command line run on every worker, usually given after `--`.
         spot: create a spot slice (cheaper, preemptible at any time).
         preemptible: create a preemptible slice (the older kind; not with --queued).
         queued: create the slice through a queued resource, which waits for capacity instead of failing.
         best_effort: a best-effort queued resource (gcloud alpha; with --queued true, not with --spot).
-        queued_resource: the queued resource's name. Default: the TPU name.
+        queued_resource: the queued resource's name (with --queued true). Default: the TPU name.
         project: the Google Cloud project. Default: gcloud's configured one.
-        setup_script: a bash script run on every worker after each creation, before the command (clone, install,
-            mount the bucket); it runs with `bash -e` and must succeed.
+        setup_script: a bash script run on every worker (`bash -e`) after each creation, before the command.
         create_flags: more flags for the create command, as one string (e.g. "--scopes cloud-platform").
         max_restarts: how many times the slice may be lost and recreated before giving up.
         create_attempts: how many times to try creating the slice each time it is (re)created.
         create_retry_delay: seconds between creation attempts (a zone without capacity may have it later).
         poll_interval: seconds between checks of the slice's state while waiting or while the command runs.
-        preemption_grace: after the command fails, seconds to keep checking whether the slice was lost before
-            taking the failure as the command's own (the reported state can lag the dropped connection).
+        preemption_grace: seconds to keep checking whether a failed command's slice was lost (the state lags).
         delete_on_success: delete the slice when the command has succeeded.
-        delete_on_interrupt: delete the slice on Ctrl-C (by default nothing is deleted).
+        delete_on_interrupt: delete the slice on Ctrl-C or SIGTERM (by default nothing is deleted).
+        delete_on_error: delete the slice on an error (by default the error line gives the command that does).
+        gcloud: the gcloud program to run (a path, or a name on PATH). Default: the `gcloud` on PATH.
+        gcloud_timeout: seconds one state query (`describe`) may take before it is killed and tried again.
+        create_timeout: seconds one create or delete call (or a deleted slice's vanishing) may take.
+        gcloud_retries: how often a state query that failed, hung or printed junk is retried (at most 10).
+        gcloud_backoff: seconds before the first retry of a state query, doubled for each further one.
+        setup_timeout: seconds the setup script may run on the workers.
     """
-    if not command.strip():
-        raise LitError("no training command: give it after `--`, e.g. -- \"cd lit-gpt-xla && python"
-                       " xla/finetune/lora.py --out_dir /mnt/gcs/out/lora\"")
-    if spot and preemptible:
-        raise LitError("--spot and --preemptible exclude each other: spot is the newer kind of preemptible slice")
-    if queued and preemptible:
-        raise LitError("queued resources take --spot, not --preemptible")
-    if best_effort and (not queued or spot):
-        raise LitError("--best_effort applies to queued resources only (--queued true) and excludes --spot")
-    if create_attempts < 1 or max_restarts < 0:
-        raise LitError("--create_attempts must be at least 1 and --max_restarts at least 0")
-    setup = None
-    if setup_script is not None:
-        try:
-            setup = Path(setup_script).read_text()
-        except OSError as e:
-            raise LitError(f"cannot read the setup script {str(setup_script)!r}: {e.strerror or e}") from None
-    gcloud = shutil.which("gcloud")
-    if gcloud is None:
-        raise LitError("gcloud is not on PATH: install the Google Cloud CLI"
-                       " (https://cloud.google.com/sdk/docs/install)")
+    flags = check_arguments(dict(locals()))
+    setup = None if setup_script is None else read_setup(setup_script)
     command = with_resume_auto(command)
-    log(f"gcloud: {gcloud}")
+    runner = Gcloud(find_gcloud(gcloud), gcloud_timeout, create_timeout, gcloud_retries, gcloud_backoff)
+    log(f"gcloud: {runner.path}")
     log(f"command on every worker: {command}")
     if "--out_dir" not in command:
         log("note: the command sets no --out_dir; the default is on the VMs' disks, which a preemption erases")
-    tpu = Slice(gcloud, name, zone, accelerator_type, version, spot, preemptible, queued, best_effort, queued_resource,
-                project, shlex.split(create_flags))
-    sitter = Babysitter(tpu, setup, command, max_restarts, create_attempts, create_retry_delay, poll_interval,
-                        preemption_grace, delete_on_success, delete_on_interrupt)
+    tpu = Slice(runner, name, zone, accelerator_type, version, spot, preemptible, queued, best_effort,
+                queued_resource, project, flags)
+    settings = {k: v for k, v in locals().items() if k in Babysitter.__annotations__}
+    sitter = Babysitter(tpu, setup, command, **settings)
 
     def terminate(signum: int, frame: object) -> None:
         raise KeyboardInterrupt  # a `kill` (SIGTERM) is handled like Ctrl-C: nothing deleted unless asked
 
-    signal.signal(signal.SIGTERM, terminate)
+    previous = signal.signal(signal.SIGTERM, terminate)
     try:
-        code = sitter.run()
+        try:
+            code = sitter.run()
+        except LitError as e:  # the line says which slice is left and how to delete it
+            raise LitError(sitter.failed(str(e))) from None
     except KeyboardInterrupt:
         code = sitter.interrupted()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     if code:
         sys.exit(code)
 
@@ -458,8 +472,19 @@ def split_argv(argv: List[str]) -> List[str]:
     if "--" not in argv:
         return argv
     i = argv.index("--")
-    return [*argv[:i], f"--command={command_line(argv[i + 1:])}"] if argv[i + 1:] else argv[:i]
+    # one word is a command line already (`-- "cd x && python ..."`), several are arguments to quote
+    words = argv[i + 1:]
+    return [*argv[:i], f"--command={words[0] if len(words) == 1 else shlex.join(words)}"] if words else argv[:i]
+
+
+def main(argv: List[str]) -> None:
+    """The command line: `error: ...` and exit 1 for a LitError; exit 130 for Ctrl-C before the babysitter ran."""
+    try:
+        run_cli(babysit, as_positional=False, args=split_argv(argv))
+    except KeyboardInterrupt:
+        print("error: interrupted before any slice was created", file=sys.stderr, flush=True)
+        sys.exit(130)
 
 
 if __name__ == "__main__":
-    run_cli(babysit, as_positional=False, args=split_argv(sys.argv[1:]))
+    main(sys.argv[1:])
