@@ -35,7 +35,7 @@ from lit_gpt.config import next_power_of_two
 from lit_gpt.manifest import MANIFEST, StepProblem, newest_intact, step_problem, write_manifest
 from lit_gpt.state import commit_folder, rng_state, set_rng_state
 from lit_gpt.storage import is_url, location, remove, staging_dir, upload
-from lit_gpt.utils import LitError, load_error_detail
+from lit_gpt.utils import Interrupted, LitError, load_error_detail
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 STEP_FILE = "checkpoint.pth"  # Fabric's checkpoint of a step: model, optimizer, train state
@@ -240,13 +240,16 @@ class Runtime:
             try:
                 result = fn()
             except OSError as e:
-                failure = str(write_error(directory, partials, e))
+                failure = write_error(directory, partials, e)
+            except Interrupted:
+                raise  # a signal: every process got its own (or stops at the peer timeout)
             except LitError as e:
-                failure = str(e)
+                failure = e
         if fabric.world_size > 1:
-            failure = fabric.broadcast(failure, src=0)
+            message = fabric.broadcast(None if failure is None else str(failure), src=0)
+            failure = failure if fabric.global_rank == 0 or message is None else LitError(message)
         if failure is not None:
-            raise LitError(failure)
+            raise failure
         return result
 
     def _save_step_in_bucket(

@@ -404,7 +404,9 @@ def wait_for(proc, out: Path, step: int, timeout: float = 120) -> None:
         time.sleep(0.05)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+# a real process each (~20 s): SIGTERM by default (what preemptions and schedulers send); SIGINT also with -m slow
+@pytest.mark.parametrize("sig", [pytest.param(signal.SIGINT, marks=pytest.mark.slow), signal.SIGTERM],
+                         ids=["SIGINT", "SIGTERM"])
 def test_signal_during_training_is_one_line_with_the_resume_command(sig, tiny_dir, data_dir, tmp_path):
     out = tmp_path / "run"
     proc = subprocess.Popen(cli_args(tiny_dir, data_dir, out, steps=400, save_interval=2), cwd=ROOT, env=env(),
