@@ -7,10 +7,7 @@ adapter_v2, CPU and XLA, and scripts/merge_lora.py) refuse another base in one l
 import importlib
 import importlib.util
 import json
-import runpy
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 from typing import Callable, Dict, List, Tuple
 
@@ -27,6 +24,7 @@ from lit_gpt.weights import (
 )
 from test_generate import tiny_model
 from test_generate_recipes import write_tokenizer
+from test_quantize import run_script
 from tiny import write_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
@@ -299,17 +297,6 @@ def finetuned(bases, tmp_path_factory) -> Dict[str, Path]:
     return out
 
 
-def run_in_process(capsys, monkeypatch, script: str, *args: str) -> subprocess.CompletedProcess:
-    monkeypatch.setattr(sys, "argv", [str(REPO / script), *args])
-    code = 0
-    try:
-        runpy.run_path(str(REPO / script), run_name="__main__")
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    out, err = capsys.readouterr()
-    return subprocess.CompletedProcess(args, code, out, err)
-
-
 def tree(root: Path) -> List[str]:
     return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
 
@@ -351,7 +338,7 @@ def test_recipes_refuse_another_base(bases, finetuned, tmp_path, capsys, monkeyp
     else:
         flag = "--lora_path" if file.startswith("lora") else "--adapter_path"
         args = ["--checkpoint_dir", str(bases[base]), flag, str(weights), *GENERATE, *flags]
-    proc = run_in_process(capsys, monkeypatch, script, *args)
+    proc = run_script(capsys, monkeypatch, script, *args)
     assert proc.returncode == code, proc.stderr
     assert "Traceback" not in proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.startswith(("error:", "warning:"))]

@@ -25,7 +25,7 @@ def run_script(capsys, monkeypatch, script: str, *args: str) -> subprocess.Compl
     try:
         runpy.run_path(str(ROOT / script), run_name="__main__")
     except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)  # sys.exit() is success
     out, err = capsys.readouterr()
     return subprocess.CompletedProcess(args, code, out, err)
 
