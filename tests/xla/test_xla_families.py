@@ -60,8 +60,10 @@ MICRO_SLOW = {**MICRO, "xla1": "1"}
 # final weights against the CPU's: 1e-5, as tests/xla/test_xla_finetune.py; full finetuning of the one-layer Phi-4
 # and OLMo 2 models ends 1.1e-5 / 2.8e-5 away in an MLP weight (with the same losses to 1e-4, and micro-batches of
 # 1 everywhere): rounding differences of near-zero gradient entries that AdamW scales up to a step's size (lr 2e-3),
-# so full finetuning is held to 5e-5 (2.5% of one step)
-WEIGHT_ATOL = {"full": 5e-5}
+# so full finetuning is held to 5e-5 (2.5% of one step). The adapters' gating and prompt weights meet the same
+# rounding at a 25x larger step (lr 0.05): on the 2-core machine of 2026-11-26 Gemma 2's and SmolLM3's adapter runs
+# ended 1.6e-5 / 1.0e-5 away (losses equal to 1e-4), 0.03% of one step; held to 5e-5 (0.1% of one step)
+WEIGHT_ATOL = {"full": 5e-5, "adapter": 5e-5, "adapter_v2": 5e-5}
 METHODS = {
     # method: (recipe arguments, weights file, has an XLA recipe)
     "lora": (["--lora_r", "4", "--lora_alpha", "8", "--lora_mlp", "true", "--lora_dropout", "0",
