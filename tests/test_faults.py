@@ -76,7 +76,8 @@ def kill_in_fabric_save(monkeypatch):
     original = lightning.fabric.Fabric.save
 
     def save(self, path, state, filter=None):
-        if "step-000004" in str(path) or "lit-gpt-" in str(path) and state["train_state"]["step"] == 4:
+        # the local step's partial folder, or the staging folder of a file:// step
+        if "step-000004" in str(path) or ("lit-gpt-" in str(path) and state["train_state"]["step"] == 4):
             original(self, path, state, filter=filter)
             _truncated_copy(str(path), str(path))
             raise Killed
@@ -526,3 +527,49 @@ def test_a_failed_write_on_rank_zero_is_every_process_s_one_line(tmp_path):
     assert lines[0].startswith(f"cannot write the checkpoint {str(tmp_path / 'step-000004')!r} (No space left on"
                                " device): free space there or choose another --out_dir, then continue with --resume auto")
     assert not partial.exists()  # the partial folder is removed; earlier steps are untouched
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# what users bring: a bf16 checkpoint, the default precision, an epoch-driven run (no max_steps), killed in the
+# last save into a file:// out_dir
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def bf16_dir(tiny_dir, tmp_path_factory):
+    from lit_gpt.weights import load_weights, save_weights
+
+    out = tmp_path_factory.mktemp("bf16") / "tiny-bf16"
+    shutil.copytree(tiny_dir, out)
+    for f in out.glob("lit_model*.safetensors*"):
+        f.unlink()
+    save_weights({k: v.to(torch.bfloat16) for k, v in load_weights(tiny_dir / "lit_model.safetensors").items()}, out)
+    return out
+
+
+def test_epoch_run_on_a_bf16_checkpoint_killed_in_its_last_save_resumes_to_the_same_result(bf16_dir, data_dir, tmp_path,
+                                                                                          monkeypatch, capfd):
+    from fsspec.implementations.local import LocalFileSystem
+
+    args = dict(steps=None, precision=None, save_interval=6)  # 36 rows, 2 per step: 18 steps in one epoch
+    straight = tmp_path / "straight"
+    assert lora_run(bf16_dir, data_dir, straight, **args)["steps"] == 18
+    original = LocalFileSystem.put_file
+
+    def put_file(self, lpath, rpath, *a, **kw):
+        if "step-000018" in str(rpath) and Path(str(rpath)).name == "checkpoint.pth":
+            _truncated_copy(str(lpath), str(rpath))
+            raise Killed
+        return original(self, lpath, rpath, *a, **kw)
+
+    out = tmp_path / "run"
+    with monkeypatch.context() as m:
+        m.setattr(LocalFileSystem, "put_file", put_file)
+        with pytest.raises(Killed):
+            lora_run(bf16_dir, data_dir, f"file://{out}", **args)
+    capfd.readouterr()
+    summary = lora_run(bf16_dir, data_dir, f"file://{out}", resume="auto", **args)
+    warnings = [w for w in capfd.readouterr().err.splitlines() if w.startswith("warning:")]
+    assert warnings == ["warning: step-000018 is incomplete (no lit_checkpoint.json: its save was interrupted):"
+                        " resuming from step-000012, the newest intact step"], warnings
+    assert summary["first_step"] == 13 and summary["steps"] == 18
+    assert same_weights(straight / "final" / WEIGHTS, out / "final" / WEIGHTS)
+    assert read_metrics(out)[18] == read_metrics(straight)[18]

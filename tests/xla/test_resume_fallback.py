@@ -74,7 +74,8 @@ def damage_shard_gone(step):
 
 # (damage to step 4, the line's pattern); --resume auto then takes step 2
 CASES = [
-    (damage_shard_truncated, r"step-000004 is damaged \(sharded checkpoint .* has truncated files|step-000004 is damaged"),
+    (damage_shard_truncated, r"step-000004 is damaged \(sharded checkpoint (?:'.*' has truncated files|file"
+                             r" '.*__0_\d+\.distcp' is damaged \(\d+ bytes instead of \d+)"),
     (damage_shard_flipped, r"step-000004 is damaged \(sharded checkpoint file '.*__0_\d+\.distcp' is damaged \(CRC32"),
     (damage_index, r"step-000004 is damaged \(sharded checkpoint file '.*\.metadata' is damaged"),
     (damage_run_file, r"step-000004 is damaged \(sharded checkpoint file '.*finetune\.json' is damaged"),
