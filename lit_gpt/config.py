@@ -16,6 +16,7 @@ from typing import Any, Dict, List, Literal, Optional
 
 from lit_gpt.config_registry import configs
 from lit_gpt.hf_read import LAYER_TYPES, ROPE_SCALING_KEYS, from_hf_config
+from lit_gpt.moe import DISPATCHES, MOE_ACTIVATIONS, ROUTINGS
 
 CONFIG_FILE = "lit_config.json"
 
@@ -66,6 +67,25 @@ class Config:
     attention_scores_scalar: Optional[float] = None  # Gemma 2/3 query_pre_attn_scalar: scores * scalar**-0.5
     attention_logit_softcapping: Optional[float] = None  # Gemma 2: scores = cap * tanh(scores / cap)
     final_logit_softcapping: Optional[float] = None  # Gemma 2: logits = cap * tanh(logits / cap)
+    attention_sinks: bool = False  # gpt-oss: a learned logit per head in every softmax, whose share attends nowhere
+    # mixture of experts (lit_gpt.moe; Mixtral, Qwen3-MoE, gpt-oss): n_expert 0 is a dense model
+    n_expert: int = 0
+    n_expert_per_token: int = 0  # k: experts per token
+    moe_intermediate_size: Optional[int] = None  # each expert's hidden width (default: intermediate_size)
+    moe_sparse_step: int = 1  # layer i is MoE when (i + 1) % step == 0 (Qwen3-MoE decoder_sparse_step)
+    moe_dense_layers: List[int] = field(default_factory=list)  # layers with a dense MLP (Qwen3-MoE mlp_only_layers)
+    # "softmax_topk" (Mixtral, Qwen3-MoE) or "topk_softmax" (gpt-oss); see lit_gpt.moe
+    moe_routing: str = "softmax_topk"
+    moe_norm_topk_prob: bool = True  # softmax_topk: renormalise the k weights (Mixtral always, Qwen3 norm_topk_prob)
+    moe_bias: bool = False  # biases on the router and the experts (gpt-oss)
+    moe_activation: str = "silu"  # the experts' gate: "silu" (SwiGLU) or "clamped_swiglu" (gpt-oss)
+    swiglu_limit: float = 7.0  # clamped_swiglu's clamp
+    swiglu_alpha: float = 1.702  # clamped_swiglu's sigmoid slope
+    # experts' buffer size in training: ceil(factor * tokens * k / n_expert) (assignments beyond it are dropped and
+    # reported); None: never drop. Evaluation and generation never drop (lit_gpt.moe)
+    moe_capacity_factor: Optional[float] = 2.0
+    moe_dispatch: str = "auto"  # "auto", "capacity", "gather" or "dense" (the reference; lit_gpt.moe)
+    router_aux_loss_coef: float = 0.0  # weight of the router's load-balancing loss in training (HF's name)
     # HF `model_type` the weights came from (llama, mistral, ...): picks the HF layout when exporting back.
     # None for configs not read from a config.json; `lit_gpt.convert.hf_model_type` derives it then.
     hf_model_type: Optional[str] = None
@@ -85,6 +105,8 @@ class Config:
             if self.mlp_class_name != "GptNeoxMLP":
                 raise ValueError(f"{self.mlp_class_name} needs intermediate_size")
             self.intermediate_size = 4 * self.n_embd
+        if self.n_expert and self.moe_intermediate_size is None:
+            self.moe_intermediate_size = self.intermediate_size
         self.rope_n_elem = int(self.rotary_percentage * self.head_size)
         if self.rope_n_elem % 2:
             raise ValueError(f"rotary dims ({self.rope_n_elem}) must be even")
@@ -130,12 +152,41 @@ class Config:
             raise ValueError(f"norm_qk {self.norm_qk!r} is not implemented; use 'per_head' or 'all_heads'")
         if not self.pre_norm and (self.parallel_residual or self.shared_attention_norm):
             raise ValueError("pre_norm=false (post norms only) needs a sequential residual")
+        if self.attention_sinks and self.attention_logit_softcapping is not None:
+            raise ValueError("attention_sinks with attention_logit_softcapping is not implemented")
+        self._check_moe()
         for key in ("attention_scores_scalar", "attention_logit_softcapping", "final_logit_softcapping"):
             value = getattr(self, key)
             if value is not None and not value > 0:
                 raise ValueError(f"{key} must be positive, got {value}")
 
+    def _check_moe(self) -> None:
+        if self.n_expert < 0:
+            raise ValueError(f"n_expert must be 0 (a dense model) or positive, got {self.n_expert}")
+        if not self.n_expert:
+            return
+        if not 1 <= self.n_expert_per_token <= self.n_expert:
+            raise ValueError(f"n_expert_per_token must be in 1..{self.n_expert}, got {self.n_expert_per_token}")
+        for key, value, implemented in (("moe_routing", self.moe_routing, ROUTINGS),
+                                        ("moe_activation", self.moe_activation, MOE_ACTIVATIONS),
+                                        ("moe_dispatch", self.moe_dispatch, DISPATCHES)):
+            if value not in implemented:
+                raise ValueError(f"{key} {value!r} is not implemented; implemented: {', '.join(implemented)}")
+        if self.moe_sparse_step < 1:
+            raise ValueError(f"moe_sparse_step must be positive, got {self.moe_sparse_step}")
+        bad = [i for i in self.moe_dense_layers if not 0 <= i < self.n_layer]
+        if bad:
+            raise ValueError(f"moe_dense_layers names layers {bad} outside 0..{self.n_layer - 1}")
+        if self.moe_capacity_factor is not None and not self.moe_capacity_factor > 0:
+            raise ValueError(f"moe_capacity_factor must be positive (or None: no drops), got {self.moe_capacity_factor}")
+        if self.router_aux_loss_coef < 0:
+            raise ValueError(f"router_aux_loss_coef must be >= 0, got {self.router_aux_loss_coef}")
+
     # ------------------------------------------------------------------ per-layer features
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether `layer`'s feed-forward is the mixture of experts (else the dense `mlp_class_name`)."""
+        return bool(self.n_expert) and layer not in self.moe_dense_layers and (layer + 1) % self.moe_sparse_step == 0
+
     def sliding_window(self, layer: int) -> Optional[int]:
         """The attention window of `layer` (None: it sees every earlier position)."""
         if self.layer_types is None or self.layer_types[layer] == "sliding_attention":
@@ -237,9 +288,15 @@ class Config:
         kv = 2 * self.n_query_groups * self.head_size
         attn_params = self.n_embd * (q + kv) + q * self.n_embd
         n_mlp_mats = 2 if self.mlp_class_name == "GptNeoxMLP" else 3
-        mlp_params = n_mlp_mats * self.n_embd * self.intermediate_size
-        per_layer = 2 * (attn_params + mlp_params) + 2 * 2 * q * seq_len / 2
-        return self.n_layer * per_layer + 2 * self.n_embd * self.vocab_size
+        total = 0.0
+        for i in range(self.n_layer):
+            if self.is_moe_layer(i):  # the router, and the k experts a token goes through
+                mlp_params = self.n_embd * self.n_expert + self.n_expert_per_token * 3 * self.n_embd * (
+                    self.moe_intermediate_size)
+            else:
+                mlp_params = n_mlp_mats * self.n_embd * self.intermediate_size
+            total += 2 * (attn_params + mlp_params) + 2 * 2 * q * seq_len / 2
+        return total + 2 * self.n_embd * self.vocab_size
 
 
 _NAME_TO_CONFIG: Dict[str, Dict[str, Any]] = {c["name"]: c for c in configs}

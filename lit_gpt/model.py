@@ -13,6 +13,9 @@ State-dict layout (what the converters read and write):
   transformer.h.{i}.attn.proj.{weight,bias}
   transformer.h.{i}.mlp.fc / mlp.proj          (GptNeoxMLP)
   transformer.h.{i}.mlp.fc_1 / fc_2 / proj     (LLaMAMLP, GemmaMLP: fc_1 = gate, fc_2 = up)
+  transformer.h.{i}.mlp.router.{weight,bias}   (MoE layers, lit_gpt.moe: weight (n_expert, n_embd))
+  transformer.h.{i}.mlp.experts.fc_1 / fc_2 / proj .{weight,bias}   (MoE: (n_expert, out, in) and (n_expert, out))
+  transformer.h.{i}.attn.sinks                  (with attention_sinks: (n_head,))
 With tied embeddings `lm_head.weight` is the same Parameter as `transformer.wte.weight`.
 """
 
@@ -24,6 +27,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from lit_gpt.config import Config
+from lit_gpt.moe import MoE, ExpertLinear
 
 
 class GPT(nn.Module):
@@ -78,6 +82,10 @@ class GPT(nn.Module):
                 nn.init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=math.sqrt(2.0 / 5 / self.config.n_embd))
+        elif isinstance(module, ExpertLinear):
+            nn.init.normal_(module.weight, mean=0.0, std=math.sqrt(2.0 / 5 / self.config.n_embd))
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
 
     # ------------------------------------------------------------------ caches
     @property
@@ -229,7 +237,7 @@ class Block(nn.Module):
             self.norm_2 = None
         else:
             self.norm_2 = build_norm(config) if config.pre_norm else nn.Identity()
-        self.mlp = build_mlp(config)
+        self.mlp = build_mlp(config, block_idx)
         self.post_mlp_norm = build_norm(config) if config.post_mlp_norm else nn.Identity()
         self.config = config
 
@@ -270,6 +278,8 @@ class CausalSelfAttention(nn.Module):
             self.norm_k = build_norm(config, config.n_query_groups * config.head_size)
         else:
             self.norm_q = self.norm_k = None
+        # gpt-oss: one learned logit per head beside every row of scores (zeros until loaded)
+        self.sinks = nn.Parameter(torch.zeros(config.n_head)) if config.attention_sinks else None
         self.kv_cache: Optional[KVCache] = None
         self.block_idx = block_idx
         self.config = config
@@ -340,6 +350,8 @@ class CausalSelfAttention(nn.Module):
         own so that the adapter variants (lit_gpt/adapter.py) add their gated prefix attention here instead of
         copying `forward`."""
         scale = self.scale
+        if self.sinks is not None:
+            return sink_attention(q, k, v, mask, scale, self.sinks)
         if self.config.attention_logit_softcapping is not None:
             return softcapped_attention(q, k, v, mask, scale, self.config.attention_logit_softcapping)
         # GQA/MQA inside SDPA instead of repeat_interleave-ing the whole KV cache every step (same result, bit for
@@ -369,6 +381,26 @@ def softcapped_attention(
         mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
     scores = scores.masked_fill(~mask, float("-inf"))
     return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v
+
+
+def sink_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], scale: float, sinks: torch.Tensor
+) -> torch.Tensor:
+    """Attention with a sink logit per head appended to every row of scores before the softmax, its probability
+    then dropped (gpt-oss; transformers' eager computation, with the softmax in float32). mask: (T, S) booleans,
+    True = attend; None = causal."""
+    if k.size(1) != q.size(1):
+        k = k.repeat_interleave(q.size(1) // k.size(1), dim=1)
+        v = v.repeat_interleave(q.size(1) // v.size(1), dim=1)
+    scores = (q @ k.transpose(-2, -1)).float() * scale
+    if mask is None:
+        T, S = q.size(2), k.size(2)
+        mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    sink = sinks.float().view(1, -1, 1, 1).expand(scores.size(0), -1, scores.size(2), 1)
+    logits = torch.cat((scores, sink), dim=-1)
+    probs = torch.softmax(logits - logits.amax(dim=-1, keepdim=True), dim=-1)[..., :-1]
+    return probs.to(v.dtype) @ v
 
 
 def cache_mask(input_pos: torch.Tensor, cache_length: int, sliding_window_size: Optional[int] = None) -> torch.Tensor:
@@ -472,7 +504,9 @@ def build_norm(config: Config, size: Optional[int] = None) -> nn.Module:
     return nn.LayerNorm(size, eps=config.norm_eps)
 
 
-def build_mlp(config: Config) -> nn.Module:
+def build_mlp(config: Config, block_idx: int = 0) -> nn.Module:
+    if config.is_moe_layer(block_idx):
+        return MoE(config)
     return {"GptNeoxMLP": GptNeoxMLP, "LLaMAMLP": LLaMAMLP, "GemmaMLP": GemmaMLP}[config.mlp_class_name](config)
 
 

@@ -1,0 +1,259 @@
+"""The mixture-of-experts feed-forward of the one model file (Mixtral, Qwen3-MoE, gpt-oss), switched on by
+`Config.n_expert` for the layers `Config.is_moe_layer` names.
+
+Routing (`Config.moe_routing`), as transformers computes it:
+  "softmax_topk" (Mixtral, Qwen3-MoE): softmax over all experts' router logits in float32, the top k, renormalised
+      to sum to 1 when `moe_norm_topk_prob` (Mixtral always; Qwen3-MoE's `norm_topk_prob`).
+  "topk_softmax" (gpt-oss): the top k logits (the router has a bias), then a softmax over those k.
+
+Dispatch: every shape below depends on the number of tokens N (static) and never on the routing, so that XLA
+compiles one graph per bucket, and no `nonzero`, boolean indexing or host read is needed (`Config.moe_dispatch`):
+  "gather": each of the N*k (token, expert) assignments multiplies with its own expert's weights, gathered by index
+      (`ExpertLinear.forward_selected`). Exact; reads only the chosen experts' weights. Chosen by "auto" when
+      N*k <= n_expert, i.e. for decode steps: a one-token step of Qwen3-30B-A3B reads 8 of its 128 experts.
+  "capacity": GShard/Switch-style expert buffers of static size (n_expert, C, n_embd): an assignment's place in
+      its expert's buffer is a cumulative count over the assignments, first choices of all tokens before second
+      choices (so a token keeps its best expert first); the experts run as batched matmuls over their buffers. In
+      training C = ceil(moe_capacity_factor * N * k / n_expert): an assignment beyond its expert's C is dropped
+      (the token gets that expert's share as zero: its other experts and the residual still carry it), and the
+      fraction dropped is reported (`routing_summary`). In evaluation, generation, and with
+      moe_capacity_factor=None, C = N, which no routing can exceed: no token is ever dropped there. Chosen by
+      "auto" when N*k > n_expert.
+  "dense": every expert on every token, weighted by the routing (zero for experts not chosen): the reference the
+      bench compares the dispatch against.
+
+The router's load-balancing loss (Switch Transformer, eqs. 4-6) is `load_balancing_loss`, computed from the routing
+each MoE layer keeps from its last training forward (`MoE.routing`), exactly as transformers'
+`load_balancing_loss_func` with an attention mask does (the fractions summed over all layers before their product).
+"""
+
+import math
+from typing import Any, Dict, List, NamedTuple, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+ROUTINGS = ("softmax_topk", "topk_softmax")
+MOE_ACTIVATIONS = ("silu", "clamped_swiglu")
+DISPATCHES = ("auto", "capacity", "gather", "dense")
+
+
+class ExpertLinear(nn.Module):
+    """`n_expert` linear layers of one shape as one (n_expert, out, in) weight (and (n_expert, out) bias), run as
+    batched matmuls: state-dict names `<name>.weight` / `<name>.bias`, like an `nn.Linear`'s."""
+
+    def __init__(self, n_expert: int, in_features: int, out_features: int, bias: bool = False,
+                 device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None) -> None:
+        super().__init__()
+        self.n_expert, self.in_features, self.out_features = n_expert, in_features, out_features
+        self.weight = nn.Parameter(torch.empty(n_expert, out_features, in_features, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(n_expert, out_features, device=device, dtype=dtype)) if bias else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        # nn.Linear's default init for each expert; `uniform_` on the tensor, which Lightning's empty-init skips
+        with torch.no_grad():
+            bound = 1.0 / math.sqrt(self.in_features)
+            self.weight.uniform_(-bound, bound)
+            if self.bias is not None:
+                self.bias.uniform_(-bound, bound)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (n_expert, C, in), row block e for expert e -> (n_expert, C, out)."""
+        y = torch.bmm(x, self.weight.transpose(1, 2))
+        return y if self.bias is None else y + self.bias.unsqueeze(1)
+
+    def forward_selected(self, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """x: (M, in), experts: (M,) expert indices -> (M, out): row m through expert `experts[m]`'s weights."""
+        y = torch.bmm(self.weight.index_select(0, experts), x.unsqueeze(-1)).squeeze(-1)
+        return y if self.bias is None else y + self.bias.index_select(0, experts)
+
+    def extra_repr(self) -> str:
+        return (f"n_expert={self.n_expert}, in_features={self.in_features}, out_features={self.out_features},"
+                f" bias={self.bias is not None}")
+
+
+class Experts(nn.Module):
+    """The experts' gated MLPs: fc_1 (gate), fc_2 (up), proj (down), as in `LLaMAMLP`, one `ExpertLinear` each."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        E, H, inter = config.n_expert, config.n_embd, config.moe_intermediate_size
+        self.fc_1 = ExpertLinear(E, H, inter, bias=config.moe_bias)
+        self.fc_2 = ExpertLinear(E, H, inter, bias=config.moe_bias)
+        self.proj = ExpertLinear(E, inter, H, bias=config.moe_bias)
+        self.activation = config.moe_activation
+        self.limit, self.alpha = config.swiglu_limit, config.swiglu_alpha
+
+    def act(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        if self.activation == "clamped_swiglu":  # gpt-oss: clamped, a sigmoid with slope alpha, and (up + 1)
+            gate = gate.clamp(max=self.limit)
+            up = up.clamp(min=-self.limit, max=self.limit)
+            return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+        return F.silu(gate) * up
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (n_expert, C, n_embd) -> (n_expert, C, n_embd)."""
+        return self.proj(self.act(self.fc_1(x), self.fc_2(x)))
+
+    def forward_selected(self, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """x: (M, n_embd), experts: (M,) -> (M, n_embd)."""
+        h = self.act(self.fc_1.forward_selected(x, experts), self.fc_2.forward_selected(x, experts))
+        return self.proj.forward_selected(h, experts)
+
+
+class Routing(NamedTuple):
+    """One MoE layer's routing of its last training forward: what the load-balancing loss and the load report use."""
+
+    probs: torch.Tensor  # (N, n_expert) float32 softmax over all router logits (differentiable)
+    experts: torch.Tensor  # (N, k) chosen experts
+    kept: Optional[torch.Tensor]  # (N, k) bool, False where capacity dropped the assignment (None: none can be)
+
+
+def route(logits: torch.Tensor, routing: str, k: int, norm_topk_prob: bool):
+    """Router logits (N, E) -> (softmax over all experts in float32 (N, E), the k weights (N, k) float32, their
+    experts (N, k))."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    if routing == "softmax_topk":
+        weights, experts = torch.topk(probs, k, dim=-1)
+        if norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+    elif routing == "topk_softmax":
+        top, experts = torch.topk(logits, k, dim=-1)
+        weights = torch.softmax(top.float(), dim=-1)
+    else:  # Config refuses it; a hand-made module must not route some other way silently
+        raise ValueError(f"moe_routing {routing!r} is not implemented; implemented: {', '.join(ROUTINGS)}")
+    return probs, weights, experts
+
+
+def capacity(n_tokens: int, k: int, n_expert: int, factor: Optional[float]) -> int:
+    """Rows of each expert's buffer: ceil(factor * N * k / E), at most N (no expert can get more) and at least 1;
+    N (nothing dropped) when factor is None."""
+    if factor is None:
+        return n_tokens
+    return max(1, min(n_tokens, math.ceil(factor * n_tokens * k / n_expert)))
+
+
+class MoE(nn.Module):
+    """router -> top-k experts -> their outputs weighted by the routing, summed (see the module docstring)."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.router = nn.Linear(config.n_embd, config.n_expert, bias=config.moe_bias)
+        self.experts = Experts(config)
+        self.n_expert, self.k = config.n_expert, config.n_expert_per_token
+        self.routing_kind, self.norm_topk_prob = config.moe_routing, config.moe_norm_topk_prob
+        self.capacity_factor = config.moe_capacity_factor
+        self.dispatch = config.moe_dispatch
+        self.routing: Optional[Routing] = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        xf = x.reshape(-1, shape[-1])
+        probs, weights, experts = route(self.router(xf), self.routing_kind, self.k, self.norm_topk_prob)
+        n = xf.size(0)
+        dispatch = self.dispatch
+        if dispatch == "auto":
+            dispatch = "gather" if n * self.k <= self.n_expert else "capacity"
+        kept = None
+        if dispatch == "gather":
+            y = self._gather(xf, weights, experts)
+        elif dispatch == "dense":
+            y = self._dense(xf, weights, experts)
+        else:
+            factor = self.capacity_factor if self.training else None
+            y, kept = self._capacity(xf, weights, experts, capacity(n, self.k, self.n_expert, factor))
+        # kept for the loss and the load report of a training step only (at inference nothing reads it)
+        self.routing = Routing(probs, experts, kept) if self.training else None
+        return y.reshape(shape)
+
+    def _gather(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        n, h = x.shape
+        rows = x.unsqueeze(1).expand(n, self.k, h).reshape(n * self.k, h)
+        out = self.experts.forward_selected(rows, experts.reshape(-1)).view(n, self.k, h)
+        return (out * weights.unsqueeze(-1).to(out.dtype)).sum(dim=1)
+
+    def _dense(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        dense_w = torch.zeros(x.size(0), self.n_expert, dtype=weights.dtype, device=x.device)
+        dense_w = dense_w.scatter(1, experts, weights)  # (N, E): zero for the experts not chosen
+        out = self.experts(x.unsqueeze(0).expand(self.n_expert, *x.shape))  # (E, N, H)
+        return torch.einsum("enh,ne->nh", out, dense_w.to(out.dtype))
+
+    def _capacity(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, cap: int):
+        n, h = x.shape
+        E, k = self.n_expert, self.k
+        # assignments choice-major: all tokens' first choices, then all second choices (priority to the best)
+        flat_experts = experts.t().reshape(-1)  # (k * N,)
+        one_hot = F.one_hot(flat_experts, E)  # (k * N, E)
+        position = ((one_hot.cumsum(dim=0) - 1) * one_hot).sum(dim=1)  # the assignment's row in its expert's buffer
+        kept = position < cap
+        # a dropped assignment is written to a spare row past the buffers, which is never read back with a weight
+        slot = torch.where(kept, flat_experts * cap + position, torch.full_like(position, E * cap))
+        rows = x.repeat(k, 1)  # (k * N, H), choice-major like `slot`
+        buffer = torch.zeros(E * cap + 1, h, dtype=x.dtype, device=x.device).index_copy(0, slot, rows)
+        out = self.experts(buffer[: E * cap].view(E, cap, h)).reshape(E * cap, h)
+        out = torch.cat((out, out.new_zeros(1, h)))  # the spare row reads back as zero
+        picked = out.index_select(0, slot).view(k, n, h)
+        w = (weights.t() * kept.view(k, n)).unsqueeze(-1).to(picked.dtype)
+        return (picked * w).sum(dim=0), kept.view(k, n).t()
+
+
+def moe_layers(model: nn.Module) -> List[MoE]:
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def _routings(model: nn.Module) -> List[Routing]:
+    return [m.routing for m in moe_layers(model) if m.routing is not None]
+
+
+def load_balancing_loss(model: nn.Module, token_mask: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+    """transformers' `load_balancing_loss_func` over the MoE layers' last training forward: with f_e the fraction of
+    the (token, choice) assignments that went to expert e and P_e the mean router probability of e, both over all
+    MoE layers and the tokens of `token_mask` (B, T) (None: all), the loss is n_expert * sum_e f_e * P_e (k at
+    perfect balance, since the f_e sum to k). None when the model has no MoE layer or ran no training forward."""
+    routings = _routings(model)
+    if not routings:
+        return None
+    n_expert = routings[0].probs.size(-1)
+    counts = routings[0].probs.new_zeros(n_expert)
+    prob_sum = routings[0].probs.new_zeros(n_expert)
+    rows = routings[0].probs.new_zeros(())
+    mask = None if token_mask is None else token_mask.reshape(-1).to(counts.dtype)
+    for r in routings:
+        one_hot = F.one_hot(r.experts, n_expert).to(counts.dtype).sum(dim=1)  # (N, E): k ones per token
+        if mask is None:
+            counts = counts + one_hot.sum(dim=0)
+            prob_sum = prob_sum + r.probs.sum(dim=0)
+            rows = rows + r.probs.size(0)
+        else:
+            counts = counts + (one_hot * mask.unsqueeze(-1)).sum(dim=0)
+            prob_sum = prob_sum + (r.probs * mask.unsqueeze(-1)).sum(dim=0)
+            rows = rows + mask.sum()
+    return n_expert * torch.sum((counts / rows) * (prob_sum / rows))
+
+
+def expert_load(model: nn.Module, token_mask: Optional[torch.Tensor] = None) -> Optional[Dict[str, torch.Tensor]]:
+    """Per MoE layer and expert, the assignments of the last training forward (the tokens of `token_mask` only):
+    {"assigned": (layers, E) counts, "dropped": (layers, E) of those dropped by capacity}; device tensors, read
+    them at log steps only. None without MoE layers or a training forward."""
+    routings = _routings(model)
+    if not routings:
+        return None
+    n_expert = routings[0].probs.size(-1)
+    assigned, dropped = [], []
+    for r in routings:
+        one_hot = F.one_hot(r.experts, n_expert).float()  # (N, k, E)
+        if token_mask is not None:
+            one_hot = one_hot * token_mask.reshape(-1, 1, 1).float()
+        assigned.append(one_hot.sum(dim=(0, 1)))
+        if r.kept is None:
+            dropped.append(torch.zeros_like(assigned[-1]))
+        else:
+            dropped.append((one_hot * (~r.kept).unsqueeze(-1).float()).sum(dim=(0, 1)))
+    return {"assigned": torch.stack(assigned), "dropped": torch.stack(dropped)}
+
+
+def clear_routing(model: nn.Module) -> None:
+    for m in moe_layers(model):
+        m.routing = None
