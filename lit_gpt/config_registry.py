@@ -607,3 +607,94 @@ for name in ("SmolLM3-3B", "SmolLM3-3B-Base"):
             tie_embeddings=True,
         )
     )
+
+# ------------------------------------------------------------------ Mixtral (mixture of experts)
+# https://huggingface.co/mistralai/Mixtral-8x7B-v0.1/blob/main/config.json (Instruct alike)
+for name in ("Mixtral-8x7B-v0.1", "Mixtral-8x7B-Instruct-v0.1"):
+    configs.append(
+        _llama(
+            "mistralai",
+            name,
+            hf_model_type="mixtral",
+            block_size=32768,
+            vocab_size=32000,
+            n_layer=32,
+            n_head=32,
+            n_embd=4096,
+            n_query_groups=8,
+            intermediate_size=14336,
+            norm_eps=1e-5,
+            rope_base=1000000.0,
+            n_expert=8,
+            n_expert_per_token=2,
+            router_aux_loss_coef=0.02,
+        )
+    )
+
+# ------------------------------------------------------------------ Qwen3-MoE
+# https://huggingface.co/Qwen/Qwen3-30B-A3B/blob/main/config.json
+# https://huggingface.co/Qwen/Qwen3-235B-A22B/blob/main/config.json
+for name, (n_layer, n_head, n_embd, inter, moe_inter) in {
+    "Qwen3-30B-A3B": (48, 32, 2048, 6144, 768),
+    "Qwen3-235B-A22B": (94, 64, 4096, 12288, 1536),
+}.items():
+    configs.append(
+        _llama(
+            "Qwen",
+            name,
+            hf_model_type="qwen3_moe",
+            block_size=40960,
+            vocab_size=151936,
+            n_layer=n_layer,
+            n_head=n_head,
+            n_embd=n_embd,
+            head_size=128,
+            n_query_groups=4,
+            intermediate_size=inter,
+            norm_eps=1e-6,
+            rope_base=1000000.0,
+            norm_qk="per_head",
+            n_expert=128,
+            n_expert_per_token=8,
+            moe_intermediate_size=moe_inter,
+            moe_norm_topk_prob=True,
+            router_aux_loss_coef=0.001,
+        )
+    )
+
+# ------------------------------------------------------------------ gpt-oss
+# https://huggingface.co/openai/gpt-oss-20b/blob/main/config.json (120b alike); the Hub's experts are MXFP4, which
+# the converter dequantizes (lit_gpt.mxfp4)
+for name, (n_layer, n_expert) in {"gpt-oss-20b": (24, 32), "gpt-oss-120b": (36, 128)}.items():
+    configs.append(
+        _llama(
+            "openai",
+            name,
+            hf_model_type="gpt_oss",
+            block_size=131072,
+            vocab_size=201088,
+            n_layer=n_layer,
+            n_head=64,
+            n_embd=2880,
+            head_size=64,
+            n_query_groups=8,
+            intermediate_size=2880,
+            norm_eps=1e-5,
+            norm_float_weight=True,
+            bias=True,
+            attention_sinks=True,
+            sliding_window_size=128,
+            layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n_layer)],
+            rope_base=150000.0,
+            rope_scaling=dict(type="yarn", factor=32.0, original_max_seq_len=4096, beta_fast=32.0, beta_slow=1.0,
+                              truncate=False),
+            n_expert=n_expert,
+            n_expert_per_token=4,
+            moe_routing="topk_softmax",
+            moe_bias=True,
+            moe_activation="clamped_swiglu",
+            swiglu_limit=7.0,
+            swiglu_alpha=1.702,
+            router_aux_loss_coef=0.9,
+        )
+    )

@@ -43,6 +43,17 @@ FAMILIES: Dict[str, Tuple[str, Dict[str, Any]]] = {
     "olmo2": ("OLMo-2-1124-7B", dict(n_layer=1)),  # post norms only, q/k norms over the whole projections
     "smollm3": ("SmolLM3-3B", dict(n_layer=2, layers_without_rope=[1])),  # a layer without RoPE (NoPE)
 }
+# the mixture-of-experts families (lit_gpt.moe), apart from `FAMILIES` (their own tests: tests/test_moe_*.py,
+# tests/xla/test_xla_moe.py): 4 experts, 2 per token, each expert 32 wide. Qwen3-MoE keeps a dense first layer
+# (mlp_only_layers); gpt-oss has sinks, biased experts with the clamped SwiGLU, top-k-then-softmax routing and
+# alternating 4-token windows
+MOE_FAMILIES: Dict[str, Tuple[str, Dict[str, Any]]] = {
+    "mixtral": ("Mixtral-8x7B-v0.1", dict(n_layer=1, n_expert=4, n_expert_per_token=2, moe_intermediate_size=32)),
+    "qwen3_moe": ("Qwen3-30B-A3B", dict(n_layer=2, n_expert=4, n_expert_per_token=2, moe_intermediate_size=32,
+                                        moe_dense_layers=[0])),
+    "gpt_oss": ("gpt-oss-20b", dict(n_layer=2, n_expert=4, n_expert_per_token=2, moe_intermediate_size=32,
+                                    sliding_window_size=4)),
+}
 TINY_SHAPE = dict(n_embd=64, n_head=4, n_query_groups=2, head_size=16, intermediate_size=128, block_size=128)
 
 
@@ -50,7 +61,7 @@ def family_config(family: str, vocab_size: int) -> Any:
     """The tiny `Config` of one of `FAMILIES`."""
     from lit_gpt import Config
 
-    name, overrides = FAMILIES[family]
+    name, overrides = FAMILIES[family] if family in FAMILIES else MOE_FAMILIES[family]
     config = Config.from_name(name, vocab_size=vocab_size, **TINY_SHAPE, **overrides)
     config.name = f"tiny-{family}"
     return config
@@ -101,4 +112,6 @@ def make_word_checkpoint(directory: Path, seed: int = 0, family: Optional[str] =
             for name, p in model.named_parameters():
                 if p.dim() == 1 and "norm" in name.split(".")[-2]:
                     p.add_(torch.randn_like(p) * 0.2)
+                if name.endswith((".sinks", ".router.weight")):  # sinks away from 0; routers that really choose
+                    p.normal_(0.0, 1.0)
     return write_checkpoint(model, directory)
