@@ -11,6 +11,7 @@ model configs (bytes per parameter; labelled "estimate"), not measured.
 """
 
 import argparse
+import math
 import json
 import re
 import sys
@@ -19,7 +20,7 @@ from typing import Callable, Dict, List, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
-PAGES = (ROOT / "README.md", ROOT / "xla" / "README.md", ROOT / "tutorials" / "resources.md")
+PAGES = (ROOT / "README.md", ROOT / "xla" / "README.md", ROOT / "tutorials" / "resources.md", ROOT / "tutorials" / "moe.md")
 _TABLE = re.compile(r"(<!-- bench-table: (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /bench-table -->)", re.S)
 
 
@@ -425,7 +426,89 @@ def resources() -> str:
     return text
 
 
+_MOE_MODELS = ("Mixtral-8x7B-v0.1", "Qwen3-30B-A3B", "Qwen3-235B-A22B", "gpt-oss-20b", "gpt-oss-120b")
+# HBM per chip (GiB) of the accelerators the MoE estimate sizes for; 80% of it counted as usable
+_CHIPS = (("TPU v5e", 16), ("TPU v4", 32), ("H100", 80), ("TPU v5p", 95))
+
+
+def _moe_params(name: str):
+    """(total parameters, parameters a token goes through, expert parameters, config) of a named MoE config."""
+    import torch
+
+    from lit_gpt import GPT, Config
+
+    config = Config.from_name(name)
+    with torch.device("meta"):
+        model = GPT(config)
+    total = sum(p.numel() for p in model.parameters())
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".mlp.experts." in n)
+    active = total - experts + experts * config.n_expert_per_token // config.n_expert
+    return total, active, experts, config
+
+
+def moe_resources() -> str:
+    """Memory per MoE model and method: estimates from the named configs (no MoE of these sizes runs here)."""
+    lines = ["| model | parameters (total / per token) | experts | inference, bf16 | LoRA, bf16-true (+ experts' LoRA, r=8)"
+             " | full, bf16-true (AdamW) | KV cache per 1k tokens, bf16 | chips for full finetuning (FSDP) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for name in _MOE_MODELS:
+        total, active, experts, c = _moe_params(name)
+        gib = lambda n_bytes: f"~{n_bytes / 2**30:.1f} GiB"  # noqa: E731
+        # LoRA on the experts: r * (in + out) per expert and matrix (fc_1, fc_2: n_embd -> moe_inter; proj back)
+        moe_layers = sum(c.is_moe_layer(i) for i in range(c.n_layer))
+        lora_experts = moe_layers * c.n_expert * 3 * 8 * (c.n_embd + c.moe_intermediate_size)
+        # bf16 LoRA weights, their gradients and fp32 AdamW moments: 2 + 2 + 8 bytes per trainable parameter
+        lora = f"{gib(2 * total)} (+{gib(12 * lora_experts)})"
+        kv = 2 * c.n_layer * c.n_query_groups * c.head_size * 2 * 1024
+        full = 8 * total
+        chips = ", ".join(f"{chip}: {math.ceil(full / (0.8 * hbm * 2**30))}" for chip, hbm in _CHIPS)
+        lines.append(f"| {name} | {total / 1e9:.1f} B / {active / 1e9:.1f} B | {c.n_expert}, {c.n_expert_per_token} per"
+                     f" token | {gib(2 * total)} | {lora} | {gib(full)} | {kv / 2**20:.0f} MiB | {chips} |")
+    text = ("**Estimate** (computed by `bench/tables.py` from each named config, not measured: no model of these sizes"
+            " runs on the machines the project is tested on). Every expert's weights are in memory whatever the"
+            " routing: memory follows the total parameters, compute the per-token ones. Weights, gradients and"
+            " optimizer state only, 2 bytes per bf16 copy (full finetuning: weights, gradients and AdamW's two"
+            " moments, 8 bytes per parameter). Chips: how many of each accelerator hold that state sharded by FSDP"
+            " with 80% of their memory usable, before activations; the KV cache keeps every position in every layer"
+            " (gpt-oss's sliding layers included).\n\n")
+    return text + "\n".join(lines) + "\n"
+
+
+def moe_dispatch() -> str:
+    (r,) = _load_all("moe_dispatch_cpu")
+    head = ["| contender | decode tokens/s | decode vs ours | training step (s) | step vs ours |",
+            "| --- | --- | --- | --- | --- |"]
+    if r is None:
+        return "\n".join(head + ["| not measured (run `python bench/moe_dispatch.py --results_file"
+                                   " bench/results/moe_dispatch_cpu.json`) | | | | |"]) + "\n"
+    res, s = r["results"], r["settings"]
+    labels = {"ours": "ours (`moe_dispatch` auto: gather for decode, capacity 2.0 for training)",
+              "ours_dropless": "ours, capacity N (dropless)", "ours_dense": "ours, dense (every expert on every token)",
+              "transformers": f"transformers ({s['transformers_experts_implementation']})",
+              "transformers_eager": "transformers (eager loop over the experts hit)"}
+    for name, label in labels.items():
+        d = res.get(f"decode_{name}_tokens_per_s")
+        t = res.get(f"train_{name}_s_per_step")
+        cells = [label, _f(d, ".1f", "-"), "-" if d is None else _f(res[f"decode_{name}_ratio_to_ours"]) + "x",
+                 _f(t, ".3f", "-"), "-" if t is None else _f(res[f"train_{name}_ratio_to_ours"]) + "x"]
+        head.append("| " + " | ".join(cells) + " |")
+    sh = s["shape"]
+    same = [n for n in labels if res.get(f"tokens_{n}_equal_to_transformers") is False]
+    text = "\n".join(head) + "\n"
+    text += (f"\nRandom weights in a Qwen3-MoE layout: {sh['n_layer']} layers, width {sh['n_embd']}, {sh['n_expert']}"
+             f" experts of width {sh['moe_intermediate_size']}, {sh['n_expert_per_token']} per token, vocabulary"
+             f" {sh['vocab_size']}; {s['dtype']}, {s['threads']} threads. Decode: batch 1, greedy, {s['prompt_tokens']}-token"
+             f" prompt, {s['new_tokens']} new tokens, steady decode speed. Training step: forward and backward of"
+             f" {s['batch']} x {s['seq']} tokens, every weight trainable. Medians of {s['runs']} interleaved runs after"
+             f" a warm-up; ratios of medians to ours (decode: higher is faster; step: lower is faster). Greedy tokens "
+             + ("identical to transformers' for every contender." if not same else f"DIFFER from transformers' for {same}.")
+             + "\n")
+    return text + _source(r)
+
+
 TABLES: Dict[str, Callable[[], str]] = {
+    "moe-resources": moe_resources,
+    "moe-dispatch": moe_dispatch,
     "cpu-generate": cpu_generate,
     "cpu-generate-gemma3": cpu_generate_gemma3,
     "cpu-finetune": cpu_finetune,

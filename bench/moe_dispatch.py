@@ -1,0 +1,204 @@
+"""The mixture-of-experts dispatch (lit_gpt.moe) against the dense fallback and against transformers, on the same
+random weights in a Qwen3-MoE-like layout, on the CPU (or a CUDA GPU):
+
+    python bench/moe_dispatch.py --results_file bench/results/moe_dispatch_cpu.json
+
+Decode: batch 1, greedy, `--prompt_tokens` then `--new_tokens` tokens, steady decode tokens/s of
+  `ours` (moe_dispatch "auto": a one-token step gathers the k chosen experts' weights),
+  `ours_dense` (moe_dispatch "dense": every expert on every token, weighted by the routing),
+  `transformers` (its default experts implementation, named in the settings) and `transformers_eager` (its loop
+  over the experts that were hit).
+Training step: forward + backward of `--batch` x `--seq` tokens through the whole model, all weights trainable,
+summed logits as the loss, seconds per step of
+  `ours` (moe_dispatch "auto": capacity buffers of ceil(2.0 * N * k / E) rows per expert, the training default),
+  `ours_dropless` (capacity N: nothing dropped), `ours_dense`, `transformers` and `transformers_eager`.
+Contenders alternate; each does one warm-up, then `--runs` timed runs; medians, and ratios of medians to `ours`.
+The greedy tokens of every contender are compared with transformers' (equal weights, fp32: they must match).
+"""
+
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+from lit_gpt.config import Config
+from lit_gpt.generate import timed_generate
+from lit_gpt.loading import load_model
+from lit_gpt.utils import run_cli
+
+import result_files  # bench/result_files.py (this script's folder is on sys.path)
+
+SHAPE = dict(n_layer=4, n_embd=512, n_head=8, n_query_groups=2, head_size=64, intermediate_size=1024,
+             vocab_size=8192, block_size=4096, n_expert=32, n_expert_per_token=4, moe_intermediate_size=512)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def build(folder: Path, device: torch.device, n_expert: int, k: int):
+    """Random Qwen3-MoE-like weights from transformers, saved and converted with lit_gpt.convert (the same weights
+    on both sides). The router weights are drawn wider than transformers' init so that routing differs per token."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from lit_gpt.convert import convert_hf_checkpoint
+    from lit_gpt.hf_write import hf_config_dict
+
+    config = Config.from_name("Qwen3-30B-A3B", **{**SHAPE, "n_expert": n_expert, "n_expert_per_token": k})
+    config.hf_model_type = "qwen3_moe"
+    torch.manual_seed(0)
+    theirs = AutoModelForCausalLM.from_config(AutoConfig.for_model(**hf_config_dict(config)), dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in theirs.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.normal_(0.0, 0.5)
+        theirs.get_output_embeddings().weight[:3] = 0  # no EOS / special token ever wins greedy decoding
+    theirs.save_pretrained(folder)
+    convert_hf_checkpoint(folder)
+    ours = load_model(folder).to(device)
+    return ours, theirs.eval().to(device), config
+
+
+def set_dispatch(model: torch.nn.Module, dispatch: str, capacity_factor: Optional[float] = 2.0) -> None:
+    from lit_gpt.moe import moe_layers
+
+    for m in moe_layers(model):
+        m.dispatch, m.capacity_factor = dispatch, capacity_factor
+
+
+def decode_ours(model, ids: torch.Tensor, new: int, runtime: None):
+    with torch.inference_mode():
+        r = timed_generate(model, ids, new, runtime, max_seq_length=ids.numel() + new)
+    return r.tokens.tolist()[ids.numel():] if r.tokens.numel() > new else r.tokens.tolist(), r.decode_tokens_per_sec
+
+
+def decode_theirs(model, ids: torch.Tensor, new: int):
+    from transformers.generation.streamers import BaseStreamer
+
+    class Times(BaseStreamer):
+        def __init__(self) -> None:
+            self.times: List[float] = []
+
+        def put(self, value: torch.Tensor) -> None:
+            self.times.append(time.perf_counter())
+
+        def end(self) -> None:
+            pass
+
+    times = Times()
+    with torch.inference_mode():
+        out = model.generate(ids.unsqueeze(0).to(model.device), max_new_tokens=new, min_new_tokens=new,
+                             do_sample=False, pad_token_id=0, streamer=times,
+                             attention_mask=torch.ones(1, ids.numel(), dtype=torch.long, device=model.device))
+    t = times.times[1:]
+    return out[0, ids.numel():].tolist(), (len(t) - 2) / (t[-1] - t[1])
+
+
+def train_step(forward: Callable[[], torch.Tensor], params: List[torch.nn.Parameter], device: torch.device) -> float:
+    for p in params:
+        p.grad = None
+    _sync(device)
+    t0 = time.perf_counter()
+    forward().float().sum().backward()
+    _sync(device)
+    return time.perf_counter() - t0
+
+
+def setup(
+    results_file: Optional[Path] = None,
+    note: Optional[str] = None,
+    device: str = "cpu",
+    n_expert: int = 32,
+    k: int = 4,
+    prompt_tokens: int = 32,
+    new_tokens: int = 64,
+    batch: int = 4,
+    seq: int = 256,
+    runs: int = 3,
+    threads: Optional[int] = None,
+) -> Dict[str, float]:
+    """Measure decode tokens/s and the training step of our dispatch, the dense fallback and transformers."""
+    if threads:
+        torch.set_num_threads(threads)
+    dev = torch.device(device)
+    with tempfile.TemporaryDirectory() as tmp:
+        ours, theirs, config = build(Path(tmp) / "moe", dev, n_expert, k)
+        impl = theirs.config._experts_implementation
+        theirs_eager = type(theirs).from_pretrained(Path(tmp) / "moe", dtype=torch.float32,
+                                                    experts_implementation="eager").eval().to(dev)
+    runtime = None  # timed_generate picks the model's device's runtime
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(3, config.vocab_size, (prompt_tokens,), generator=g).to(dev)
+    tokens = torch.randint(3, config.vocab_size, (batch, seq), generator=g).to(dev)
+
+    decode: Dict[str, List[float]] = {}
+    texts: Dict[str, List[int]] = {}
+    train: Dict[str, List[float]] = {}
+
+    def ours_decode(dispatch: str):
+        def run():
+            set_dispatch(ours, dispatch)
+            ours.eval()
+            return decode_ours(ours, prompt, new_tokens, runtime)
+        return run
+
+    def ours_train(dispatch: str, factor: Optional[float]):
+        def run():
+            set_dispatch(ours, dispatch, factor)
+            ours.clear_kv_cache()
+            ours.train()
+            ours.max_seq_length = seq
+            return train_step(lambda: ours(tokens), list(ours.parameters()), dev)
+        return run
+
+    def theirs_train(model):
+        def run():
+            model.train()
+            return train_step(lambda: model(tokens).logits, list(model.parameters()), dev)
+        return run
+
+    decoders = {"ours": ours_decode("auto"), "ours_dense": ours_decode("dense"),
+                "transformers": lambda: decode_theirs(theirs, prompt, new_tokens),
+                "transformers_eager": lambda: decode_theirs(theirs_eager, prompt, new_tokens)}
+    trainers = {"ours": ours_train("auto", 2.0), "ours_dropless": ours_train("capacity", None),
+                "ours_dense": ours_train("dense", None), "transformers": theirs_train(theirs),
+                "transformers_eager": theirs_train(theirs_eager)}
+    for r in range(runs + 1):  # run 0: warm-up
+        for name, fn in decoders.items():
+            toks, speed = fn()
+            texts[name] = toks
+            if r:
+                decode.setdefault(name, []).append(speed)
+        for name, fn in trainers.items():
+            seconds = fn()
+            if r:
+                train.setdefault(name, []).append(seconds)
+        print(f"round {r}/{runs} done", file=sys.stderr)
+
+    results: Dict[str, float] = {}
+    for name, speeds in decode.items():
+        results[f"decode_{name}_tokens_per_s"] = statistics.median(speeds)
+    for name, secs in train.items():
+        results[f"train_{name}_s_per_step"] = statistics.median(secs)
+    for name in decode:
+        results[f"decode_{name}_ratio_to_ours"] = results[f"decode_{name}_tokens_per_s"] / results["decode_ours_tokens_per_s"]
+        results[f"tokens_{name}_equal_to_transformers"] = texts[name] == texts["transformers"]
+    for name in train:
+        results[f"train_{name}_ratio_to_ours"] = results[f"train_{name}_s_per_step"] / results["train_ours_s_per_step"]
+    for key, value in results.items():
+        print(f"{key}: {value:.3f}" if isinstance(value, float) else f"{key}: {value}")
+    settings = dict(shape={**SHAPE, "n_expert": n_expert, "n_expert_per_token": k}, device=device,
+                    prompt_tokens=prompt_tokens, new_tokens=new_tokens, batch=batch, seq=seq, runs=runs,
+                    threads=torch.get_num_threads(), transformers_experts_implementation=impl, dtype="float32",
+                    capacity_factor=2.0)
+    result_files.write(results_file, "moe_dispatch", settings, results, note)
+    return results
+
+
+if __name__ == "__main__":
+    run_cli(setup)
