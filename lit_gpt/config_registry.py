@@ -609,7 +609,8 @@ for name in ("SmolLM3-3B", "SmolLM3-3B-Base"):
     )
 
 # ------------------------------------------------------------------ Mixtral (mixture of experts)
-# https://huggingface.co/mistralai/Mixtral-8x7B-v0.1/blob/main/config.json (Instruct alike)
+# https://huggingface.co/mistralai/Mixtral-8x7B-v0.1/blob/main/config.json (Instruct alike). The MoE entries below
+# equal `Config.from_hf_config` of their Hub config.json (tests/test_moe_parity.py HUB_CONFIGS)
 for name in ("Mixtral-8x7B-v0.1", "Mixtral-8x7B-Instruct-v0.1"):
     configs.append(
         _llama(

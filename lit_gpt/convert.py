@@ -20,6 +20,7 @@ from tqdm import tqdm
 
 from lit_gpt.config import Config
 from lit_gpt.convert_layouts import FUSED_MLP, LAYOUTS, group_qkv, layer_map, qkv_grouping, split_qkv, ungroup_qkv
+from lit_gpt.convert_moe import MOE_MODEL_TYPES, MoEImport, moe_export
 from lit_gpt.hf_write import SUPPORTED_MODEL_TYPES, hf_config_dict, hf_model_type
 from lit_gpt.model import GPT
 from lit_gpt.utils import (
@@ -156,13 +157,16 @@ def _open_weights(path: Path) -> Iterator[Tuple[List[str], Callable[[str], torch
 class _HFToLit:
     """Maps HF tensor names to lit names, fusing each layer's q/k/v as soon as all three have been read."""
 
-    def __init__(self, model_type: str, config: Config) -> None:
+    def __init__(self, model_type: str, config: Config, dtype: Optional[torch.dtype] = None) -> None:
         self.model_type = model_type
         self.config = config
         self.layout = LAYOUTS[model_type]
         self.skip = [re.compile(p) for p in self.layout.skip]
         self.layer_re = re.compile(rf"^{re.escape(self.layout.layers)}\.(\d+)\.(.+)\.(weight|bias)$")
         self.pending: Dict[Tuple[int, str], Dict[str, torch.Tensor]] = {}
+        # the experts (stacked per layer, MXFP4 decoded to `dtype` or bf16) and gpt-oss's sinks
+        self.moe = MoEImport(model_type, config, dtype) if model_type in MOE_MODEL_TYPES else None
+        self.any_layer_re = re.compile(rf"^{re.escape(self.layout.layers)}\.(\d+)\.(.+)$")
 
     def __call__(self, name: str, tensor: torch.Tensor) -> List[Tuple[str, torch.Tensor]]:
         """The lit tensors one HF tensor gives: none (skipped, or q/k/v waiting for the rest), one, or two (a
@@ -174,6 +178,11 @@ class _HFToLit:
         module, _, param = name.rpartition(".")
         if module in self.layout.top:
             return [(f"{self.layout.top[module]}.{param}", tensor)]
+        if self.moe is not None:
+            m = self.any_layer_re.match(name)
+            out = None if m is None else self.moe.take(int(m.group(1)), m.group(2), tensor)
+            if out is not None:
+                return out
         m = self.layer_re.match(name)
         if m is None:
             raise self._unexpected(name)
@@ -205,6 +214,8 @@ class _HFToLit:
         )
 
     def finish(self) -> None:
+        if self.moe is not None:
+            self.moe.finish()
         if self.pending:
             (i, param), parts = next(iter(self.pending.items()))
             raise LitError(f"layer {i} has only {sorted(parts)} of q/k/v {param}s: the checkpoint is incomplete")
@@ -268,7 +279,7 @@ def convert_hf_checkpoint(
 
     files = _weight_files(checkpoint_dir)
     expected = _expected_state(config)
-    mapper = _HFToLit(model_type, config)
+    mapper = _HFToLit(model_type, config, target_dtype)
     state: Dict[str, torch.Tensor] = {}
     with tqdm(total=0, desc="Converting", unit="tensor", file=sys.stderr) as bar:
         for path in files:
@@ -331,6 +342,9 @@ def _lit_to_hf(
         raise LitError(f"unexpected tensor {name!r} in the lit checkpoint")
     i, sub = m.group(1), m.group(2)
     prefix = f"{layout.layers}.{i}"
+    moe = moe_export(name, config, model_type, layout.layers, state)
+    if moe is not None:
+        return moe
     if sub == "attn.qkv" and layout.qkv:
         if len(layout.qkv) == 1:
             groups = qkv_grouping(model_type, config)

@@ -134,7 +134,30 @@ _FALCON = Layout(
     qkv=("self_attention.query_key_value",),
     skip=(r"\.rotary_emb\.inv_freq$",),
 )
+# the mixtures of experts: their norms, attention and router here; the experts and gpt-oss's sinks in
+# `lit_gpt.convert_moe`
+_NORMS_O = {"input_layernorm": "norm_1", "post_attention_layernorm": "norm_2", "self_attn.o_proj": "attn.proj"}
+_MIXTRAL = Layout(
+    top=_LLAMA.top,
+    layers=_LLAMA.layers,
+    layer={**_NORMS_O, "block_sparse_moe.gate": "mlp.router"},
+    qkv=_LLAMA.qkv,
+    skip=_LLAMA.skip,
+    # transformers 5's in-memory names (`mlp.gate`, `mlp.experts.*`) -> the Hub's
+    rename=((r"\.mlp\.(gate|experts)\.", r".block_sparse_moe.\1."),),
+)
+_QWEN3_MOE = Layout(
+    top=_LLAMA.top, layers=_LLAMA.layers, layer={**_QWEN3.layer, "mlp.gate": "mlp.router"}, qkv=_LLAMA.qkv,
+    skip=_LLAMA.skip,
+)
+_GPT_OSS = Layout(
+    top=_LLAMA.top, layers=_LLAMA.layers, layer={**_NORMS_O, "mlp.router": "mlp.router"}, qkv=_LLAMA.qkv,
+    skip=_LLAMA.skip,
+)
 LAYOUTS = {
+    "mixtral": _MIXTRAL,
+    "qwen3_moe": _QWEN3_MOE,
+    "gpt_oss": _GPT_OSS,
     "llama": _LLAMA,
     "mistral": _LLAMA,
     "qwen2": _LLAMA,

@@ -7,7 +7,7 @@ from typing import Any, Dict, Optional, Tuple
 # the HF model types `from_hf_config` reads
 HF_MODEL_TYPES = (
     "llama", "mistral", "qwen2", "qwen3", "smollm3", "olmo2", "phi3", "gemma", "gemma2", "gemma3_text", "gemma3",
-    "gpt_neox", "falcon", "phi", "stablelm",
+    "gpt_neox", "falcon", "phi", "stablelm", "mixtral", "qwen3_moe", "gpt_oss",
 )
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # the keys each rope_scaling type needs (the others are optional: yarn's beta_fast, beta_slow, attention_factor,
@@ -151,11 +151,50 @@ _DEFAULTS: Dict[str, Dict[str, Any]] = {
     "olmo2": dict(max_position_embeddings=2048, rms_norm_eps=1e-5, tie_word_embeddings=False),
     "phi3": dict(max_position_embeddings=4096, original_max_position_embeddings=4096, rms_norm_eps=1e-5,
                  tie_word_embeddings=False),
+    # the mixtures of experts (MixtralConfig, Qwen3MoeConfig, GptOssConfig; rope_theta: their default_theta)
+    "mixtral": dict(
+        vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=1e6,
+        tie_word_embeddings=False, sliding_window=None, num_local_experts=8, num_experts_per_tok=2,
+        router_aux_loss_coef=0.001, router_jitter_noise=0.0,
+    ),
+    "qwen3_moe": dict(
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=24, num_attention_heads=32,
+        num_key_value_heads=4, max_position_embeddings=32768, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        use_sliding_window=False, sliding_window=4096, decoder_sparse_step=1, moe_intermediate_size=768,
+        num_local_experts=128, num_experts_per_tok=8, norm_topk_prob=False, router_aux_loss_coef=0.001,
+        mlp_only_layers=[],
+    ),
+    "gpt_oss": dict(
+        vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_hidden_layers=36, num_attention_heads=64,
+        num_key_value_heads=8, head_dim=64, max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=150000.0,
+        tie_word_embeddings=False, sliding_window=128, num_local_experts=128, num_experts_per_tok=4,
+        swiglu_alpha=1.702, swiglu_limit=7.0, router_aux_loss_coef=0.001, attention_bias=True,
+    ),
 }
+# gpt-oss's RoPE when its config.json names none (GptOssConfig.__post_init__)
+_GPT_OSS_ROPE = dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+                     original_max_position_embeddings=4096)
+# quantized checkpoints the converter reads: gpt-oss's MXFP4 experts, dequantized (lit_gpt.mxfp4)
+QUANTIZATIONS = {"gpt_oss": ("mxfp4",)}
+
+
+def _check_quantization(hf: Dict[str, Any]) -> None:
+    """Refuse a quantized checkpoint the converter cannot dequantize (its weights would not load)."""
+    q = hf.get("quantization_config")
+    if not q:
+        return
+    method = q.get("quant_method") if isinstance(q, dict) else None
+    if method not in QUANTIZATIONS.get(hf.get("model_type"), ()):
+        raise ValueError(
+            f"quantization_config quant_method {method!r} is not implemented for {hf.get('model_type')!r} (only"
+            " gpt-oss's mxfp4 experts, dequantized on conversion): download the unquantized (bf16) weights"
+        )
 
 
 def from_hf_config(hf: Dict[str, Any]) -> Dict[str, Any]:
     """The `Config` fields of a config.json dict (ValueError, naming the field, for what the model cannot run)."""
+    _check_quantization(hf)
     mt = hf.get("model_type")
     if mt == "gemma3":  # the multimodal folder: its text tower (the converter says the vision tower is left out)
         text = dict(hf.get("text_config") or {})
@@ -163,6 +202,8 @@ def from_hf_config(hf: Dict[str, Any]) -> Dict[str, Any]:
             text.setdefault("tie_word_embeddings", hf["tie_word_embeddings"])
         text["model_type"] = "gemma3_text"
         return from_hf_config(text)
+    if mt in ("mixtral", "qwen3_moe", "gpt_oss") and "num_local_experts" not in hf and "num_experts" in hf:
+        hf = dict(hf, num_local_experts=hf["num_experts"])  # the Hub's Qwen3-MoE spelling (an alias in all three)
     if mt in _DEFAULTS:  # keys left out mean transformers' defaults (present keys, None included, stay)
         hf = {**_DEFAULTS[mt], **hf}
     hidden = hf.get("hidden_size")
@@ -178,6 +219,8 @@ def from_hf_config(hf: Dict[str, Any]) -> Dict[str, Any]:
         return _llama_family(hf, common)
     if mt in ("gemma", "gemma2", "gemma3_text"):
         return _gemma_family(hf, common)
+    if mt in ("mixtral", "qwen3_moe", "gpt_oss"):
+        return _moe_family(hf, common)
     if mt == "gpt_neox":
         act = hf.get("hidden_act", "gelu")
         if act not in ("gelu", "gelu_new", "gelu_pytorch_tanh"):
@@ -360,4 +403,76 @@ def _gemma_family(hf: Dict[str, Any], common: Dict[str, Any]) -> Dict[str, Any]:
     )
     if gemma3:
         conf["norm_qk"] = "per_head"
+    return conf
+
+
+def _moe_family(hf: Dict[str, Any], common: Dict[str, Any]) -> Dict[str, Any]:
+    """The mixtures of experts (lit_gpt.moe): Mixtral, Qwen3-MoE (Llama's and Qwen3's attention) and gpt-oss.
+    What changes their routing or activation and is not implemented is refused by name."""
+    mt = hf["model_type"]
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":  # gpt-oss: transformers runs its clamped SwiGLU whatever this says; "silu" is what it ships
+        raise ValueError(f"Unsupported hidden_act {act!r} for {mt}")
+    n_head = hf["num_attention_heads"]
+    n_expert = hf["num_local_experts"]
+    conf = dict(
+        common,
+        n_query_groups=hf.get("num_key_value_heads") or n_head,
+        head_size=hf.get("head_dim") or common["n_embd"] // n_head,
+        norm_class_name="RMSNorm",
+        norm_eps=hf["rms_norm_eps"],
+        mlp_class_name="LLaMAMLP",
+        intermediate_size=hf["intermediate_size"],
+        n_expert=int(n_expert or 0),
+        n_expert_per_token=int(hf["num_experts_per_tok"]),
+        router_aux_loss_coef=float(hf.get("router_aux_loss_coef") or 0.0),
+    )
+    if conf["n_expert"] and not 1 <= conf["n_expert_per_token"] <= conf["n_expert"]:
+        raise ValueError(f"num_experts_per_tok {conf['n_expert_per_token']} must be in 1..{conf['n_expert']} (the"
+                         " number of experts)")
+    if mt == "mixtral":
+        if hf.get("router_jitter_noise"):
+            raise ValueError(
+                f"mixtral router_jitter_noise {hf['router_jitter_noise']} is not implemented (it changes the"
+                " routing in training); set it to 0"
+            )
+        conf.update(moe_norm_topk_prob=True, **_rope_params(hf))
+        if hf.get("sliding_window") is not None and hf["sliding_window"] < conf["block_size"]:
+            conf["sliding_window_size"] = int(hf["sliding_window"])  # on every layer, as in Mistral
+        return conf
+    if mt == "qwen3_moe":
+        if hf.get("attention_bias"):
+            raise ValueError("qwen3_moe with attention_bias is not supported")
+        if hf.get("shared_expert_intermediate_size"):
+            raise ValueError("qwen3_moe with shared_expert_intermediate_size (a shared expert) is not implemented")
+        conf.update(
+            norm_qk="per_head",
+            moe_intermediate_size=int(hf["moe_intermediate_size"]),
+            moe_sparse_step=int(hf.get("decoder_sparse_step") or 1),
+            moe_dense_layers=sorted(int(i) for i in hf.get("mlp_only_layers") or []),
+            moe_norm_topk_prob=bool(hf.get("norm_topk_prob")),
+            **_rope_params(hf),
+        )
+        if not conf["n_expert"]:  # transformers: num_experts 0 means every layer dense
+            conf.update(n_expert=0, n_expert_per_token=0, moe_intermediate_size=None, moe_dense_layers=[])
+        window = hf.get("sliding_window")
+        if hf.get("use_sliding_window") and window and window < conf["block_size"]:
+            conf["sliding_window_size"] = int(window)  # transformers' Qwen3-MoE slides on every layer
+        return conf
+    # gpt_oss: biased attention (attention_bias) with sinks, alternating windows, YaRN; routed by the top k logits
+    # of a biased router, then a softmax over them; biased experts with the clamped SwiGLU
+    if not hf.get("rope_parameters") and not hf.get("rope_scaling"):
+        hf = dict(hf, rope_parameters=dict(_GPT_OSS_ROPE, rope_theta=hf["rope_theta"]))
+    conf.update(
+        bias=bool(hf.get("attention_bias", True)),
+        norm_float_weight=True,  # GptOssRMSNorm: weight * x in float32, then one rounding
+        attention_sinks=True,
+        moe_routing="topk_softmax",
+        moe_bias=True,
+        moe_activation="clamped_swiglu",
+        swiglu_limit=float(hf["swiglu_limit"]),
+        swiglu_alpha=float(hf["swiglu_alpha"]),
+        **_rope_params(hf),
+        **_layer_types(hf, default_pattern=2),
+    )
     return conf

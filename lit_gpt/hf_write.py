@@ -9,8 +9,9 @@ from lit_gpt.utils import LitError
 
 SUPPORTED_MODEL_TYPES = (
     "llama", "mistral", "qwen2", "qwen3", "smollm3", "olmo2", "phi3", "gemma", "gemma2", "gemma3_text", "gemma3",
-    "stablelm", "phi", "gpt_neox", "falcon",
+    "stablelm", "phi", "gpt_neox", "falcon", "mixtral", "qwen3_moe", "gpt_oss",
 )
+MOE_MODEL_TYPES = ("mixtral", "qwen3_moe", "gpt_oss")
 
 
 _ARCHITECTURES = {
@@ -28,6 +29,9 @@ _ARCHITECTURES = {
     "phi3": "Phi3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
 }
 
 
@@ -39,6 +43,10 @@ def hf_model_type(config: Config) -> str:
                 f"unsupported model_type {config.hf_model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
         return config.hf_model_type
+    if config.n_expert:
+        if config.moe_routing == "topk_softmax":
+            return "gpt_oss"
+        return "qwen3_moe" if config.norm_qk else "mixtral"
     if config.mlp_class_name == "GemmaMLP":
         if config.norm_qk or config.rope_local_base is not None:
             return "gemma3_text"
@@ -97,7 +105,8 @@ def hf_rope_scaling(s: Dict[str, Any]) -> Dict[str, Any]:
 
 
 # families whose HF rotary embedding reads any scaling type (transformers' ROPE_INIT_FUNCTIONS)
-_SCALING_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "olmo2", "phi3", "gemma2", "gemma3_text")
+_SCALING_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "olmo2", "phi3", "gemma2", "gemma3_text",
+                     *MOE_MODEL_TYPES)
 
 
 def _rope_fields(config: Config, partial_key: Optional[str], model_type: str) -> Dict[str, Any]:
@@ -188,6 +197,10 @@ def hf_config_dict(config: Config, model_type: Optional[str] = None) -> Dict[str
         "max_position_embeddings": c.block_size,
         "tie_word_embeddings": c.tie_embeddings,
     }
+    if mt in MOE_MODEL_TYPES:
+        return _moe_family(c, mt, hf)
+    req(not c.n_expert and not c.attention_sinks, "mixtures of experts and attention sinks need mixtral, qwen3_moe"
+        " or gpt_oss")
     if mt in _FAMILY_FEATURES:
         return _rms_family(c, mt, hf)
     _require_old_layout(c, mt)
@@ -309,3 +322,67 @@ def _require_old_layout(c: Config, mt: str) -> None:
     _require(not any(x for x in newer), mt, "no layers without RoPE, scores scalar or soft-capping")
     _require(c.sliding_window_size is None, mt,
              "sliding window attention needs mistral, phi3, qwen3, smollm3 or gemma 2/3")
+
+
+def _moe_family(c: Config, mt: str, hf: Dict[str, Any]) -> Dict[str, Any]:
+    """Mixtral, Qwen3-MoE and gpt-oss (the inverse of `lit_gpt.hf_read._moe_family`)."""
+    req = lambda ok, what: _require(ok, mt, what)  # noqa: E731
+    gpt_oss = mt == "gpt_oss"
+    req(c.n_expert > 0, "a mixture of experts (n_expert > 0)")
+    req(c.norm_class_name == "RMSNorm" and c.mlp_class_name == "LLaMAMLP", "RMSNorm and LLaMAMLP")
+    req(not c.lm_head_bias and not c.parallel_residual and not c.attn_bias, "no lm_head or qkv-only bias")
+    req(gpt_oss or not c.bias, "biases on the attention only for gpt_oss")
+    req(c.norm_qk == ("per_head" if mt == "qwen3_moe" else None), "q/k norms exactly for qwen3_moe")
+    req(c.attention_sinks == gpt_oss and c.norm_float_weight == gpt_oss, "attention sinks and float norm weights"
+        " exactly for gpt_oss")
+    req(c.moe_routing == ("topk_softmax" if gpt_oss else "softmax_topk"), f"moe_routing {c.moe_routing!r}")
+    req(c.moe_bias == gpt_oss, "router and expert biases exactly for gpt_oss")
+    req(c.moe_activation == ("clamped_swiglu" if gpt_oss else "silu"), f"moe_activation {c.moe_activation!r}")
+    req(mt == "qwen3_moe" or (c.moe_sparse_step == 1 and not c.moe_dense_layers), "every layer a mixture of experts")
+    req(mt == "qwen3_moe" or c.moe_norm_topk_prob or gpt_oss, "renormalised top-k weights")
+    for feature, value in zip(_FEATURES, _FAMILY_FEATURES["llama"]):
+        if feature not in ("norm_qk", "norm_float_weight"):
+            req(getattr(c, feature) == value, f"{feature} must be {value!r} (it is {getattr(c, feature)!r})")
+    newer = (c.layers_without_rope, c.attention_scores_scalar, c.attention_logit_softcapping, c.final_logit_softcapping)
+    req(not any(x for x in newer), "no layers without RoPE, scores scalar or soft-capping")
+    hf.update(
+        num_key_value_heads=c.n_query_groups,
+        head_dim=c.head_size,
+        rms_norm_eps=c.norm_eps,
+        hidden_act="silu",
+        num_experts_per_tok=c.n_expert_per_token,
+        router_aux_loss_coef=c.router_aux_loss_coef,
+        **_rope_fields(c, None, mt),
+    )
+    if mt == "mixtral":
+        req(c.layer_types is None, "a window on some layers only (layer_types)")
+        hf.update(intermediate_size=c.moe_intermediate_size, num_local_experts=c.n_expert, router_jitter_noise=0.0,
+                  sliding_window=c.sliding_window_size)
+    elif mt == "qwen3_moe":
+        req(c.layer_types is None, "a window on some layers only (layer_types)")
+        hf.update(
+            intermediate_size=c.intermediate_size,
+            moe_intermediate_size=c.moe_intermediate_size,
+            num_experts=c.n_expert,
+            norm_topk_prob=c.moe_norm_topk_prob,
+            decoder_sparse_step=c.moe_sparse_step,
+            mlp_only_layers=list(c.moe_dense_layers),
+            attention_bias=False,
+            use_sliding_window=c.sliding_window_size is not None,
+            sliding_window=c.sliding_window_size,
+            max_window_layers=c.n_layer,
+        )
+    else:
+        window = c.sliding_window_size
+        types = ["full_attention"] * c.n_layer if window is None else list(c.layer_types or
+                                                                           ["sliding_attention"] * c.n_layer)
+        hf.update(
+            intermediate_size=c.moe_intermediate_size,
+            num_local_experts=c.n_expert,
+            attention_bias=c.bias,
+            swiglu_limit=c.swiglu_limit,
+            swiglu_alpha=c.swiglu_alpha,
+            layer_types=types,
+            sliding_window=window,
+        )
+    return hf

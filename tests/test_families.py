@@ -1,6 +1,7 @@
 """The new user's path for each family added with its layer features (Qwen3, Gemma 2 and 3, Phi-3.5 / Phi-4-mini,
-OLMo 2, SmolLM3): a tiny random model saved by `transformers` in bf16 (as the Hub serves them) with SmolLM2's
-tokenizer files beside it, then the two commands of the issue that found them missing,
+OLMo 2, SmolLM3) and each mixture of experts (Mixtral, Qwen3-MoE, gpt-oss): a tiny random model saved by
+`transformers` in bf16 (as the Hub serves them) with SmolLM2's tokenizer files beside it, then the two commands of
+the issues that found them missing,
 
     python scripts/convert_hf_checkpoint.py --checkpoint_dir <folder>
     python generate/base.py --checkpoint_dir <folder> --prompt_style raw --temperature 0
@@ -24,7 +25,8 @@ PROMPT = "The capital of France is"
 NEW_TOKENS = 10
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 # one configuration per family; the parity tests (tests/test_model.py) cover the variants
-USER_FAMILIES = ["qwen3", "gemma2", "gemma3", "phi3.5-longrope", "olmo2", "smollm3"]
+USER_FAMILIES = ["qwen3", "gemma2", "gemma3", "phi3.5-longrope", "olmo2", "smollm3",
+                 "mixtral", "qwen3_moe", "gpt_oss"]  # and the mixtures of experts (tests/test_moe_parity.py)
 
 
 @pytest.mark.parametrize("family", USER_FAMILIES)

@@ -189,7 +189,33 @@ FAMILIES = {
         dict(_SMALL, num_hidden_layers=4, intermediate_size=96, num_key_value_heads=2, pad_token_id=0,
              tie_word_embeddings=True),
     ),
+    # mixtures of experts (tests/test_moe_parity.py): 4 experts, top 2, renormalised (Mixtral always)
+    "mixtral": ("MixtralConfig", dict(_SMALL, intermediate_size=96, num_key_value_heads=2, num_local_experts=4,
+                                      num_experts_per_tok=2)),
+    # a dense first layer (mlp_only_layers) before MoE layers, top-k weights renormalised; head_dim != hidden / heads
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        dict(_SMALL, num_hidden_layers=3, intermediate_size=96, moe_intermediate_size=32, num_key_value_heads=2,
+             head_dim=32, num_experts=4, num_experts_per_tok=2, mlp_only_layers=[0], norm_topk_prob=True),
+    ),
+    # every second layer MoE (decoder_sparse_step 2), top-k weights as the softmax gave them (norm_topk_prob off)
+    "qwen3_moe-sparse-step": (
+        "Qwen3MoeConfig",
+        dict(_SMALL, num_hidden_layers=4, intermediate_size=96, moe_intermediate_size=32, num_key_value_heads=2,
+             num_experts=4, num_experts_per_tok=2, decoder_sparse_step=2, norm_topk_prob=False),
+    ),
+    # biased attention with sinks, window 4 < SEQ on layer 0, YaRN, top-k-then-softmax routing with a biased router,
+    # clamped SwiGLU experts with biases (a clamp these activations reach); widths multiples of 32 (MXFP4 groups)
+    "gpt_oss": (
+        "GptOssConfig",
+        dict(_SMALL, intermediate_size=32, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+             num_experts_per_tok=2, sliding_window=4, swiglu_limit=1.0, swiglu_alpha=1.5),
+    ),
 }
+# (not in NEW_FAMILIES: in a bf16 run a near tie between two experts' router probabilities may round either way, so
+# one token's logits can differ from transformers' bf16 run by far more than bf16's rounding; their bf16 folders are
+# checked computing in float32, tests/test_moe_parity.py)
+MOE_FAMILIES = ["mixtral", "qwen3_moe", "qwen3_moe-sparse-step", "gpt_oss"]
 
 
 # families used by the generation test only: Phi-3.5-style LongRoPE with an original context (8) shorter than the
@@ -217,7 +243,9 @@ def randomize_(model: torch.nn.Module, seed: int = 0) -> None:
             is_norm = type(module).__name__.endswith("Norm")
             for name, p in module.named_parameters(recurse=False):
                 noise = torch.randn(p.shape, generator=gen)
-                if is_norm and name == "weight":
+                if name == "sinks":  # gpt-oss's sink logits: large enough to take a visible share of attention
+                    p.copy_(noise)
+                elif is_norm and name == "weight":
                     # Gemma stores the norm as an offset from 1, the others the scale itself
                     offset = 0.0 if "Gemma" in type(module).__name__ else 1.0
                     p.copy_(offset + 0.1 * noise)
