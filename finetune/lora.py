@@ -10,6 +10,11 @@ bitsandbytes`; the LoRA matrices train in the precision's dtype):
 
     python finetune/lora.py --quantize bnb.nf4 --checkpoint_dir ... --data.data_dir data/alpaca
 
+Mixture-of-experts models (Mixtral, Qwen3-MoE, gpt-oss): `--lora_experts true` adds a rank-r update to every expert's
+three linear layers; `--lora_mlp` adapts the dense MLP layers only, and the router stays frozen. The router's
+load-balancing loss joins the objective with the checkpoint's `router_aux_loss_coef` (`--moe.router_aux_loss_coef`
+sets another; it is logged as `aux_loss`, the per-expert load beside the metrics in `expert_load.csv`).
+
 Only the LoRA matrices are saved (`lit_model.lora.safetensors`, with the LoRA settings needed to rebuild the model
 in `lit_model.lora.json`; see `lit_gpt.weights`). `scripts/merge_lora.py` folds them into a standalone checkpoint.
 The flags are every CPU/CUDA finetune recipe's (`lit_gpt.recipes.flags.FINETUNE`) plus the LoRA settings and `--quantize`.

@@ -3,7 +3,7 @@ learned scale and bias on every linear layer, y = scale * (W x + b) + bias (scal
 model equals the base model), and trainable norms.
 
 Every `nn.Linear` of the base model becomes an `AdapterV2Linear` that reuses the base weight (state-dict keys
-unchanged, plus `adapter_scale` / `adapter_bias`).
+unchanged, plus `adapter_scale` / `adapter_bias`), except a mixture-of-experts router, which stays frozen as it is.
 """
 
 from dataclasses import dataclass
@@ -14,6 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from lit_gpt import adapter
+from lit_gpt.moe import MoE
 
 
 @dataclass
@@ -64,7 +65,9 @@ class GPT(adapter.GPT):
         super().__init__(config)
         for parent in list(self.modules()):
             for name, child in list(parent.named_children()):
-                if type(child) is nn.Linear:
+                # a mixture-of-experts router stays a plain frozen linear layer (a scale on its logits would only
+                # change how sharply it routes); the experts are `ExpertLinear`s, not nn.Linear, and stay frozen
+                if type(child) is nn.Linear and not (isinstance(parent, MoE) and name == "router"):
                     setattr(parent, name, AdapterV2Linear.from_linear(child))
 
     @staticmethod

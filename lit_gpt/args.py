@@ -5,9 +5,9 @@ jsonargparse turns each dataclass into a group of flags: `--train.micro_batch_si
 hyperparameter settable from the command line and identical across methods.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Optional
+from typing import Any, Dict, Literal, Optional, Union
 
 from lit_gpt.utils import LitError
 
@@ -106,3 +106,49 @@ class DataArgs:
     pad_pow2: bool = False
     """Pad each batch to the next power of two (capped at max_seq_length): with XLA the train step then compiles
     once per bucket instead of once per batch length."""
+
+
+@dataclass
+class MoEArgs:
+    """Training settings of mixture-of-experts models (Mixtral, Qwen3-MoE, gpt-oss; `lit_gpt.moe`). Given for a dense
+    model they are refused (they would change nothing)."""
+
+    capacity_factor: Union[float, Literal["config", "none"], None] = "config"
+    """Where the capacity buffers run (see dispatch): tokens each expert takes per forward in training, as a
+    multiple of an even share (N tokens x k experts per token / n_expert); assignments beyond it are dropped (the
+    token keeps its other experts and the residual) and counted in the logged `expert_dropped`. "config": the checkpoint's moe_capacity_factor (2.0 unless its
+    lit_config.json says otherwise); "none" (or null): never drop. Evaluation and generation never drop."""
+    dispatch: Literal["auto", "capacity"] = "auto"
+    """How the experts get their tokens in training. "auto": grouped by expert on the CPU and CUDA (exact: nothing
+    is dropped, capacity_factor unused), capacity buffers of static size where the step is a traced graph (XLA,
+    --train.compile). "capacity": the buffers everywhere, so a CPU or GPU run drops what an XLA run drops."""
+    router_aux_loss_coef: Optional[float] = None
+    """Weight of the router's load-balancing loss (transformers' `router_aux_loss_coef`; logged as `aux_loss`,
+    apart from `loss`). None: the checkpoint's (Mixtral 0.02, Qwen3-MoE 0.001, gpt-oss 0.9); 0 switches it off."""
+
+    def given(self) -> bool:
+        return self.capacity_factor != "config" or self.router_aux_loss_coef is not None or self.dispatch != "auto"
+
+    def apply(self, config: Any) -> Any:
+        """`config` with these settings (a copy; the same object when nothing is given). A LitError for settings on
+        a dense model or out of range."""
+        if not self.given():
+            return config
+        if not getattr(config, "n_expert", 0):
+            raise LitError("--moe.capacity_factor, --moe.dispatch and --moe.router_aux_loss_coef apply to"
+                           f" mixture-of-experts models; {getattr(config, 'name', 'this model')!r} is dense: leave them out")
+        changes: Dict[str, Any] = {}
+        if self.capacity_factor != "config":
+            factor = None if self.capacity_factor in (None, "none") else float(self.capacity_factor)
+            if factor is not None and not factor > 0:
+                raise LitError(f'--moe.capacity_factor must be > 0, "none" or "config" (got {self.capacity_factor})')
+            changes["moe_capacity_factor"] = factor
+        if self.dispatch != "auto":
+            if self.dispatch != "capacity":
+                raise LitError(f'--moe.dispatch must be "auto" or "capacity" (got {self.dispatch!r})')
+            changes["moe_dispatch"] = "capacity"
+        if self.router_aux_loss_coef is not None:
+            if not self.router_aux_loss_coef >= 0:
+                raise LitError(f"--moe.router_aux_loss_coef must be >= 0 (got {self.router_aux_loss_coef})")
+            changes["router_aux_loss_coef"] = float(self.router_aux_loss_coef)
+        return replace(config, **changes)

@@ -154,7 +154,14 @@ def prepare_for_generation(model: torch.nn.Module, device_type: str, precision: 
 def use_cpu_inference_layout(model: torch.nn.Module, packed: bool = True) -> None:
     """The fastest weight layout for float32 generation on the CPU: with `packed` (the eager loop) the linear layers
     in oneDNN's packed layout where this build has oneDNN, then the rest (a tied head and embedding, or everything
-    when the steps are compiled: torch.compile cannot trace the opaque packed tensors) column-major."""
+    when the steps are compiled: torch.compile cannot trace the opaque packed tensors) column-major; for the eager
+    loop the MoE experts of a decode step multiply through views of the chosen experts' weights (no copy)."""
     if packed and onednn_available():
         pack_linear_weights(model)
     use_column_major_weights(model)
+    if packed:  # the eager loop: a decode step's experts multiply through views of their weights (lit_gpt.moe)
+        from lit_gpt.moe import ExpertLinear
+
+        for module in model.modules():
+            if isinstance(module, ExpertLinear):
+                module.by_views = True

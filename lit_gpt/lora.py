@@ -7,6 +7,10 @@ weights (state-dict keys unchanged, plus `lora_A` / `lora_B`). The fused `attn.q
 the q/k/v parts switched on in the config. `merge_lora_weights(model)` folds the updates into the weights so the
 model runs at base speed; `scripts/merge_lora.py` writes the result as a plain checkpoint.
 
+Mixture-of-experts models (`lit_gpt.moe`): `lora_experts` turns the experts' fc_1 / fc_2 / proj into
+`LoRAExpertLinear`s (a rank-r pair per expert, merged like the others); `lora_mlp` adapts the dense MLP layers only
+(Qwen3-MoE's `mlp_only_layers`). The router is never adapted: it stays frozen under LoRA.
+
 QLoRA (Dettmers et al. 2023, arXiv:2305.14314): `lit_gpt.quantize.quantize_model(model, "bnb.nf4")` replaces the
 frozen base weight of each block's LoRA layer with a bitsandbytes 4-bit one; the layer then multiplies with
 bitsandbytes' kernel (`lit_gpt.quantize.linear`) and A, B train in the compute dtype as before. The saved file
@@ -25,6 +29,7 @@ import torch.nn as nn
 from lit_gpt.config import Config as BaseConfig
 from lit_gpt.convert import HF_SIDE_FILES
 from lit_gpt.model import GPT as BaseModel
+from lit_gpt.moe import ExpertLinear, MoE, grouped_mm
 from lit_gpt.peft import base_config, load_variant_model
 from lit_gpt.quantize import is_quantized, linear
 from lit_gpt.utils import LitError, cannot_write, copy_file_atomic, write_text_atomic
@@ -42,9 +47,13 @@ class Config(BaseConfig):
     lora_projection: bool = False
     lora_mlp: bool = False
     lora_head: bool = False
+    lora_experts: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.lora_experts and not self.n_expert:
+            raise ValueError("lora_experts needs a mixture-of-experts model (this one is dense): leave it out, or"
+                             " use lora_mlp for the MLP")
         if self.lora_r <= 0:
             raise ValueError(f"lora_r must be positive, got {self.lora_r}")
         if not 0.0 <= self.lora_dropout < 1.0:
@@ -161,6 +170,93 @@ class LoRALinear(nn.Linear):
         return f"{super().extra_repr()}, r={self.r}, scaling={self.scaling}{parts}"
 
 
+class LoRAExpertLinear(ExpertLinear):
+    """`lit_gpt.moe.ExpertLinear` (n_expert linear layers as one (E, out, in) weight) plus a low-rank update per
+    expert: `lora_A` (E, r, in), `lora_B` (E, out, r), B zero at the start; y_e = W_e x + b_e + (alpha / r) B_e A_e
+    dropout(x), in the batched (bmm) path and in `forward_selected` (each row through its own expert's pair)."""
+
+    def __init__(self, n_expert: int, in_features: int, out_features: int, bias: bool = False, *, r: int,
+                 alpha: float, dropout: float = 0.0, device: Optional[torch.device] = None,
+                 dtype: Optional[torch.dtype] = None) -> None:
+        super().__init__(n_expert, in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.r = r
+        self.scaling = alpha / r
+        self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.merged = False
+        self._create_lora_parameters(device=self.weight.device, dtype=self.weight.dtype)
+
+    @classmethod
+    def from_expert_linear(cls, linear: ExpertLinear, **lora_kwargs: Any) -> "LoRAExpertLinear":
+        """Reuse `linear`'s weight and bias (built on the meta device first): converting allocates only A and B."""
+        new = cls(linear.n_expert, linear.in_features, linear.out_features, bias=linear.bias is not None,
+                  device="meta", **lora_kwargs)
+        new.weight, new.bias = linear.weight, linear.bias
+        new._create_lora_parameters(device=linear.weight.device, dtype=linear.weight.dtype)
+        return new
+
+    def _create_lora_parameters(self, device: Optional[torch.device], dtype: Optional[torch.dtype]) -> None:
+        E = self.n_expert
+        self.lora_A = nn.Parameter(torch.empty(E, self.r, self.in_features, device=device, dtype=dtype))
+        self.lora_B = nn.Parameter(torch.zeros(E, self.out_features, self.r, device=device, dtype=dtype))
+        self.reset_lora_parameters()
+
+    def reset_lora_parameters(self) -> None:
+        with torch.no_grad():  # as LoRALinear: uniform_ (not nn.init, which Lightning's empty init skips), B zero
+            bound = 1.0 / math.sqrt(self.in_features)
+            self.lora_A.uniform_(-bound, bound)
+            self.lora_B.zero_()
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        if hasattr(self, "lora_A"):  # ExpertLinear.__init__ calls this before the LoRA parameters exist
+            self.reset_lora_parameters()
+
+    def delta_weight(self) -> torch.Tensor:
+        """The (E, out, in) update (alpha / r) B_e A_e, in float32."""
+        return torch.bmm(self.lora_B.float(), self.lora_A.float()) * self.scaling
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (E, C, in) -> (E, C, out)."""
+        y = super().forward(x)
+        if self.merged:
+            return y
+        a = torch.bmm(self.lora_dropout(x), self.lora_A.transpose(1, 2))  # (E, C, r)
+        return y + torch.bmm(a, self.lora_B.transpose(1, 2)) * self.scaling
+
+    def forward_grouped(self, x: torch.Tensor, experts: torch.Tensor, bounds: Any) -> torch.Tensor:
+        """x: (S, in) rows sorted by expert (`lit_gpt.moe.group_bounds`) -> (S, out)."""
+        y = super().forward_grouped(x, experts, bounds)
+        if self.merged:
+            return y
+        a = grouped_mm(self.lora_dropout(x), self.lora_A, bounds)  # (S, r)
+        return y + grouped_mm(a, self.lora_B, bounds) * self.scaling
+
+    def forward_selected(self, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """x: (M, in), experts: (M,) -> (M, out)."""
+        y = super().forward_selected(x, experts)
+        if self.merged:
+            return y
+        a = torch.bmm(self.lora_A.index_select(0, experts), self.lora_dropout(x).unsqueeze(-1))  # (M, r, 1)
+        return y + torch.bmm(self.lora_B.index_select(0, experts), a).squeeze(-1) * self.scaling
+
+    @torch.no_grad()
+    def merge(self) -> None:
+        if not self.merged:
+            w = self.weight.data
+            w.copy_((w.float() + self.delta_weight()).to(w.dtype))
+            self.merged = True
+
+    @torch.no_grad()
+    def unmerge(self) -> None:
+        if self.merged:
+            w = self.weight.data
+            w.copy_((w.float() - self.delta_weight()).to(w.dtype))
+            self.merged = False
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, r={self.r}, scaling={self.scaling}"
+
+
 class GPT(BaseModel):
     peft_method = "lora"
 
@@ -178,7 +274,13 @@ class GPT(BaseModel):
                 )
             if c.lora_projection:
                 attn.proj = LoRALinear.from_linear(attn.proj, **lora)
-            if c.lora_mlp:
+            if isinstance(block.mlp, MoE):
+                # the router stays a frozen nn.Linear (full finetuning trains it); lora_mlp is the dense layers'
+                if c.lora_experts:
+                    for name in ("fc_1", "fc_2", "proj"):
+                        child = getattr(block.mlp.experts, name)
+                        setattr(block.mlp.experts, name, LoRAExpertLinear.from_expert_linear(child, **lora))
+            elif c.lora_mlp:
                 for name, child in list(block.mlp.named_children()):
                     if isinstance(child, nn.Linear):
                         setattr(block.mlp, name, LoRALinear.from_linear(child, **lora))
@@ -205,12 +307,12 @@ def mark_only_lora_as_trainable(model: nn.Module, bias: Literal["none", "all", "
         param.requires_grad = lora_filter(name) or (bias == "all" and name.endswith(".bias"))
     if bias == "lora_only":
         for module in model.modules():
-            if isinstance(module, LoRALinear) and module.bias is not None:
+            if isinstance(module, (LoRALinear, LoRAExpertLinear)) and module.bias is not None:
                 module.bias.requires_grad = True
 
 
 def _lora_layers(model: nn.Module):
-    return [m for m in model.modules() if isinstance(m, LoRALinear)]
+    return [m for m in model.modules() if isinstance(m, (LoRALinear, LoRAExpertLinear))]
 
 
 def merge_lora_weights(model: GPT) -> None:

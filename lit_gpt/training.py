@@ -11,7 +11,10 @@ combine, how a checkpoint is stored, which generators exist. There is no second 
 The logged training loss is the mean cross-entropy per target token over the whole optimizer step (all
 micro-batches and all devices), on every backend; gradients are those of that mean. A step's micro-batches are
 read first, their target tokens counted on the host, and each micro-batch's summed loss is divided by the step's
-total, so the result does not depend on how the step is split into micro-batches and devices.
+total, so the result does not depend on how the step is split into micro-batches and devices. A mixture-of-experts
+model adds `router_aux_loss_coef` x the router's load-balancing loss to the objective (`lit_gpt.losses.MoETerms`);
+`loss` stays the cross-entropy (comparable with dense runs), `aux_loss` and the experts' load are logged apart, and
+the per-layer, per-expert counts go to `expert_load.csv` beside the logger's metrics.
 
 Steps: every optimizer step consumes `global_batch_size` samples, on any number of devices; an epoch is
 floor(samples / global_batch_size) steps (the tail, a different one each epoch, waits for the next epoch), so
@@ -42,7 +45,7 @@ from lit_gpt.checkpoints import resume_path, resume_run, run_files, step_dir
 from lit_gpt.interrupts import on_interrupt, resume_command
 from lit_gpt.manifest import MANIFEST
 from lit_gpt.data import IGNORE_INDEX, PreparedData, TrainBatches, count_cropped, load_prepared, val_batches
-from lit_gpt.losses import cross_entropy_sum, labelled_rows, loss_sum
+from lit_gpt.losses import MoETerms, cross_entropy_sum, labelled_rows, loss_sum, token_mask, write_expert_load
 from lit_gpt.runtime import FINAL_DIR, Runtime
 from lit_gpt.storage import location
 from lit_gpt.utils import LitError
@@ -82,6 +85,15 @@ def sum_over_processes(fabric: Any, values: Sequence[float]) -> List[float]:
     return [float(v) for v in fabric.all_reduce(t, reduce_op="sum").cpu()]
 
 
+def combine_processes(fabric: Any, runtime: Runtime, values: Sequence[float], mean: bool) -> List[float]:
+    """Host numbers read from each process's device tensors, combined: DDP/FSDP processes hold their own shares
+    (summed, or averaged with `mean`); under SPMD (XLA: `grad_scale` 1) every host already holds the global value."""
+    if fabric.world_size == 1 or runtime.grad_scale == 1.0:
+        return [float(v) for v in values]
+    total = sum_over_processes(fabric, values)
+    return [v / fabric.world_size for v in total] if mean else total
+
+
 def gather_objects(fabric: Any, obj: Any) -> List[Any]:
     """`obj` of every process, in rank order."""
     if fabric.world_size == 1:
@@ -105,6 +117,16 @@ def push_logs(fabric: Any) -> None:
         if mirror is not None:
             logger.save()  # what the logger buffered goes to its local files first
             mirror.push()
+
+
+def _log_dir(fabric: Any) -> Optional[Path]:
+    """The first logger's folder of this run (CSV, TensorBoard: logs/<name>/version_N, next to its metrics; W&B:
+    its save_dir), local (a URL out_dir's logs go to a mirror that `push_logs` uploads); None without a logger."""
+    for logger in fabric.loggers:
+        folder = getattr(logger, "log_dir", None) or getattr(logger, "save_dir", None)
+        if folder:
+            return Path(folder)
+    return None
 
 
 def uses_fsdp(fabric: L.Fabric) -> bool:
@@ -364,7 +386,9 @@ def fit(
     flops_per_token = raw_model.config.flops_per_token(data.max_seq_length) * (3 if method.trains_all else 2)
     peak = runtime.peak_flops()
     running_loss = runtime.zeros(())  # the steps' mean losses, summed on the device, read at log steps only
-    running_steps = 0
+    # mixture of experts: the router's load-balancing loss in the objective, its value and the experts' load logged
+    moe = MoETerms.of(raw_model, accum, runtime.zeros)
+    running_steps = running_moe = 0
     # throughput: steady steps (no compilation, not the run's first step) apart from the others
     steady = {"time": 0.0, "tokens": 0, "padded": 0, "steps": 0}
     warmup = {"time": 0.0, "steps": 0}
@@ -406,7 +430,11 @@ def fit(
                 rows = runtime.place(rows) if rows is not None else None
                 with runtime.backward_sync(model, last):
                     loss = loss_sum(model, input_ids, labels, targets_only=rows is not None, rows=rows)
-                    fabric.backward(loss * scale)
+                    objective = loss * scale
+                    if moe is not None:
+                        aux = moe.micro_batch(runtime.place(token_mask(batch["labels"])))
+                        objective = objective if aux is None else objective + aux
+                    fabric.backward(objective)
                 running_loss += loss.detach().float() * mean_scale
                 runtime.end_micro_batch(last)
             if train.max_norm is not None:
@@ -416,6 +444,7 @@ def fit(
             optimizer.zero_grad(set_to_none=True)
             step += 1
             running_steps += 1
+            running_moe += 1
             n_tokens = sum(b["n_tokens"] for b in batches) * fabric.world_size
             n_padded = sum(b["input_ids"].numel() for b in batches) * fabric.world_size
             tokens_seen += n_tokens
@@ -458,7 +487,14 @@ def fit(
                             peak * runtime.data_parallel_size)
                 if runtime.compiles_graphs:
                     metrics["compiles"] = new_compiles
+                if moe is not None:
+                    combine = lambda v, mean: combine_processes(fabric, runtime, v, mean)  # noqa: E731
+                    moe_metrics, load = moe.read(running_moe, combine)
+                    metrics.update(moe_metrics)
+                    running_moe = 0
                 fabric.log_dict(metrics, step=step)
+                if moe is not None and fabric.global_rank == 0 and _log_dir(fabric) is not None:
+                    write_expert_load(_log_dir(fabric), step, moe.layers, load)  # beside the logger's metrics
                 postfix = {"loss": f"{loss_value:.4f}", "lr": f"{metrics['lr']:.2e}"}
                 if "tokens_per_sec" in metrics:
                     postfix["steady_tok_s"] = f"{metrics['tokens_per_sec']:.0f}"

@@ -63,7 +63,7 @@ OWN: Dict[Tuple[str, str], str] = {
     **{(f"xla/finetune/{m}.py", "out_dir"): OUT_DIR for m in ("adapter", "lora", "full")},
     **{(f"xla/finetune/{m}.py", "train"): TRAIN for m in ("adapter", "lora", "full")},
     **{(f"{d}finetune/lora.py", f"lora_{s}"): LORA_SETTINGS for d in ("", "xla/")
-       for s in ("r", "alpha", "dropout", "query", "key", "value", "projection", "mlp", "head")},
+       for s in ("r", "alpha", "dropout", "query", "key", "value", "projection", "mlp", "head", "experts")},
     **{(recipe, s): ADAPTER_SETTINGS for recipe in ("finetune/adapter.py", "finetune/adapter_v2.py",
                                                     "xla/finetune/adapter.py")
        for s in ("adapter_prompt_length", "adapter_start_layer")},

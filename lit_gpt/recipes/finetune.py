@@ -74,8 +74,17 @@ class FinetuneRun:
             extra["platform"] = self.platform
         if self.base:
             extra["base"] = self.base
+        if self.config.n_expert:  # the MoE settings in effect (--moe or the checkpoint's): part of what is computed
+            extra["moe"] = moe_settings(self.config)
         return run_config(method=self.method, checkpoint_dir=self.checkpoint_dir, data=self.data, train=self.train,
                           eval=self.eval, optimizer=self.optimizer, **extra)
+
+
+def moe_settings(config: Config) -> Dict[str, Any]:
+    """The training settings of a mixture-of-experts model that a run records (finetune.json; a resumed run must
+    match them)."""
+    return {"capacity_factor": config.moe_capacity_factor, "dispatch": config.moe_dispatch,
+            "router_aux_loss_coef": config.router_aux_loss_coef}
 
 
 def setup_fabric(
@@ -382,7 +391,7 @@ def finetune_command(
         check_launcher(flags["num_nodes"], flags["devices"], flags["accelerator"])  # before anything is loaded
         if check is not None:
             check(flags)
-        config = load_config(flags["checkpoint_dir"], config_cls, **values(flags, own))
+        config = flags["moe"].apply(load_config(flags["checkpoint_dir"], config_cls, **values(flags, own)))
         fabric = setup_fabric(
             flags["devices"], flags["precision"], flags["out_dir"], flags["logger_name"], flags["strategy"],
             block_cls=Block, accelerator=flags["accelerator"], num_nodes=flags["num_nodes"], resume=flags["resume"],

@@ -11,7 +11,7 @@ rate), and tests/test_recipe_signatures.py names each difference.
 from pathlib import Path
 from typing import Any, Dict, List, Literal, Optional, Sequence, Union
 
-from lit_gpt.args import DataArgs, EvalArgs, TrainArgs
+from lit_gpt.args import DataArgs, EvalArgs, MoEArgs, TrainArgs
 from lit_gpt.cli import Flag, command, with_defaults  # noqa: F401  (the recipes import them from here)
 from lit_gpt.utils import DEFAULT_CHECKPOINT_DIR
 
@@ -30,6 +30,8 @@ _RESUME_DOC = ('Continue from a checkpoint: a step directory, True (the newest c
 _TRAIN_DOC = "Optimisation and checkpointing (micro_batch_size is per device)."
 _ALLOW_OTHER_BASE_DOC = ("Resume although --checkpoint_dir holds other base weights than the run was started on (their\n"
                          "fingerprints differ): for experts who know the two bases are interchangeable.")
+_MOE_DOC = ("Mixture-of-experts models only (Mixtral, Qwen3-MoE, gpt-oss): the experts' capacity in training and the\n"
+            "weight of the router's load-balancing loss (default: the checkpoint's).")
 _LOGGER_DOC = ('"csv", "tensorboard" or "wandb" (under out_dir/logs; W&B: project from WANDB_PROJECT,\n'
                "offline with WANDB_MODE=offline).")
 
@@ -50,6 +52,7 @@ FINETUNE: List[Flag] = [
     Flag("data", DataArgs, DataArgs(), "Where the prepared data is and how it is batched."),
     Flag("train", TrainArgs, TrainArgs(), _TRAIN_DOC),
     Flag("eval", EvalArgs, EvalArgs(), "Validation."),
+    Flag("moe", MoEArgs, MoEArgs(), _MOE_DOC),
     Flag("logger_name", Literal["csv", "tensorboard", "wandb"], "csv", _LOGGER_DOC),
     Flag("accelerator", Literal["auto", "cpu", "cuda"], "auto",
          '"cpu", "cuda" or "auto" (a GPU when one is visible, else the CPU).'),
@@ -87,6 +90,7 @@ XLA_FINETUNE: List[Flag] = [
          "the train step compiles once per length bucket)."),
     Flag("train", TrainArgs, TrainArgs(), _TRAIN_DOC),
     Flag("eval", EvalArgs, EvalArgs(), "Validation."),
+    Flag("moe", MoEArgs, MoEArgs(), _MOE_DOC),
     Flag("logger_name", Literal["csv", "tensorboard", "wandb"], "csv", _LOGGER_DOC),
     Flag("compile_cache_dir", Optional[Path], None,
          "Persistent XLA compilation cache: a second run skips compiling (TPU/GPU)."),
@@ -108,7 +112,11 @@ LORA: List[Flag] = [
     Flag("lora_key", bool, False, "Update the key projection."),
     Flag("lora_value", bool, True, "Update the value projection."),
     Flag("lora_projection", bool, False, "Update the attention output projection."),
-    Flag("lora_mlp", bool, False, "Update the MLP's linear layers."),
+    Flag("lora_mlp", bool, False,
+         "Update the MLP's linear layers (of a mixture-of-experts model: its dense layers; the router stays\n"
+         "frozen)."),
+    Flag("lora_experts", bool, False,
+         "Update the experts' linear layers (a rank-r pair per expert; mixture-of-experts models only)."),
     Flag("lora_head", bool, False, "Update the output head."),
 ]
 ADAPTER: List[Flag] = [
