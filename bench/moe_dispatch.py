@@ -4,14 +4,18 @@ random weights in a Qwen3-MoE-like layout, on the CPU (or a CUDA GPU):
     python bench/moe_dispatch.py --results_file bench/results/moe_dispatch_cpu.json
 
 Decode: batch 1, greedy, `--prompt_tokens` then `--new_tokens` tokens, steady decode tokens/s of
-  `ours` (moe_dispatch "auto": a one-token step gathers the k chosen experts' weights),
+  `ours` (what generate/base.py runs on the CPU: `prepare_for_generation`'s layout, moe_dispatch "auto": a one-token
+      step multiplies with views of the k chosen experts' weights),
+  `ours_gather` (the static-shape path XLA and CUDA run: the k experts' weights gathered by index, then one batched
+      product),
   `ours_dense` (moe_dispatch "dense": every expert on every token, weighted by the routing),
   `transformers` (its default experts implementation, named in the settings) and `transformers_eager` (its loop
   over the experts that were hit).
 Training step: forward + backward of `--batch` x `--seq` tokens through the whole model, all weights trainable,
 summed logits as the loss, seconds per step of
-  `ours` (moe_dispatch "auto": capacity buffers of ceil(2.0 * N * k / E) rows per expert, the training default),
-  `ours_dropless` (capacity N: nothing dropped), `ours_dense`, `transformers` and `transformers_eager`.
+  `ours` (moe_dispatch "auto": on the CPU and CUDA the rows grouped by expert, exact),
+  `ours_capacity` (capacity buffers of ceil(2.0 * N * k / E) rows per expert: what a traced XLA step runs),
+  `ours_dense`, `transformers` and `transformers_eager`.
 Contenders alternate; each does one warm-up, then `--runs` timed runs; medians, and ratios of medians to `ours`.
 The greedy tokens of every contender are compared with transformers' (equal weights, fp32: they must match).
 """
@@ -128,6 +132,11 @@ def setup(
     dev = torch.device(device)
     with tempfile.TemporaryDirectory() as tmp:
         ours, theirs, config = build(Path(tmp) / "moe", dev, n_expert, k)
+        prepared = load_model(Path(tmp) / "moe").to(dev)
+        if dev.type == "cpu":
+            from lit_gpt.cpu_layout import prepare_for_generation
+
+            prepare_for_generation(prepared, "cpu", "32-true", None)
         impl = theirs.config._experts_implementation
         theirs_eager = type(theirs).from_pretrained(Path(tmp) / "moe", dtype=torch.float32,
                                                     experts_implementation="eager").eval().to(dev)
@@ -140,11 +149,11 @@ def setup(
     texts: Dict[str, List[int]] = {}
     train: Dict[str, List[float]] = {}
 
-    def ours_decode(dispatch: str):
+    def ours_decode(dispatch: str, model=ours):
         def run():
-            set_dispatch(ours, dispatch)
-            ours.eval()
-            return decode_ours(ours, prompt, new_tokens, runtime)
+            set_dispatch(model, dispatch)
+            model.eval()
+            return decode_ours(model, prompt, new_tokens, runtime)
         return run
 
     def ours_train(dispatch: str, factor: Optional[float]):
@@ -162,10 +171,11 @@ def setup(
             return train_step(lambda: model(tokens).logits, list(model.parameters()), dev)
         return run
 
-    decoders = {"ours": ours_decode("auto"), "ours_dense": ours_decode("dense"),
+    decoders = {"ours": ours_decode("auto", prepared), "ours_gather": ours_decode("gather"),
+                "ours_dense": ours_decode("dense"),
                 "transformers": lambda: decode_theirs(theirs, prompt, new_tokens),
                 "transformers_eager": lambda: decode_theirs(theirs_eager, prompt, new_tokens)}
-    trainers = {"ours": ours_train("auto", 2.0), "ours_dropless": ours_train("capacity", None),
+    trainers = {"ours": ours_train("auto", 2.0), "ours_capacity": ours_train("capacity", 2.0),
                 "ours_dense": ours_train("dense", None), "transformers": theirs_train(theirs),
                 "transformers_eager": theirs_train(theirs_eager)}
     for r in range(runs + 1):  # run 0: warm-up

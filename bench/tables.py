@@ -482,8 +482,11 @@ def moe_dispatch() -> str:
         return "\n".join(head + ["| not measured (run `python bench/moe_dispatch.py --results_file"
                                    " bench/results/moe_dispatch_cpu.json`) | | | | |"]) + "\n"
     res, s = r["results"], r["settings"]
-    labels = {"ours": "ours (`moe_dispatch` auto: gather for decode, capacity 2.0 for training)",
-              "ours_dropless": "ours, capacity N (dropless)", "ours_dense": "ours, dense (every expert on every token)",
+    labels = {"ours": "ours (`moe_dispatch` auto: decode as generate/base.py runs it on the CPU, views of the chosen"
+                      " experts; training step: rows grouped by expert)",
+              "ours_gather": "ours, decode by the static gather (what XLA and CUDA run)",
+              "ours_capacity": "ours, training step with capacity buffers, factor 2.0 (what XLA runs)",
+              "ours_dense": "ours, dense (every expert on every token)",
               "transformers": f"transformers ({s['transformers_experts_implementation']})",
               "transformers_eager": "transformers (eager loop over the experts hit)"}
     for name, label in labels.items():
