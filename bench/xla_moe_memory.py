@@ -22,9 +22,9 @@ every millisecond from a helper process (bench/instruments.py), as bench/load.py
   consolidate  `consolidate(dir, out)` without torch_xla (bench/consolidate.py's measurement, 512MB shards): peak -
                start against its bound, the largest output shard + 3 x the largest DCP chunk + 32 MiB
 Each is measured `--repeats` times (3): the rows hold the median and every value (the save's peak varies by
-~30 MiB between identical runs). Exits 1 if any load or consolidation is over its bound, a load is not bit-equal, or
-an MoE model's median overhead (as a multiple of the largest block) is over 1.1x the dense model's plus 0.05 in any
-path.
+~30 MiB between identical runs; a load's peak - final is 0-45 MiB for every model, sampling noise). Exits 1 if any
+load or consolidation is over its bound, a load is not bit-equal, or an MoE model's median save or consolidation
+overhead (as a multiple of the largest block) is over 1.1x the dense model's plus 0.05.
 """
 
 import json
@@ -208,7 +208,9 @@ def main(
         ref = dense.get((r["path"], r["precision"]))
         if r["model"] != "dense" and ref is not None:
             r["x_block_vs_dense"] = r["x_block"] / ref["x_block"] if ref["x_block"] > 0 else None
-            if r["x_block"] > MOE_SLACK[0] * ref["x_block"] + MOE_SLACK[1]:
+            # loads: peak - final is 0-45 MiB for every model, within the sampling noise (held to their bound
+            # above); the save and the consolidation hold hundreds of MiB, steady to ~10%: compared
+            if r["path"] != "load" and r["x_block"] > MOE_SLACK[0] * ref["x_block"] + MOE_SLACK[1]:
                 failed.append(f"{r['model']} {r['path']} {r['precision']}: {r['x_block']:.2f} x block against the"
                               f" dense model's {ref['x_block']:.2f}")
     settings = {
@@ -216,7 +218,8 @@ def main(
         "sizes_fp32_mib": sizes_all, "checkpoint": "random fp32 model.safetensors",
         "load_bound": f"{LOAD_BOUND} x max(largest block, largest tensor x 2 if cast else x 1) in the loaded dtype",
         "consolidate_bound": "largest output shard + 3 x largest DCP chunk + 32 MiB",
-        "moe_vs_dense": f"MoE x_block <= {MOE_SLACK[0]} x dense x_block + {MOE_SLACK[1]}",
+        "moe_vs_dense": f"save, consolidate: MoE x_block <= {MOE_SLACK[0]} x dense x_block + {MOE_SLACK[1]};"
+                        " load: every model within its bound",
         "sampler": "helper process reading /proc/PID/status (RssAnon) every 1 ms", "repeats": repeats,
         "compared": "medians of the repeats; bounds: every repeat",
     }

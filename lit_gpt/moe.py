@@ -106,12 +106,14 @@ class ExpertLinear(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        # nn.Linear's default init for each expert; `uniform_` on the tensor, which Lightning's empty-init skips
-        with torch.no_grad():
-            bound = 1.0 / math.sqrt(self.in_features)
-            self.weight.uniform_(-bound, bound)
-            if self.bias is not None:
-                self.bias.uniform_(-bound, bound)
+        # nn.Linear's default init for each expert, through `nn.init` so that Lightning's empty init skips it (as it
+        # skips nn.Linear's): a tensor's own `uniform_` would draw from the RNG while the CPU recipes build the model,
+        # but not on the meta device where the XLA loader builds it, and the LoRA / adapter weights initialised
+        # after it would differ between the two (tests/xla/test_xla_moe.py)
+        bound = 1.0 / math.sqrt(self.in_features)
+        nn.init.uniform_(self.weight, -bound, bound)
+        if self.bias is not None:
+            nn.init.uniform_(self.bias, -bound, bound)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (n_expert, C, in), row block e for expert e -> (n_expert, C, out)."""

@@ -73,6 +73,30 @@ def check_scan_layers(scan_layers: Union[bool, str]) -> None:
         raise LitError(f"--scan_layers: {reason} (or run without --scan_layers)")
 
 
+def check_moe(config: Config, scan_layers: Union[bool, str], activation_checkpointing: bool) -> None:
+    """Settings that cannot train a mixture-of-experts model on XLA, refused before anything loads (`config` with
+    the --moe settings applied):
+      * --scan_layers true: the layers keep their routing for the loss, which torch_xla's scan cannot carry ("auto"
+        keeps the loop for MoE models: `lit_gpt.xla.scan.resolve_scan_layers`).
+      * --activation_checkpointing true with a load-balancing loss: torch_xla's checkpoint runs a block's first
+        forward under no_grad, so the routing the layer keeps for the loss has no gradient, and the router would
+        silently train without its loss (tests/xla/test_xla_moe.py measures it). The recomputed forward in the
+        backward pass comes too late for the loss."""
+    if not getattr(config, "n_expert", 0):
+        return
+    from lit_gpt.xla.scan import MOE_SCAN_REFUSED
+
+    if scan_layers is True:
+        raise LitError(MOE_SCAN_REFUSED)
+    coef = config.router_aux_loss_coef
+    if activation_checkpointing and coef > 0:
+        raise LitError(
+            f"--activation_checkpointing true with --moe.router_aux_loss_coef {coef:g} on a mixture-of-experts model"
+            " would train the router without its load-balancing loss on XLA (torch_xla's checkpoint keeps no"
+            " gradient of the routing): set --moe.router_aux_loss_coef 0 or --activation_checkpointing false"
+        )
+
+
 def load_model(fabric: Any, build: Callable[[], nn.Module], checkpoint_dir: Path,
                own_filter: Optional[Callable[[str, Any], bool]] = None) -> nn.Module:
     """`build()` (a GPT or a PEFT variant) with the base checkpoint loaded block by block onto the devices
@@ -113,7 +137,8 @@ def xla_finetune_command(
     Fabric over every PJRT device (checking the settings first) and launches `main(fabric, run)`."""
 
     def setup(**flags: Any) -> Dict[str, Any]:
-        config = load_config(flags["checkpoint_dir"], config_cls, **values(flags, own))
+        config = flags["moe"].apply(load_config(flags["checkpoint_dir"], config_cls, **values(flags, own)))
+        check_moe(config, flags["scan_layers"], flags["activation_checkpointing"])
         fabric = setup_fabric(
             flags["devices"], flags["precision"], flags["train"], flags["out_dir"], flags["logger_name"],
             flags["activation_checkpointing"], flags["compile_cache_dir"], resume=flags["resume"],

@@ -29,6 +29,9 @@ loop ("auto") or is refused (True). Without dropout a scanned run equals the loo
 weights to 1e-6). Masks that are saved for the backward pass (bool) travel as uint8: see
 `_bool_activations_as_uint8`.
 
+Mixture-of-experts models (lit_gpt.moe) keep the loop ("auto") or are refused (True): each MoE layer keeps its
+routing as a module attribute for the load-balancing loss, a side effect that a traced scan body cannot carry out.
+
 Generation (a KV cache, `input_pos` given) keeps the loop: each layer's cache would have to become stacked,
 carried state of the scan, and decode graphs are small (one token) and compile once.
 """
@@ -39,12 +42,15 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 import torch.nn as nn
 
+from lit_gpt.moe import MoE
 from lit_gpt.utils import LitError
 
 # bench/xla_scan.py (bench/results/xla_scan_cpu1.json): at 16 layers the loop compiled faster, at 32 the scan
 AUTO_MIN_LAYERS = 32
 
 ScanSetting = Union[bool, str]
+MOE_SCAN_REFUSED = ("--scan_layers true cannot run a mixture-of-experts model (its layers keep their routing for the"
+                    " load-balancing loss, which torch_xla's scan cannot carry): use --scan_layers auto or false")
 
 
 def scan_unavailable() -> Optional[str]:
@@ -72,6 +78,12 @@ def resolve_scan_layers(setting: ScanSetting, module: nn.Module, spmd: bool = Tr
         if setting == "auto":
             return False
         raise LitError(f"--scan_layers runs lit_gpt's GPT blocks; {type(module).__name__} has none")
+    if any(isinstance(m, MoE) for m in module.transformer.h.modules()):
+        # an MoE layer keeps its routing as a module attribute for the load-balancing loss (lit_gpt.moe): inside
+        # the scan's traced body that is a side effect the scan cannot carry out of its loop
+        if setting == "auto":
+            return False
+        raise LitError(MOE_SCAN_REFUSED)
     n_layer = len(module.transformer.h)
     if setting == "auto" and n_layer < AUTO_MIN_LAYERS:
         return False
