@@ -35,6 +35,7 @@ from lit_gpt.loading import load_model
 from lit_gpt.utils import run_cli
 
 import result_files  # bench/result_files.py (this script's folder is on sys.path)
+from generate import run_theirs  # bench/generate.py
 
 SHAPE = dict(n_layer=4, n_embd=512, n_head=8, n_query_groups=2, head_size=64, intermediate_size=1024,
              vocab_size=8192, block_size=4096, n_expert=32, n_expert_per_token=4, moe_intermediate_size=512)
@@ -82,25 +83,9 @@ def decode_ours(model, ids: torch.Tensor, new: int, runtime: None):
 
 
 def decode_theirs(model, ids: torch.Tensor, new: int):
-    from transformers.generation.streamers import BaseStreamer
-
-    class Times(BaseStreamer):
-        def __init__(self) -> None:
-            self.times: List[float] = []
-
-        def put(self, value: torch.Tensor) -> None:
-            self.times.append(time.perf_counter())
-
-        def end(self) -> None:
-            pass
-
-    times = Times()
-    with torch.inference_mode():
-        out = model.generate(ids.unsqueeze(0).to(model.device), max_new_tokens=new, min_new_tokens=new,
-                             do_sample=False, pad_token_id=0, streamer=times,
-                             attention_mask=torch.ones(1, ids.numel(), dtype=torch.long, device=model.device))
-    t = times.times[1:]
-    return out[0, ids.numel():].tolist(), (len(t) - 2) / (t[-1] - t[1])
+    """transformers' `generate` as bench/generate.py runs it (greedy, exactly `new` tokens, steady decode speed)."""
+    run = run_theirs(model, ids, new, static=False)
+    return run.tokens, run.decode_tokens_per_s
 
 
 def train_step(forward: Callable[[], torch.Tensor], params: List[torch.nn.Parameter], device: torch.device) -> float:

@@ -60,7 +60,35 @@ class Config(BaseConfig):
             raise ValueError(f"lora_dropout must be in [0, 1), got {self.lora_dropout}")
 
 
-class LoRALinear(nn.Linear):
+class _Merge:
+    """merge / unmerge of a layer with `weight`, `merged` and `delta_weight()` (the LoRA update in float32)."""
+
+    weight: torch.Tensor
+    merged: bool
+
+    def delta_weight(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def merge(self) -> None:
+        """Fold the update into the weight (computed in float32, rounded once to the weight's dtype)."""
+        if is_quantized(self.weight):
+            raise LitError("cannot merge LoRA into a quantized base weight: merge into the unquantized checkpoint"
+                           " with scripts/merge_lora.py")
+        if not self.merged:
+            w = self.weight.data
+            w.copy_((w.float() + self.delta_weight()).to(w.dtype))
+            self.merged = True
+
+    @torch.no_grad()
+    def unmerge(self) -> None:
+        if self.merged:
+            w = self.weight.data
+            w.copy_((w.float() - self.delta_weight()).to(w.dtype))
+            self.merged = False
+
+
+class LoRALinear(_Merge, nn.Linear):
     """`nn.Linear` plus a low-rank update. The output may be a fusion of parts (`splits`, e.g. q | k | v sizes) of
     which only the `enabled` ones get an update: each enabled part has its own rank-r pair (A_i, B_i), stored
     stacked: `lora_A` is (r * n_enabled, in_features), `lora_B` is (sum of enabled sizes, r)."""
@@ -147,30 +175,12 @@ class LoRALinear(nn.Linear):
             chunks[slot] = chunks[slot] + (a_i @ b.transpose(0, 1)) * self.scaling
         return torch.cat(chunks, dim=-1)
 
-    @torch.no_grad()
-    def merge(self) -> None:
-        """Fold the update into the weight (computed in float32, rounded once to the weight's dtype)."""
-        if is_quantized(self.weight):
-            raise LitError("cannot merge LoRA into a quantized base weight: merge into the unquantized checkpoint"
-                           " with scripts/merge_lora.py")
-        if not self.merged:
-            w = self.weight.data
-            w.copy_((w.float() + self.delta_weight()).to(w.dtype))
-            self.merged = True
-
-    @torch.no_grad()
-    def unmerge(self) -> None:
-        if self.merged:
-            w = self.weight.data
-            w.copy_((w.float() - self.delta_weight()).to(w.dtype))
-            self.merged = False
-
     def extra_repr(self) -> str:
         parts = "" if len(self.splits) == 1 else f", splits={self.splits}, enabled={self.enabled}"
         return f"{super().extra_repr()}, r={self.r}, scaling={self.scaling}{parts}"
 
 
-class LoRAExpertLinear(ExpertLinear):
+class LoRAExpertLinear(_Merge, ExpertLinear):
     """`lit_gpt.moe.ExpertLinear` (n_expert linear layers as one (E, out, in) weight) plus a low-rank update per
     expert: `lora_A` (E, r, in), `lora_B` (E, out, r), B zero at the start; y_e = W_e x + b_e + (alpha / r) B_e A_e
     dropout(x), in the batched (bmm) path and in `forward_selected` (each row through its own expert's pair)."""
@@ -238,20 +248,6 @@ class LoRAExpertLinear(ExpertLinear):
             return y
         a = torch.bmm(self.lora_A.index_select(0, experts), self.lora_dropout(x).unsqueeze(-1))  # (M, r, 1)
         return y + torch.bmm(self.lora_B.index_select(0, experts), a).squeeze(-1) * self.scaling
-
-    @torch.no_grad()
-    def merge(self) -> None:
-        if not self.merged:
-            w = self.weight.data
-            w.copy_((w.float() + self.delta_weight()).to(w.dtype))
-            self.merged = True
-
-    @torch.no_grad()
-    def unmerge(self) -> None:
-        if self.merged:
-            w = self.weight.data
-            w.copy_((w.float() - self.delta_weight()).to(w.dtype))
-            self.merged = False
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, r={self.r}, scaling={self.scaling}"

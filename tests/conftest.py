@@ -5,8 +5,14 @@ import importlib.util
 import shutil
 from pathlib import Path
 
+import lightning.fabric  # noqa: F401  (see below)
 import pytest
 import torch
+
+# Lightning binds a logging StreamHandler to the sys.stderr of the moment it is first imported. Imported here, at session
+# start, the handler holds the session's stream; imported first inside a test it would hold that test's captured (capsys
+# or redirected) stream, closed after the test, and every later Lightning log line ("Seed set to ...") would print a
+# "--- Logging error ---" traceback into whatever a later test captures
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "generation_config.json")
 
