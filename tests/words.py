@@ -115,3 +115,23 @@ def make_word_checkpoint(directory: Path, seed: int = 0, family: Optional[str] =
                 if name.endswith((".sinks", ".router.weight")):  # sinks away from 0; routers that really choose
                     p.normal_(0.0, 1.0)
     return write_checkpoint(model, directory)
+
+
+def family_checkpoints(root: Path, families: List[str], rows: List[dict]) -> Path:
+    """A word checkpoint per family in `root` (one tokenizer for all) and `rows` prepared once for all of them
+    (root/data, no validation split), as the family tests on every backend use them."""
+    import contextlib
+    import importlib.util
+    import io
+
+    for family in families:
+        make_word_checkpoint(root / family, family=family)
+    (root / "rows.json").write_text(json.dumps(rows))
+    spec = importlib.util.spec_from_file_location(
+        "prepare_alpaca_words", Path(__file__).resolve().parents[1] / "scripts" / "prepare_alpaca.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    with contextlib.redirect_stdout(io.StringIO()):  # the same tokenizer for every family: one data folder
+        module.prepare(checkpoint_dir=root / families[0], data_file=root / "rows.json", destination_path=root / "data",
+                       val_split_fraction=0.0)
+    return root

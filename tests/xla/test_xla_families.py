@@ -35,7 +35,7 @@ from typing import Dict, List
 
 import pytest
 import torch
-from words import FAMILIES, family_rows, make_word_checkpoint
+from words import FAMILIES, family_checkpoints, family_rows
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).resolve().parent / "families_worker.py"
@@ -195,15 +195,7 @@ def _gen_args(ckpt: Path, prompt: str) -> List[str]:
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """A checkpoint per family (one word tokenizer for all) and the prepared rows (`family_rows`)."""
-    ckpt = tmp_path_factory.mktemp("families")
-    for family in FAMILIES:
-        make_word_checkpoint(ckpt / family, family=family)
-    (ckpt / "rows.json").write_text(json.dumps(family_rows()))
-    prepare = _load_recipe("scripts/prepare_alpaca.py").prepare
-    with contextlib.redirect_stdout(io.StringIO()):  # the same tokenizer for every family: one data folder
-        prepare(checkpoint_dir=ckpt / "qwen3", data_file=ckpt / "rows.json", destination_path=ckpt / "data",
-                val_split_fraction=0.0)
-    return ckpt
+    return family_checkpoints(tmp_path_factory.mktemp("families"), list(FAMILIES), family_rows())
 
 
 @pytest.fixture(scope="module")

@@ -40,9 +40,9 @@ if str(TESTS) not in sys.path:  # this file also runs as a worker job (tests/xla
     sys.path.insert(0, str(TESTS))
 
 from test_xla_families import (  # noqa: E402  (the families' helpers: same workers, same CPU runs)
-    METHODS, REPO, Workers, _cpu, _load_recipe, _losses, _weights,
+    METHODS, REPO, Workers, _cpu, _losses, _weights,
 )
-from words import GEN_PROMPT, MOE_FAMILIES, WORDS, make_word_checkpoint  # noqa: E402
+from words import GEN_PROMPT, MOE_FAMILIES, WORDS, family_checkpoints  # noqa: E402
 
 FAMILIES = list(MOE_FAMILIES)
 STEPS = 4  # two per padded length
@@ -192,18 +192,7 @@ def setup(checkpoint_dir: str = "", out: str = "", steps: int = 4) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    import contextlib
-    import io
-
-    ckpt = tmp_path_factory.mktemp("moe")
-    for family in FAMILIES:
-        make_word_checkpoint(ckpt / family, family=family)
-    (ckpt / "rows.json").write_text(json.dumps(moe_rows()))
-    prepare = _load_recipe("scripts/prepare_alpaca.py").prepare
-    with contextlib.redirect_stdout(io.StringIO()):  # one word tokenizer for every family: one data folder
-        prepare(checkpoint_dir=ckpt / FAMILIES[0], data_file=ckpt / "rows.json", destination_path=ckpt / "data",
-                val_split_fraction=0.0)
-    return ckpt
+    return family_checkpoints(tmp_path_factory.mktemp("moe"), list(FAMILIES), moe_rows())
 
 
 def _probe_job(ckpt: Path, root: Path, devices: int) -> dict:
