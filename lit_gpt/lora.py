@@ -21,7 +21,7 @@ import json
 import math
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Literal, Optional, Sequence
+from typing import Any, Callable, Literal, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -65,9 +65,7 @@ class _Merge:
 
     weight: torch.Tensor
     merged: bool
-
-    def delta_weight(self) -> torch.Tensor:
-        raise NotImplementedError
+    delta_weight: Callable[[], torch.Tensor]  # each layer's own (LoRALinear, LoRAExpertLinear)
 
     @torch.no_grad()
     def merge(self) -> None:

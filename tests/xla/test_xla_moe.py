@@ -28,21 +28,17 @@ Slow (`-m slow`): every family x LoRA / adapter / full on the three backends, an
 """
 
 import json
-import sys
 from pathlib import Path
 from typing import Dict, List
 
 import pytest
 import torch
 
-TESTS = Path(__file__).resolve().parents[1]
-if str(TESTS) not in sys.path:  # this file also runs as a worker job (tests/xla/families_worker.py)
-    sys.path.insert(0, str(TESTS))
-
-from test_xla_families import (  # noqa: E402  (the families' helpers: same workers, same CPU runs)
+# this file also runs as a worker job (tests/xla/families_worker.py, which puts tests/ on the path as pytest does)
+from test_xla_families import (  # the families' helpers: same workers, same CPU runs
     METHODS, REPO, Workers, _cpu, _losses, _weights,
 )
-from words import GEN_PROMPT, MOE_FAMILIES, WORDS, family_checkpoints  # noqa: E402
+from words import GEN_PROMPT, MOE_FAMILIES, WORDS, family_checkpoints
 
 FAMILIES = list(MOE_FAMILIES)
 STEPS = 4  # two per padded length
