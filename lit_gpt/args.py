@@ -152,3 +152,31 @@ class MoEArgs:
                 raise LitError(f"--moe.router_aux_loss_coef must be >= 0 (got {self.router_aux_loss_coef})")
             changes["router_aux_loss_coef"] = float(self.router_aux_loss_coef)
         return replace(config, **changes)
+
+
+@dataclass
+class DPOArgs:
+    """Direct preference optimisation (finetune/dpo.py, xla/finetune/dpo.py; `lit_gpt.objectives.DPO`): TRL's
+    DPOTrainer settings under TRL's names."""
+
+    beta: float = 0.1
+    """How far the policy may move from the reference (higher: closer). For "ipo", the regulariser tau."""
+    loss: Literal["sigmoid", "robust", "hinge", "ipo"] = "sigmoid"
+    """"sigmoid": DPO; "robust": DPO with label_smoothing as the chance that a pair's label is flipped; "hinge": SLiC;
+    "ipo": IPO (log-ratios averaged over each reply's tokens, as TRL does)."""
+    label_smoothing: float = 0.0
+    """For "robust" only: the assumed fraction of flipped labels, in [0, 0.5)."""
+    reference: Literal["auto", "adapters_off", "precomputed"] = "auto"
+    """The reference model. "adapters_off" (LoRA): the model with its adapters switched off (no second copy; one
+    extra forward without gradient per micro-batch). "precomputed": log-probabilities of every pair under the base
+    model computed once before training (one forward pass over the data; kept in out_dir/reference_logps.pt for
+    resuming). "auto": adapters_off for LoRA, precomputed for full finetuning."""
+
+    def resolve(self, method: str) -> str:
+        """The reference used for `method` ("lora" or "full"); a LitError for adapters_off without adapters."""
+        if self.reference == "auto":
+            return "adapters_off" if method == "lora" else "precomputed"
+        if self.reference == "adapters_off" and method != "lora":
+            raise LitError("--dpo.reference adapters_off needs LoRA adapters (--method lora): full finetuning changes"
+                           " the base weights themselves; use --dpo.reference precomputed")
+        return self.reference

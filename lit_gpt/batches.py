@@ -6,7 +6,7 @@ set (`pad_length`) so that a tracing backend compiles a bounded number of step g
 """
 
 import math
-from typing import Any, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 import torch
 
@@ -84,6 +84,7 @@ class TrainBatches:
         pad_multiple: int = 1,
         pad_pow2: bool = False,
         batches_per_epoch: Optional[int] = None,
+        collate_fn: Optional[Callable[..., Dict[str, Any]]] = None,
     ) -> None:
         self.samples = samples
         self.micro_batch_size = micro_batch_size
@@ -94,6 +95,7 @@ class TrainBatches:
         self.world_size = world_size
         self.pad_multiple = pad_multiple
         self.pad_pow2 = pad_pow2
+        self.collate_fn = collate_fn or collate  # an objective's (lit_gpt.objectives): DPO stacks pairs
         # micro-batches per epoch on each rank: as many as fit, or fewer (whole optimizer steps; the training loop
         # asks for those, so that every step of an epoch has a full global batch on any device layout)
         fit = len(samples) // (micro_batch_size * world_size)
@@ -130,7 +132,7 @@ class TrainBatches:
         start = (self.index * self.world_size + self.rank) * self.micro_batch_size
         batch = [self.samples[i] for i in order[start : start + self.micro_batch_size]]
         self.index += 1
-        return collate(batch, self.max_seq_length, self.pad_multiple, self.pad_pow2)
+        return self.collate_fn(batch, self.max_seq_length, self.pad_multiple, self.pad_pow2)
 
     def state_dict(self) -> Dict[str, int]:
         return {"epoch": self.epoch, "index": self.index, "seed": self.seed, "world_size": self.world_size}
@@ -156,6 +158,7 @@ def val_batches(
     world_size: int = 1,
     pad_multiple: int = 1,
     pad_pow2: bool = False,
+    collate_fn: Optional[Callable[..., Dict[str, Any]]] = None,
 ) -> List[Dict[str, Any]]:
     """The validation micro-batches of one rank: the first `max_iters` micro-batches of the validation set (all if
     None), batch k going to rank k % world_size. The validation set is thus the same whatever the number of
@@ -164,4 +167,4 @@ def val_batches(
     if max_iters is not None:
         groups = groups[:max_iters]
     mine = groups[rank::world_size]
-    return [collate(g, max_seq_length, pad_multiple, pad_pow2) for g in mine]
+    return [(collate_fn or collate)(g, max_seq_length, pad_multiple, pad_pow2) for g in mine]

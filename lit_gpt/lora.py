@@ -19,9 +19,10 @@ holds A and B only, so a QLoRA run's `lit_model.lora.safetensors` merges into th
 
 import json
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Literal, Optional, Sequence
+from typing import Any, Callable, Iterator, Literal, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -65,6 +66,8 @@ class _Merge:
 
     weight: torch.Tensor
     merged: bool
+    adapters_off = False
+    """True inside `adapters_disabled`: the layer computes the base model's output."""
     delta_weight: Callable[[], torch.Tensor]  # each layer's own (LoRALinear, LoRAExpertLinear)
 
     @torch.no_grad()
@@ -163,7 +166,7 @@ class LoRALinear(_Merge, nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = linear(x, self.weight, self.bias)  # F.linear, or bitsandbytes' 4-bit product for a QLoRA base
-        if self.merged:
+        if self.merged or self.adapters_off:
             return y
         a = self.lora_dropout(x) @ self.lora_A.transpose(0, 1)  # (..., r * n_enabled): all parts in one matmul
         if len(self.splits) == 1:
@@ -226,7 +229,7 @@ class LoRAExpertLinear(_Merge, ExpertLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (E, C, in) -> (E, C, out)."""
         y = super().forward(x)
-        if self.merged:
+        if self.merged or self.adapters_off:
             return y
         a = torch.bmm(self.lora_dropout(x), self.lora_A.transpose(1, 2))  # (E, C, r)
         return y + torch.bmm(a, self.lora_B.transpose(1, 2)) * self.scaling
@@ -234,7 +237,7 @@ class LoRAExpertLinear(_Merge, ExpertLinear):
     def forward_grouped(self, x: torch.Tensor, experts: torch.Tensor, bounds: Any) -> torch.Tensor:
         """x: (S, in) rows sorted by expert (`lit_gpt.moe.group_bounds`) -> (S, out)."""
         y = super().forward_grouped(x, experts, bounds)
-        if self.merged:
+        if self.merged or self.adapters_off:
             return y
         a = grouped_mm(self.lora_dropout(x), self.lora_A, bounds)  # (S, r)
         return y + grouped_mm(a, self.lora_B, bounds) * self.scaling
@@ -242,7 +245,7 @@ class LoRAExpertLinear(_Merge, ExpertLinear):
     def forward_selected(self, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """x: (M, in), experts: (M,) -> (M, out)."""
         y = super().forward_selected(x, experts)
-        if self.merged:
+        if self.merged or self.adapters_off:
             return y
         a = torch.bmm(self.lora_A.index_select(0, experts), self.lora_dropout(x).unsqueeze(-1))  # (M, r, 1)
         return y + torch.bmm(self.lora_B.index_select(0, experts), a).squeeze(-1) * self.scaling
@@ -307,6 +310,20 @@ def mark_only_lora_as_trainable(model: nn.Module, bias: Literal["none", "all", "
 
 def _lora_layers(model: nn.Module):
     return [m for m in model.modules() if isinstance(m, (LoRALinear, LoRAExpertLinear))]
+
+
+@contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """Inside, every LoRA layer of `model` computes the base model's output (its update left out; the weights are
+    untouched): DPO's reference model at no memory cost. Without LoRA layers it changes nothing."""
+    layers = _lora_layers(model)
+    for layer in layers:
+        layer.adapters_off = True
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.adapters_off = False
 
 
 def merge_lora_weights(model: GPT) -> None:

@@ -44,8 +44,9 @@ from lit_gpt.args import DataArgs, EvalArgs, TrainArgs
 from lit_gpt.checkpoints import resume_path, resume_run, run_files, step_dir
 from lit_gpt.interrupts import on_interrupt, resume_command
 from lit_gpt.manifest import MANIFEST
-from lit_gpt.data import IGNORE_INDEX, PreparedData, TrainBatches, count_cropped, load_prepared, val_batches
-from lit_gpt.losses import MoETerms, cross_entropy_sum, labelled_rows, loss_sum, token_mask, write_expert_load
+from lit_gpt.data import IGNORE_INDEX, PreparedData, TrainBatches, load_prepared, val_batches
+from lit_gpt.losses import MoETerms, labelled_rows, token_mask, write_expert_load
+from lit_gpt.objectives import Objective, pad_rows  # noqa: F401  (pad_rows: importable from here, where it lived)
 from lit_gpt.runtime import FINAL_DIR, Runtime
 from lit_gpt.storage import location
 from lit_gpt.utils import LitError
@@ -66,6 +67,8 @@ class Method:
     metadata: Dict[str, Any] = field(default_factory=dict)
     """Saved with the step checkpoints and beside the final weights (for PEFT: `lit_gpt.peft.finetuned_metadata(model)`:
     the method and its config fields, e.g. lora_r)."""
+    objective: Objective = field(default_factory=Objective)
+    """What a step optimises (`lit_gpt.objectives`): supervised finetuning's cross-entropy, or DPO."""
 
     @property
     def trains_all(self) -> bool:
@@ -168,12 +171,19 @@ class RunData:
     """The prompt of the first validation sample (its masked prefix): generated from at each validation."""
     steps_per_epoch: int = 1
     rows: int = 1
-    """Rows of every forward of this process (micro_batch_size x the devices it feeds)."""
+    """Samples (pairs, for DPO) of every forward of this process (micro_batch_size x the devices it feeds)."""
+    objective: Objective = field(default_factory=Objective)
+    val_args: Dict[str, Any] = field(default_factory=dict)
+    """How `val` was batched (`rebatch_val` builds it again after the samples changed, e.g. DPO's reference)."""
+
+    def rebatch_val(self) -> None:
+        """Collate the validation batches again from `prepared.val` (after the samples gained fields)."""
+        self.val = val_batches(self.prepared.val, self.rows, self.max_seq_length, **self.val_args)
 
 
 def has_target(sample: Dict[str, Any], max_seq_length: int) -> bool:
     """Whether a sample keeps at least one target token once cropped to max_seq_length inputs."""
-    return bool((sample["labels"][1 : max_seq_length + 1] != IGNORE_INDEX).any())
+    return Objective().keep(sample, max_seq_length)
 
 
 def load_data(
@@ -183,18 +193,23 @@ def load_data(
     eval: EvalArgs,
     checkpoint_dir: Path,
     block_size: int,
+    objective: Optional[Objective] = None,
 ) -> RunData:
     """Read the prepared data, pick the run's max_seq_length, and build this process's train/val batches.
 
     max_seq_length is `--train.max_seq_length` if given (longer samples are cropped, and counted), else the
     longest sample; at most the model's context length. Samples that keep no target token once cropped are left
-    out (they would teach nothing and, alone in a batch, divide by zero); when none is left the run stops."""
+    out (they would teach nothing and, alone in a batch, divide by zero); when none is left the run stops.
+    `objective` (default: supervised finetuning) says what a sample is and how samples form a batch (DPO: pairs,
+    counted by `--train.*_batch_size` as one sample each)."""
+    objective = objective or Objective()
     rank, processes = runtime.fabric.global_rank, runtime.fabric.world_size
     rows = train.micro_batch_size * runtime.local_devices
     prepared = load_prepared(data.data_dir, checkpoint_dir)
+    objective.check_data(prepared.meta, data.data_dir)
     if not prepared.train:
         raise LitError(f"{str(data.data_dir)!r} has no training samples")
-    longest = max(s["input_ids"].numel() for s in prepared.train + prepared.val) - 1
+    longest = max(objective.length(s) for s in prepared.train + prepared.val)
     if train.max_seq_length is not None:
         if train.max_seq_length > block_size:
             raise LitError(
@@ -204,10 +219,10 @@ def load_data(
     else:
         max_seq_length = min(longest, block_size)
     say = (lambda msg: print(msg, file=sys.stderr)) if rank == 0 else (lambda msg: None)
-    cropped = count_cropped(prepared.train, max_seq_length) + count_cropped(prepared.val, max_seq_length)
+    cropped = sum(objective.cropped(s, max_seq_length) for s in prepared.train + prepared.val)
     if cropped:
         say(f"note: {cropped} sample(s) are longer than max_seq_length {max_seq_length} and get cropped")
-    kept = [s for s in prepared.train if has_target(s, max_seq_length)]
+    kept = [s for s in prepared.train if objective.keep(s, max_seq_length)]
     if not kept:
         raise LitError(
             f"no training sample keeps a target token within max_seq_length {max_seq_length} (the prompts fill it):"
@@ -216,14 +231,14 @@ def load_data(
     if len(kept) < len(prepared.train):
         say(f"note: {len(prepared.train) - len(kept)} training sample(s) have no target token within"
             f" max_seq_length {max_seq_length} and are left out")
-    val_kept = [s for s in prepared.val if has_target(s, max_seq_length)]
+    val_kept = [s for s in prepared.val if objective.keep(s, max_seq_length)]
     steps_per_epoch = len(kept) // train.global_batch_size
     if steps_per_epoch == 0:
         raise LitError(
             f"the training set has {len(kept)} usable samples, fewer than --train.global_batch_size"
             f" ({train.global_batch_size}): lower the global batch size or add data"
         )
-    pad = dict(pad_multiple=data.pad_multiple, pad_pow2=data.pad_pow2)
+    pad = dict(pad_multiple=data.pad_multiple, pad_pow2=data.pad_pow2, collate_fn=objective.collate)
     if train.compile:
         if uses_fsdp(runtime.fabric):
             raise LitError("--train.compile works on one device or with --strategy ddp, not with FSDP")
@@ -237,9 +252,8 @@ def load_data(
         kept, rows, max_seq_length, seed=train.seed, shuffle=data.shuffle, rank=rank, world_size=processes,
         batches_per_epoch=steps_per_epoch * train.gradient_accumulation_iters(runtime.data_parallel_size), **pad,
     )
-    val = val_batches(
-        val_kept, rows, max_seq_length, max_iters=eval.max_iters, rank=rank, world_size=processes, **pad
-    )
+    val_args = dict(max_iters=eval.max_iters, rank=rank, world_size=processes, **pad)
+    val = val_batches(val_kept, rows, max_seq_length, **val_args)
     sample_prompt = None
     if prepared.val:
         first = prepared.val[0]
@@ -249,16 +263,9 @@ def load_data(
         if n_prompt:
             sample_prompt = first["input_ids"][:n_prompt]
     prepared = replace(prepared, train=kept, val=val_kept)
-    return RunData(batches, val, max_seq_length, prepared, sample_prompt, steps_per_epoch, rows)
+    return RunData(batches, val, max_seq_length, prepared, sample_prompt, steps_per_epoch, rows, objective, val_args)
 
 
-def pad_rows(batch: Dict[str, Any], rows: int) -> Dict[str, Any]:
-    """Pad a batch to `rows` rows that count nothing (labels ignored), so that it splits over the devices."""
-    missing = rows - batch["input_ids"].size(0)
-    if missing <= 0:
-        return batch
-    pad = lambda t, value: torch.cat([t, t.new_full((missing, t.size(1)), value)])  # noqa: E731
-    return {**batch, "input_ids": pad(batch["input_ids"], 0), "labels": pad(batch["labels"], IGNORE_INDEX)}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -267,20 +274,28 @@ def pad_rows(batch: Dict[str, Any], rows: int) -> Dict[str, Any]:
 
 
 @torch.no_grad()
-def validate(runtime: Runtime, model: nn.Module, batches: List[Dict[str, Any]], rows: int) -> float:
-    """Mean cross-entropy per target token over the validation batches of all processes. Every process calls it,
-    also one without batches: the sum over processes is a collective."""
+def validate(runtime: Runtime, model: nn.Module, batches: List[Dict[str, Any]], rows: int,
+             objective: Optional[Objective] = None) -> Dict[str, float]:
+    """The objective's mean loss per unit (SFT: cross-entropy per target token; DPO: loss per pair) over the
+    validation batches of all processes, as {"val_loss": ..., "val_<stat>": ...}. Every process calls it, also one
+    without batches: the sum over processes is a collective."""
+    objective = objective or Objective()
     model.eval()
-    total = runtime.zeros((2,))
+    n_stats = len(objective.stat_names)
+    total = runtime.zeros((1 + n_stats,))
+    count = 0
     for batch in batches:
-        batch = pad_rows(batch, rows)
-        input_ids, labels = runtime.place((batch["input_ids"], batch["labels"]))
-        loss = cross_entropy_sum(model(input_ids), labels)
-        total += torch.stack([loss.float(), (labels != IGNORE_INDEX).sum().float()])
+        batch = objective.pad(batch, rows)
+        count += objective.count(batch)
+        loss, stats = objective.eval_loss(model, runtime.place(objective.inputs(batch)))
+        total += torch.cat([loss.float().reshape(1), stats.float()]) if stats is not None else loss.float().reshape(1)
         runtime.end_step()
     model.train()
-    loss_sum_, count = sum_over_processes(runtime.fabric, total.cpu().tolist())
-    return loss_sum_ / max(count, 1.0)
+    sums = sum_over_processes(runtime.fabric, total.cpu().tolist() + [count])
+    count = sums[-1]
+    out = {"val_loss": sums[0] / max(count, 1.0)}
+    out.update({f"val_{k}": v for k, v in objective.metrics(sums[1:-1], count).items()})
+    return out
 
 
 def generate_sample(
@@ -379,13 +394,15 @@ def fit(
     if step >= total_steps:
         fabric.print(f"Nothing to do: the checkpoint is at step {step} of {total_steps}")
     elif step == 0 and eval.initial_validation and has_val:
-        val_loss = validate(runtime, model, data.val, data.rows)
-        fabric.log_dict({"val_loss": val_loss, "step": 0}, step=0)
-        fabric.print(f"initial validation loss {val_loss:.4f}")
+        val_metrics = validate(runtime, model, data.val, data.rows, objective)
+        fabric.log_dict({**val_metrics, "step": 0}, step=0)
+        fabric.print(f"initial validation loss {val_metrics['val_loss']:.4f}" + _stats_text(val_metrics, "val_"))
 
     flops_per_token = raw_model.config.flops_per_token(data.max_seq_length) * (3 if method.trains_all else 2)
     peak = runtime.peak_flops()
+    objective = method.objective  # what a step optimises: SFT's cross-entropy, DPO (lit_gpt.objectives)
     running_loss = runtime.zeros(())  # the steps' mean losses, summed on the device, read at log steps only
+    running_stats = runtime.zeros((len(objective.stat_names),)) if objective.stat_names else None
     # mixture of experts: the router's load-balancing loss in the objective, its value and the experts' load logged
     moe = MoETerms.of(raw_model, accum, runtime.zeros)
     running_steps = running_moe = 0
@@ -398,7 +415,8 @@ def fit(
     train_time = 0.0
     summary: Dict[str, Any] = {"steps": step, "first_step": step + 1, "losses": {}, "train_loss": None,
                                "val_loss": None, "total_steps": total_steps}
-    bar = tqdm(total=total_steps, initial=step, desc=f"finetune {method.name}", disable=fabric.global_rank != 0,
+    what = method.name if objective.name == "sft" else f"{objective.name} {method.name}"  # e.g. "dpo lora"
+    bar = tqdm(total=total_steps, initial=step, desc=f"finetune {what}", disable=fabric.global_rank != 0,
                dynamic_ncols=True, file=sys.stdout)
     model.train()
     first_step_of_run = True
@@ -417,25 +435,28 @@ def fit(
             c0 = runtime.compile_count()
             set_lr(optimizer, lr_at(step, total_steps, train.lr_warmup_steps, train.learning_rate, train.min_lr))
             # the whole step's micro-batches first: the loss is divided by the step's target count over all processes
-            batches = [pad_rows(next(data.train), data.rows) for _ in range(accum)]
-            step_targets = sum_over_processes(fabric, [sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in batches)])[0]
-            scale = runtime.scalar(runtime.grad_scale / step_targets)
-            mean_scale = runtime.scalar(1.0 / step_targets)
+            batches = [objective.pad(next(data.train), data.rows) for _ in range(accum)]
+            # the units the step's loss is averaged over (target tokens; DPO: pairs), over all processes
+            step_units = sum_over_processes(fabric, [sum(objective.count(b) for b in batches)])[0]
+            scale = runtime.scalar(runtime.grad_scale / step_units)
+            mean_scale = runtime.scalar(1.0 / step_units)
             for micro, batch in enumerate(batches):
                 last = micro == accum - 1
                 # the labelled positions from the host copy: no device-to-host wait inside the step
                 # (None: every position has a label, so the head runs on all of them and nothing is selected)
                 rows = labelled_rows(batch["labels"]) if runtime.targets_only else None
-                input_ids, labels = runtime.place((batch["input_ids"], batch["labels"]))
+                inputs = runtime.place(objective.inputs(batch))
                 rows = runtime.place(rows) if rows is not None else None
                 with runtime.backward_sync(model, last):
-                    loss = loss_sum(model, input_ids, labels, targets_only=rows is not None, rows=rows)
-                    objective = loss * scale
+                    loss, stats = objective.loss(model, inputs, rows)
+                    total = loss * scale
                     if moe is not None:
                         aux = moe.micro_batch(runtime.place(token_mask(batch["labels"])))
-                        objective = objective if aux is None else objective + aux
-                    fabric.backward(objective)
+                        total = total if aux is None else total + aux
+                    fabric.backward(total)
                 running_loss += loss.detach().float() * mean_scale
+                if stats is not None:
+                    running_stats += stats.detach().float() * mean_scale
                 runtime.end_micro_batch(last)
             if train.max_norm is not None:
                 # error_if_nonfinite=False: no host read of the norm inside the step
@@ -453,8 +474,11 @@ def fit(
             loss_value = None
             if step % train.log_interval == 0 or step == total_steps:
                 # the only host read of the loss (on async backends it waits for the step)
-                loss_value = sum_over_processes(fabric, [float(running_loss.cpu())])[0] / running_steps
+                read = [float(running_loss.cpu())] + (running_stats.cpu().tolist() if running_stats is not None else [])
+                read = [v / running_steps for v in sum_over_processes(fabric, read)]
+                loss_value, stat_values = read[0], dict(zip(objective.stat_names, read[1:]))
                 running_loss = runtime.zeros(())
+                running_stats = runtime.zeros((len(objective.stat_names),)) if objective.stat_names else None
                 running_steps = 0
             step_time = time.perf_counter() - t0
             train_time += step_time
@@ -475,7 +499,8 @@ def fit(
 
             if loss_value is not None:
                 summary["losses"][step] = loss_value
-                metrics: Dict[str, Any] = {"loss": loss_value, "lr": optimizer.param_groups[0]["lr"], "step": step,
+                metrics: Dict[str, Any] = {"loss": loss_value, **stat_values, "lr": optimizer.param_groups[0]["lr"],
+                                           "step": step,
                                            "epoch": data.train.epoch, "tokens": tokens_seen, "step_time": step_time,
                                            # cumulative, named like Lightning's ThroughputMonitor columns
                                            "time": train_time, "lengths": padded_seen}
@@ -496,21 +521,29 @@ def fit(
                 if moe is not None and fabric.global_rank == 0 and _log_dir(fabric) is not None:
                     write_expert_load(_log_dir(fabric), step, moe.layers, load)  # beside the logger's metrics
                 postfix = {"loss": f"{loss_value:.4f}", "lr": f"{metrics['lr']:.2e}"}
+                if "reward_accuracy" in stat_values:
+                    postfix["reward_acc"] = f"{stat_values['reward_accuracy']:.2f}"
                 if "tokens_per_sec" in metrics:
                     postfix["steady_tok_s"] = f"{metrics['tokens_per_sec']:.0f}"
                 bar.set_postfix(postfix)
+                summary.update(stat_values)  # DPO: the last logged rewards and reward accuracy
                 summary.update(train_loss=loss_value, tokens_per_sec=metrics.get("tokens_per_sec"),
                                mfu=metrics.get("mfu"))
 
             c1 = runtime.compile_count()
             if has_val and (step % eval.interval == 0 or (step == total_steps and eval.final_validation)):
-                val_loss = validate(runtime, model, data.val, data.rows)
-                fabric.log_dict({"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50))}, step=step)
+                val_metrics = validate(runtime, model, data.val, data.rows, objective)
+                val_loss = val_metrics["val_loss"]
+                if not objective.stat_names:  # perplexity is exp(cross-entropy per token): SFT only
+                    val_metrics["val_ppl"] = math.exp(min(val_loss, 50))
+                fabric.log_dict(val_metrics, step=step)
                 summary["val_loss"] = val_loss
+                summary.update({k: v for k, v in val_metrics.items() if k != "val_ppl"})
                 text = generate_sample(runtime, model, raw_model, data.sample_prompt, tokenizer,
                                        eval.max_new_tokens) if sampling else ""
                 if fabric.global_rank == 0:
-                    bar.write(f"step {step}: val loss {val_loss:.4f}" + (f" | sample: {text!r}" if text else ""))
+                    bar.write(f"step {step}: val loss {val_loss:.4f}" + _stats_text(val_metrics, "val_")
+                              + (f" | sample: {text!r}" if text else ""))
 
             if (train.save_interval is not None and step % train.save_interval == 0) or step == total_steps:
                 rng = runtime.rng_state()
@@ -536,6 +569,13 @@ def fit(
     _report(fabric, runtime, summary, steady, warmup, step_compiles, other_compiles, flops_per_token, peak)
     push_logs(fabric)
     return summary
+
+
+def _stats_text(metrics: Dict[str, float], prefix: str) -> str:
+    """`, reward accuracy 0.75, reward margin 0.12` for an objective's logged means (nothing for SFT)."""
+    shown = [(k[len(prefix):], v) for k, v in metrics.items() if k.startswith(prefix) and k not in (
+        f"{prefix}loss", f"{prefix}ppl")]
+    return "".join(f", {k.replace('_', ' ')} {v:.4f}" for k, v in shown)
 
 
 def _report(fabric: Any, runtime: Runtime, summary: Dict[str, Any], steady: Dict[str, Any], warmup: Dict[str, Any],

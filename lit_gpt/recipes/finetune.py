@@ -30,6 +30,7 @@ from lit_gpt import training
 from lit_gpt.model import Block
 from lit_gpt.recipes.flags import FINETUNE, Flag, command, finetune_flags, values
 from lit_gpt.runtime import Runtime
+from lit_gpt.objectives import Objective
 from lit_gpt.training import Method, RunData, uses_fsdp
 from lit_gpt.utils import LitError, cast_floating, load_error_detail, num_parameters
 from lit_gpt.weights import check_checkpoint_dir
@@ -63,6 +64,8 @@ class FinetuneRun:
     checkpoint and the final weights, compared on resume, generation and merging."""
     allow_other_base: bool = False
     """Resume although the base's fingerprint differs from the run's (one warning line instead of an error)."""
+    objective: Optional[Objective] = None
+    """What a step optimises (`lit_gpt.objectives`): None is supervised finetuning; DPO for the dpo recipes."""
 
     @property
     def run_config(self) -> Dict[str, Any]:
@@ -76,6 +79,8 @@ class FinetuneRun:
             extra["base"] = self.base
         if self.config.n_expert:  # the MoE settings in effect (--moe or the checkpoint's): part of what is computed
             extra["moe"] = moe_settings(self.config)
+        if self.objective is not None and self.objective.settings() is not None:
+            extra[self.objective.name] = self.objective.settings()  # e.g. "dpo": beta, loss, reference
         return run_config(method=self.method, checkpoint_dir=self.checkpoint_dir, data=self.data, train=self.train,
                           eval=self.eval, optimizer=self.optimizer, **extra)
 
@@ -359,7 +364,8 @@ def _load_into_sharded(module: nn.Module, state: Dict[str, torch.Tensor], strict
 
 def load_run_data(runtime: Runtime, run: FinetuneRun) -> RunData:
     """The prepared data of the run, checked against the model and the batch settings (before any weights load)."""
-    return training.load_data(runtime, run.data, run.train, run.eval, run.checkpoint_dir, run.config.block_size)
+    return training.load_data(runtime, run.data, run.train, run.eval, run.checkpoint_dir, run.config.block_size,
+                              run.objective)
 
 
 def fit(fabric: L.Fabric, runtime: Runtime, model: nn.Module, raw_model: nn.Module, optimizer: Any, data: RunData,
@@ -380,11 +386,13 @@ def finetune_command(
     own: Sequence[Flag] = (),
     tail: Sequence[Flag] = (),
     check: Optional[Callable[[Dict[str, Any]], None]] = None,
+    finish: Optional[Callable[[Dict[str, Any], FinetuneRun], FinetuneRun]] = None,
     **defaults: Any,
 ) -> Callable[..., Dict[str, Any]]:
     """The `setup` of a CPU/CUDA finetune recipe: the shared flags (`lit_gpt.recipes.flags.FINETUNE`) plus the
     method's `own` ones, with the recipe's `defaults`. It checks the settings (and `check(flags)`), reads the config
-    with the method's settings, builds Fabric and launches `main(fabric, run)` on every process."""
+    with the method's settings, builds Fabric and launches `main(fabric, run)` on every process. `finish(flags,
+    run)` completes the run from the recipe's own flags (DPO: the method and the objective)."""
 
     def setup(**flags: Any) -> Dict[str, Any]:
         flags["train"].validate(flags["devices"] * flags["num_nodes"])
@@ -400,6 +408,7 @@ def finetune_command(
         run = FinetuneRun(method, flags["checkpoint_dir"], flags["out_dir"], config, flags["data"], flags["train"],
                           flags["eval"], flags["resume"], flags["optimizer"], quantize=flags.get("quantize"),
                           base=base_record(flags["checkpoint_dir"]), allow_other_base=flags["allow_other_base"])
+        run = finish(flags, run) if finish is not None else run
         return launch(fabric, main, run, peer_timeout=flags["peer_timeout"])  # a wait for peers that ends
 
     return command(summary, finetune_flags(FINETUNE, own, tail, **defaults), setup)

@@ -130,6 +130,9 @@ def xla_finetune_command(
     config_cls: Optional[Type[Config]],
     summary: str,
     own: Sequence[Flag] = (),
+    tail: Sequence[Flag] = (),
+    check: Optional[Callable[[Dict[str, Any]], None]] = None,
+    finish: Optional[Callable[[Dict[str, Any], FinetuneRun], FinetuneRun]] = None,
     **defaults: Any,
 ) -> Callable[..., Dict[str, Any]]:
     """The `setup` of an XLA finetune recipe: the shared flags (`lit_gpt.recipes.flags.XLA_FINETUNE`) plus the
@@ -137,6 +140,8 @@ def xla_finetune_command(
     Fabric over every PJRT device (checking the settings first) and launches `main(fabric, run)`."""
 
     def setup(**flags: Any) -> Dict[str, Any]:
+        if check is not None:
+            check(flags)
         config = flags["moe"].apply(load_config(flags["checkpoint_dir"], config_cls, **values(flags, own)))
         check_moe(config, flags["scan_layers"], flags["activation_checkpointing"])
         fabric = setup_fabric(
@@ -148,6 +153,7 @@ def xla_finetune_command(
                           flags["eval"], flags["resume"], flags["optimizer"], platform="xla",
                           options={"xla_metrics": flags["xla_metrics"]},
                           base=base_record(flags["checkpoint_dir"]), allow_other_base=flags["allow_other_base"])
+        run = finish(flags, run) if finish is not None else run
         return fabric.launch(main, run)
 
-    return command(summary, finetune_flags(XLA_FINETUNE, own, **defaults), setup)
+    return command(summary, finetune_flags(XLA_FINETUNE, own, tail, **defaults), setup)
