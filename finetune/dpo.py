@@ -2,10 +2,10 @@
 pair over the rejected one, relative to a reference model, with TRL's losses (`--dpo.loss sigmoid|robust|hinge|ipo`).
 
     python scripts/prepare_preferences.py --checkpoint_dir checkpoints/HuggingFaceTB/SmolLM2-135M-Instruct \\
-        --data_path prefs.jsonl --destination_path data/prefs
-    python finetune/dpo.py --checkpoint_dir checkpoints/HuggingFaceTB/SmolLM2-135M-Instruct --data.data_dir data/prefs
+        --data_file prefs.jsonl --destination_path data/preferences
+    python finetune/dpo.py --checkpoint_dir checkpoints/HuggingFaceTB/SmolLM2-135M-Instruct --data.data_dir data/preferences
     python generate/lora.py --checkpoint_dir checkpoints/HuggingFaceTB/SmolLM2-135M-Instruct \\
-        --lora_path out/dpo/prefs/final/lit_model.lora.safetensors --prompt "..."
+        --lora_path out/dpo/preferences/final/lit_model.lora.safetensors --prompt "..."
 
 LoRA by default (the reference is the same model with its adapters switched off: no second copy of the weights);
 `--method full` trains every weight against reference log-probabilities computed once before training
@@ -55,8 +55,8 @@ def main(fabric: L.Fabric, run: FinetuneRun) -> dict:
 
 setup = finetune_command(
     "dpo", main, lora.Config, "Tune a model on preference pairs with DPO (LoRA by default, or --method full).",
-    own=LORA, tail=DPO_FLAGS, check=check, finish=finish, out_dir="out/dpo/prefs",
-    data=DataArgs(data_dir=Path("data/prefs")), train=TrainArgs(global_batch_size=16, micro_batch_size=1, learning_rate=5e-6, lr_warmup_steps=10),
+    own=LORA, tail=DPO_FLAGS, check=check, finish=finish, out_dir="out/dpo/preferences",
+    data=DataArgs(data_dir=Path("data/preferences")), train=TrainArgs(global_batch_size=16, micro_batch_size=1, learning_rate=5e-6, min_lr=5e-7, lr_warmup_steps=10),
 )
 
 if __name__ == "__main__":

@@ -30,8 +30,6 @@ from lit_gpt.batches import IGNORE_INDEX, Sample, collate
 from lit_gpt.losses import cross_entropy_sum, loss_sum
 from lit_gpt.utils import LitError
 
-PREFERENCES = "preferences"  # meta.json "kind" of prepared preference pairs (scripts/prepare_preferences.py)
-REJECTED = ("rejected_input_ids", "rejected_labels")
 
 
 def has_target(labels: torch.Tensor, max_seq_length: int) -> bool:
@@ -56,8 +54,12 @@ class Objective:
     stat_names: Tuple[str, ...] = ()
     """What `loss` returns beside the summed loss (sums over the micro-batch's units), logged as means."""
 
-    def check_data(self, meta: Dict[str, Any], data_dir: Any) -> None:
-        """Refuse prepared data this objective cannot train on (one line)."""
+    def load(self, data_dir: Any, checkpoint_dir: Any = None) -> Any:
+        """The prepared data (`lit_gpt.data.PreparedData`), checked for this objective (one line when it cannot
+        train on it)."""
+        from lit_gpt.data import load_prepared
+
+        return load_prepared(data_dir, checkpoint_dir)
 
     def length(self, sample: Sample) -> int:
         """The inputs a sample needs (its longest row)."""
@@ -178,12 +180,11 @@ class DPO(Objective):
     def __post_init__(self) -> None:
         check_dpo(self.beta, self.loss_type, self.label_smoothing, self.reference)
 
-    def check_data(self, meta: Dict[str, Any], data_dir: Any) -> None:
-        if meta.get("kind") != PREFERENCES:
-            raise LitError(
-                f"{str(data_dir)!r} holds instruction data, not preference pairs: prepare pairs of chosen and rejected"
-                f" replies with python scripts/prepare_preferences.py --checkpoint_dir <model> --data_path <file>"
-            )
+    def load(self, data_dir: Any, checkpoint_dir: Any = None) -> Any:
+        """Pairs prepared by scripts/prepare_preferences.py (instruction data is refused in one line)."""
+        from lit_gpt.preferences import load_preferences
+
+        return load_preferences(data_dir, checkpoint_dir)
 
     def length(self, sample: Sample) -> int:
         return max(sample["input_ids"].numel(), sample["rejected_input_ids"].numel()) - 1

@@ -44,7 +44,7 @@ from lit_gpt.args import DataArgs, EvalArgs, TrainArgs
 from lit_gpt.checkpoints import resume_path, resume_run, run_files, step_dir
 from lit_gpt.interrupts import on_interrupt, resume_command
 from lit_gpt.manifest import MANIFEST
-from lit_gpt.data import IGNORE_INDEX, PreparedData, TrainBatches, load_prepared, val_batches
+from lit_gpt.data import IGNORE_INDEX, PreparedData, TrainBatches, val_batches
 from lit_gpt.losses import MoETerms, labelled_rows, token_mask, write_expert_load
 from lit_gpt.objectives import Objective, pad_rows  # noqa: F401  (pad_rows: importable from here, where it lived)
 from lit_gpt.runtime import FINAL_DIR, Runtime
@@ -205,8 +205,7 @@ def load_data(
     objective = objective or Objective()
     rank, processes = runtime.fabric.global_rank, runtime.fabric.world_size
     rows = train.micro_batch_size * runtime.local_devices
-    prepared = load_prepared(data.data_dir, checkpoint_dir)
-    objective.check_data(prepared.meta, data.data_dir)
+    prepared = objective.load(data.data_dir, checkpoint_dir)  # SFT: instruction data; DPO: preference pairs
     if not prepared.train:
         raise LitError(f"{str(data.data_dir)!r} has no training samples")
     longest = max(objective.length(s) for s in prepared.train + prepared.val)
@@ -348,6 +347,7 @@ def fit(
     from lit_gpt.tokenizer import Tokenizer
 
     runtime = runtime or Runtime(fabric)
+    objective = method.objective  # what a step optimises: SFT's cross-entropy, DPO (lit_gpt.objectives)
     out_dir = location(out_dir)
     if train.compile:
         runtime.compile_blocks(raw_model)
@@ -400,7 +400,6 @@ def fit(
 
     flops_per_token = raw_model.config.flops_per_token(data.max_seq_length) * (3 if method.trains_all else 2)
     peak = runtime.peak_flops()
-    objective = method.objective  # what a step optimises: SFT's cross-entropy, DPO (lit_gpt.objectives)
     running_loss = runtime.zeros(())  # the steps' mean losses, summed on the device, read at log steps only
     running_stats = runtime.zeros((len(objective.stat_names),)) if objective.stat_names else None
     # mixture of experts: the router's load-balancing loss in the objective, its value and the experts' load logged

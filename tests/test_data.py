@@ -447,7 +447,8 @@ SCRIPT_FLAGS = {
 def test_every_dataset_has_its_script_and_every_prepare_script_is_a_dataset():
     from lit_gpt.prepare import DATASETS
 
-    scripts = {p.stem[len("prepare_"):] for p in (ROOT / "scripts").glob("prepare_*.py")}
+    # prepare_preferences.py prepares pairs for DPO, not an instruction dataset (tests/test_prepare_preferences.py)
+    scripts = {p.stem[len("prepare_"):] for p in (ROOT / "scripts").glob("prepare_*.py") if p.stem != "prepare_preferences"}
     assert scripts == set(DATASETS) == set(SCRIPT_FLAGS)
 
 

@@ -1,10 +1,10 @@
 """Preference tuning with DPO on XLA devices (TPU; also PJRT_DEVICE=CPU or CUDA), FSDP over SPMD on all devices.
 
     python scripts/prepare_preferences.py --checkpoint_dir checkpoints/HuggingFaceTB/SmolLM2-135M-Instruct \\
-        --data_path prefs.jsonl --destination_path data/prefs
-    python xla/finetune/dpo.py --checkpoint_dir checkpoints/HuggingFaceTB/SmolLM2-135M-Instruct --data.data_dir data/prefs
+        --data_file prefs.jsonl --destination_path data/preferences
+    python xla/finetune/dpo.py --checkpoint_dir checkpoints/HuggingFaceTB/SmolLM2-135M-Instruct --data.data_dir data/preferences
     python generate/lora.py --checkpoint_dir checkpoints/HuggingFaceTB/SmolLM2-135M-Instruct \\
-        --lora_path out/xla/dpo/prefs/final/lit_model.lora.safetensors --prompt "..."
+        --lora_path out/xla/dpo/preferences/final/lit_model.lora.safetensors --prompt "..."
 
 finetune/dpo.py's run on XLA: the same objective (`lit_gpt.objectives.DPO`), the same loop, XLA's runtime (batches of
 pairs padded to power-of-two lengths, so the train step compiles once per length bucket; sharded checkpoints,
@@ -50,9 +50,9 @@ def main(fabric, run: FinetuneRun) -> dict:
 
 setup = xla_finetune_command(
     "dpo", main, lora.Config, "Tune a model on preference pairs with DPO on XLA devices (LoRA, or --method full).",
-    own=LORA, tail=DPO_FLAGS, check=check, finish=finish, out_dir="out/xla/dpo/prefs",
-    data=DataArgs(data_dir=Path("data/prefs"), pad_pow2=True),
-    train=TrainArgs(global_batch_size=16, micro_batch_size=1, learning_rate=5e-6, lr_warmup_steps=10),
+    own=LORA, tail=DPO_FLAGS, check=check, finish=finish, out_dir="out/xla/dpo/preferences",
+    data=DataArgs(data_dir=Path("data/preferences"), pad_pow2=True),
+    train=TrainArgs(global_batch_size=16, micro_batch_size=1, learning_rate=5e-6, min_lr=5e-7, lr_warmup_steps=10),
 )
 
 if __name__ == "__main__":
