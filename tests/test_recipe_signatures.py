@@ -28,8 +28,8 @@ GROUPS = {
 EXPECTED = {
     "generate": {"base", "adapter", "adapter_v2", "lora", "full"},
     "xla_generate": {"base", "adapter", "lora"},
-    "finetune": {"adapter", "adapter_v2", "lora", "full"},
-    "xla_finetune": {"adapter", "lora", "full"},
+    "finetune": {"adapter", "adapter_v2", "lora", "full", "dpo"},
+    "xla_finetune": {"adapter", "lora", "full", "dpo"},
     "chat": {"base"},
 }
 
@@ -68,9 +68,23 @@ OWN: Dict[Tuple[str, str], str] = {
                                                     "xla/finetune/adapter.py")
        for s in ("adapter_prompt_length", "adapter_start_layer")},
     ("finetune/lora.py", "quantize"): QLORA,
+    # DPO (finetune/dpo.py, xla/finetune/dpo.py): LoRA or full finetuning on preference pairs
+    **{(f"{d}finetune/dpo.py", "out_dir"): OUT_DIR for d in ("", "xla/")},
+    **{(f"{d}finetune/dpo.py", "train"): "DPO's own hyperparameters (a smaller learning rate, as TRL and the"
+       " alignment handbook use)" for d in ("", "xla/")},
+    **{(f"{d}finetune/dpo.py", f"lora_{s}"): LORA_SETTINGS + " (DPO with --method lora, its default)"
+       for d in ("", "xla/")
+       for s in ("r", "alpha", "dropout", "query", "key", "value", "projection", "mlp", "head", "experts")},
+    **{(f"{d}finetune/dpo.py", f): "DPO's own: LoRA or full finetuning (--method) and the preference loss (--dpo)"
+       for d in ("", "xla/") for f in ("method", "dpo")},
 }
 """(recipe, flag) -> why that recipe's flag is its method's own: the other recipes of its group may lack it or
 give it another default."""
+OWN_DEFAULT: Dict[Tuple[str, str], str] = {
+    **{(f"{d}finetune/dpo.py", "data"): "DPO reads preference pairs (scripts/prepare_preferences.py writes"
+       " data/preferences), not instruction data" for d in ("", "xla/")},
+}
+"""(recipe, flag) -> why that recipe gives a flag its group shares (same annotation and help) another default."""
 
 XLA_COMPILES = "XLA traces and compiles the loop's graphs itself: there is no torch.compile to choose"
 XLA_PRECISION = "XLA runs bf16 or fp32 weights only (no fp16), with bf16 as the TPU default"
@@ -171,7 +185,8 @@ def group_differences(group: str, modules: Dict[str, Any]) -> List[str]:
         if lacking:
             differences.append(f"--{name}: {', '.join(sorted(having))} take it, {', '.join(lacking)} do not")
         for aspect in ("annotation", "default", "help"):
-            values = {r: f.aspects()[aspect] for r, f in having.items()}
+            values = {r: f.aspects()[aspect] for r, f in having.items()
+                      if aspect != "default" or (r, name) not in OWN_DEFAULT}
             if any(v != next(iter(values.values())) for v in values.values()):
                 shown = "; ".join(f"{r}: {v!r}" for r, v in values.items())
                 differences.append(f"--{name} {aspect} differs: {shown}")
