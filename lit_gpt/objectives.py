@@ -53,6 +53,8 @@ class Objective:
     unit = "target token"
     stat_names: Tuple[str, ...] = ()
     """What `loss` returns beside the summed loss (sums over the micro-batch's units), logged as means."""
+    extra_forwards = 0
+    """Forwards without gradient per training forward (DPO's reference with adapters off: 1), for the MFU."""
 
     def load(self, data_dir: Any, checkpoint_dir: Any = None) -> Any:
         """The prepared data (`lit_gpt.data.PreparedData`), checked for this objective (one line when it cannot
@@ -179,6 +181,10 @@ class DPO(Objective):
 
     def __post_init__(self) -> None:
         check_dpo(self.beta, self.loss_type, self.label_smoothing, self.reference)
+
+    @property
+    def extra_forwards(self) -> int:  # type: ignore[override]
+        return 1 if self.reference == "adapters_off" else 0
 
     def load(self, data_dir: Any, checkpoint_dir: Any = None) -> Any:
         """Pairs prepared by scripts/prepare_preferences.py (instruction data is refused in one line)."""

@@ -1,17 +1,19 @@
 """The finetuning loop of every recipe: `finetune/{full,lora,adapter,adapter_v2}.py` on CPU/CUDA and
 `xla/finetune/{full,lora,adapter}.py` on XLA devices.
 
-A recipe builds its model and says which parameters train and what gets saved (a `Method`; the set-up steps are
+A recipe builds its model and says which parameters train, what gets saved and what a step optimises (a `Method`
+with its objective, `lit_gpt.objectives`: supervised finetuning's cross-entropy, or DPO; the set-up steps are
 `lit_gpt.recipes.finetune`); here are the warmup + cosine schedule, the data streams, and `fit` (gradient
 accumulation, clipping, logging, validation with a generated sample, checkpoints, resuming, the final export).
 What differs between backends is a Fabric strategy plus the runtime policy passed in (`lit_gpt.runtime.Runtime`
 for CPU/CUDA, `lit_gpt.xla.runtime.XLARuntime`): how a batch is placed, where a graph is cut, how gradients
 combine, how a checkpoint is stored, which generators exist. There is no second loop.
 
-The logged training loss is the mean cross-entropy per target token over the whole optimizer step (all
-micro-batches and all devices), on every backend; gradients are those of that mean. A step's micro-batches are
-read first, their target tokens counted on the host, and each micro-batch's summed loss is divided by the step's
-total, so the result does not depend on how the step is split into micro-batches and devices. A mixture-of-experts
+The logged training loss is the objective's mean over the whole optimizer step (all micro-batches and all devices),
+on every backend: per target token for supervised finetuning, per preference pair for DPO; gradients are those of
+that mean. A step's micro-batches are read first, their units (target tokens, pairs) counted on the host, and each
+micro-batch's summed loss is divided by the step's total, so the result does not depend on how the step is split
+into micro-batches and devices. A mixture-of-experts
 model adds `router_aux_loss_coef` x the router's load-balancing loss to the objective (`lit_gpt.losses.MoETerms`);
 `loss` stays the cross-entropy (comparable with dense runs), `aux_loss` and the experts' load are logged apart, and
 the per-layer, per-expert counts go to `expert_load.csv` beside the logger's metrics.
@@ -398,7 +400,9 @@ def fit(
         fabric.log_dict({**val_metrics, "step": 0}, step=0)
         fabric.print(f"initial validation loss {val_metrics['val_loss']:.4f}" + _stats_text(val_metrics, "val_"))
 
-    flops_per_token = raw_model.config.flops_per_token(data.max_seq_length) * (3 if method.trains_all else 2)
+    # forward + backward (+ the weights' gradients when all train) + the objective's own forwards (DPO's reference)
+    flops_per_token = raw_model.config.flops_per_token(data.max_seq_length) * (
+        (3 if method.trains_all else 2) + objective.extra_forwards)
     peak = runtime.peak_flops()
     running_loss = runtime.zeros(())  # the steps' mean losses, summed on the device, read at log steps only
     running_stats = runtime.zeros((len(objective.stat_names),)) if objective.stat_names else None
