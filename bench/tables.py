@@ -20,7 +20,8 @@ from typing import Callable, Dict, List, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
-PAGES = (ROOT / "README.md", ROOT / "xla" / "README.md", ROOT / "tutorials" / "resources.md", ROOT / "tutorials" / "moe.md")
+PAGES = (ROOT / "README.md", ROOT / "xla" / "README.md", ROOT / "tutorials" / "resources.md", ROOT / "tutorials" / "moe.md",
+         ROOT / "tutorials" / "finetune_dpo.md")
 _TABLE = re.compile(r"(<!-- bench-table: (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /bench-table -->)", re.S)
 
 
@@ -536,6 +537,51 @@ def xla_moe_memory() -> str:
     return text + _source(r)
 
 
+DPO_FILES = (("dpo_cpu", "CPU, eager (`finetune/*.py`)"), ("xla_dpo_cpu1", "XLA:CPU, 1 device (`xla/finetune/*.py`)"),
+             ("xla_dpo_cpu8", "XLA:CPU, 8 devices (`xla/finetune/*.py`)"))
+DPO_VARIANTS = (("sft", "SFT (`lora.py`: the chosen replies)"), ("dpo_adapters_off", "DPO, reference: adapters off"),
+                ("dpo_precomputed", "DPO, reference: precomputed"))
+
+
+def dpo_step() -> str:
+    """bench/dpo.py: the DPO step (LoRA reference and precomputed reference) against the SFT step, same data."""
+    records = _load_all(*(name for name, _ in DPO_FILES))
+    head = ["| backend | run | s / step | vs SFT per step (expected) | padded tokens / step | vs SFT per padded token"
+            " | one-off reference pass |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    if not any(records):
+        return "\n".join(head + ["| not measured (run `python bench/dpo.py --results_file bench/results/dpo_cpu.json`)"
+                                 " | | | | | | |"]) + "\n"
+    for (name, label), r in zip(DPO_FILES, records):
+        if r is None:
+            continue
+        res, s = r["results"], r["settings"]
+        for variant, run in DPO_VARIANTS:
+            v = res.get(variant)
+            if v is None:
+                continue
+            ref = "-"
+            if v.get("precompute_s") is not None:
+                ref = (f"{_f(v['precompute_s'])} s for {v['precompute_pairs']} pairs"
+                       f" (= {_f(v['precompute_steps_equivalent'], '.1f')} steps)")
+            expected = f"{_f(v['ratio_to_sft_per_step'])}x (~{_f(v['expected_ratio_per_step'], '.0f')}x)"
+            head.append(f"| {label if variant == 'sft' else ''} | {run} | {_f(v['step_s'], '.3f')}"
+                        f" | {'-' if variant == 'sft' else expected} | {_f(v['padded_tokens_per_step'], '.0f')}"
+                        f" | {'-' if variant == 'sft' else _f(v['ratio_to_sft_per_padded_token']) + 'x'} | {ref} |")
+    s = next(r for r in records if r)["settings"]
+    text = "\n".join(head) + "\n"
+    text += (f"\nLoRA (r={s['lora_r']}, attention and MLP), {s['precision']}, {s['model']} (vocabulary {s['vocab_size']},"
+             f" random weights), {s['micro_batch_size']} samples or pairs per device and step, one micro-batch, rows of"
+             f" {s['row_tokens'][0]}-{s['row_tokens'][1]} tokens (Alpaca-style prompt + reply; chosen and rejected"
+             f" replies of similar length), max length {s['max_seq_length']}; {s['steps']} steps per run, medians of the"
+             f" steady steps from step {s['timed_from_step']} (the loop's own per-step clock, steps that compiled"
+             f" excluded), then of {s['repeats']} interleaved round(s); each run its own process. SFT: B samples per"
+             " step; DPO: B pairs = 2B rows. Expected ratios in forward units: a LoRA step ~2 (no weight gradient of"
+             " the frozen base), DPO precomputed 2x that (twice the rows), adapters off one more forward of the 2B"
+             " rows: 3x. The one-off pass is the precomputed reference's, over every training and validation pair,"
+             " before step 1.\n")
+    return text + _source(*records)
+
+
 TABLES: Dict[str, Callable[[], str]] = {
     "xla-moe-memory": xla_moe_memory,
     "moe-resources": moe_resources,
@@ -550,6 +596,7 @@ TABLES: Dict[str, Callable[[], str]] = {
     "quantize": quantize,
     "xla-scan": xla_scan,
     "resources": resources,
+    "dpo-step": dpo_step,
 }
 
 

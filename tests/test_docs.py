@@ -53,7 +53,7 @@ CHEAP_FLAGS: Dict[str, List[str]] = {
     "xla/generate/": ["--max_new_tokens", "8"],
     "chat/": ["--max_new_tokens", "8"],
 }
-LINKED = ("bench", "chat", "finetune", "generate", "lit_gpt", "scripts", "tests", "tutorials", "xla", "pyproject.toml",
+LINKED = ("bench", "chat", "eval", "finetune", "generate", "lit_gpt", "scripts", "tests", "tutorials", "xla", "pyproject.toml",
           "requirements.txt", "requirements-test.txt", "README.md")
 STUBBED = ("pip", "pip3", "git", "gcloud", "sudo", "curl", "wget", "nvidia-smi", "huggingface-cli")
 BLOCK_TIMEOUT = 300
@@ -245,7 +245,7 @@ if "pytest" in sys.modules:
 
     def test_pages_exist_and_have_blocks():
         expected = {"download.md", "inference.md", "finetune_adapter.md", "finetune_lora.md", "finetune_full.md",
-                    "prepare_dataset.md", "convert.md", "oom.md", "tpu.md", "resources.md"}
+                    "prepare_dataset.md", "convert.md", "oom.md", "tpu.md", "resources.md", "evaluate.md", "finetune_dpo.md"}
         assert expected <= {p.name for p in PAGES}, sorted(expected - {p.name for p in PAGES})
         for page in PAGES:
             if page.name != "resources.md":

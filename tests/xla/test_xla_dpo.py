@@ -21,10 +21,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from test_dpo import preference_rows
+from words import make_word_checkpoint
+
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "tests"))
-from test_dpo import preference_rows  # noqa: E402
-from words import make_word_checkpoint  # noqa: E402
 
 COMMON = ["--train.global_batch_size", "8", "--train.micro_batch_size", "1", "--train.epochs", "2",
           "--train.save_interval", "3", "--train.log_interval", "1", "--train.lr_warmup_steps", "1",
