@@ -286,9 +286,12 @@ def check_dpo(beta: float, loss_type: str, label_smoothing: float, reference: st
 @torch.no_grad()
 def reference_logps(model: nn.Module, objective: DPO, samples: Sequence[Sample], rows: int, max_seq_length: int,
                     place: Any, end_step: Any, pad_multiple: int = 1, pad_pow2: bool = False,
-                    progress: Any = None) -> List[torch.Tensor]:
+                    progress: Any = None, targets_only: bool = False) -> List[torch.Tensor]:
     """The reference log-probabilities (chosen, rejected) of every sample: the model as it is (before training),
-    without dropout, `rows` pairs per forward. `place` puts host tensors on the device; `end_step` ends a graph."""
+    without dropout, `rows` pairs per forward. `place` puts host tensors on the device; `end_step` ends a graph.
+    `targets_only` (eager backends): the head runs on the replies' positions only, as in the training step."""
+    from lit_gpt.losses import labelled_rows
+
     from lit_gpt.lora import adapters_disabled
 
     was_training = model.training
@@ -300,8 +303,10 @@ def reference_logps(model: nn.Module, objective: DPO, samples: Sequence[Sample],
             group = samples[i : i + rows]
             batch = plain.pad(plain.collate(group, max_seq_length, pad_multiple, pad_pow2), rows)
             input_ids, labels = place((batch["input_ids"], batch["labels"]))
+            head_rows = labelled_rows(batch["labels"]) if targets_only else None
+            head_rows = place(head_rows) if head_rows is not None else None
             with adapters_disabled(model):  # the base model (a LoRA model's adapters may have been loaded)
-                logps = sequence_logps(model, input_ids, labels)
+                logps = sequence_logps(model, input_ids, labels, head_rows)
             end_step()
             logps = logps.float().cpu()
             n = len(group)

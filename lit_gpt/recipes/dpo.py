@@ -83,7 +83,8 @@ def with_reference(runtime: Any, model: nn.Module, data: RunData, run: FinetuneR
                    dynamic_ncols=True, file=sys.stdout)
         values = reference_logps(
             model, objective, samples, data.rows, data.max_seq_length, runtime.place, runtime.end_step,
-            pad_multiple=data.val_args["pad_multiple"], pad_pow2=data.val_args["pad_pow2"], progress=bar.update)
+            pad_multiple=data.val_args["pad_multiple"], pad_pow2=data.val_args["pad_pow2"], progress=bar.update,
+            targets_only=runtime.targets_only)
         bar.close()
         if fabric.global_rank == 0:
             buffer = io.BytesIO()
