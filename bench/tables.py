@@ -564,25 +564,49 @@ def dpo_step() -> str:
                 ref = (f"{_f(v['precompute_s'])} s for {v['precompute_pairs']} pairs"
                        f" (= {_f(v['precompute_steps_equivalent'], '.1f')} steps)")
             expected = f"{_f(v['ratio_to_sft_per_step'])}x (~{_f(v['expected_ratio_per_step'], '.0f')}x)"
-            head.append(f"| {label if variant == 'sft' else ''} | {run} | {_f(v['step_s'], '.3f')}"
+            where = (f"{label}, {s['rows_per_step']} samples or pairs per step, {s['steps']} steps x {s['repeats']}"
+                     " round(s)" if variant == "sft" else "")
+            head.append(f"| {where} | {run} | {_f(v['step_s'], '.3f')}"
                         f" | {'-' if variant == 'sft' else expected} | {_f(v['padded_tokens_per_step'], '.0f')}"
                         f" | {'-' if variant == 'sft' else _f(v['ratio_to_sft_per_padded_token']) + 'x'} | {ref} |")
     s = next(r for r in records if r)["settings"]
     text = "\n".join(head) + "\n"
     text += (f"\nLoRA (r={s['lora_r']}, attention and MLP), {s['precision']}, {s['model']} (vocabulary {s['vocab_size']},"
-             f" random weights), {s['micro_batch_size']} samples or pairs per device and step, one micro-batch, rows of"
+             f" random weights), one micro-batch per step, rows of"
              f" {s['row_tokens'][0]}-{s['row_tokens'][1]} tokens (Alpaca-style prompt + reply; chosen and rejected"
-             f" replies of similar length), max length {s['max_seq_length']}; {s['steps']} steps per run, medians of the"
-             f" steady steps from step {s['timed_from_step']} (the loop's own per-step clock, steps that compiled"
-             f" excluded), then of {s['repeats']} interleaved round(s); each run its own process. SFT: B samples per"
+             f" replies of similar length), max length {s['max_seq_length']}; medians of the steady steps from step"
+             f" {s['timed_from_step']} (the loop's own per-step clock, steps that compiled excluded), then of the"
+             " interleaved rounds; each run its own process. SFT: B samples per"
              " step; DPO: B pairs = 2B rows. Expected ratios in forward units: a LoRA step ~2 (no weight gradient of"
              " the frozen base), DPO precomputed 2x that (twice the rows), adapters off one more forward of the 2B"
              " rows: 3x. The one-off pass is the precomputed reference's, over every training and validation pair,"
-             " before step 1.\n")
+             " before step 1 (on XLA its graph's compilation included). On XLA every position goes through the head"
+             " (static shapes), on the CPU only the replies' tokens.\n")
     return text + _source(*records)
 
 
+def eval_throughput() -> str:
+    """bench/eval_throughput.py: loglikelihood requests through our harness model against the harness's hf backend."""
+    (r,) = _load_all("eval_throughput_cpu")
+    head = ["| backend (CPU) | requests / s | tokens / s | seconds | speed vs hf | largest log-likelihood difference"
+            " | greedy flags agree |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    if r is None:
+        return "\n".join(head + ["| not measured (run `python bench/eval_throughput.py --results_file"
+                                 " bench/results/eval_throughput_cpu.json`) | | | | | | |"]) + "\n"
+    res, s = r["results"], r["settings"]
+    head.append(f"| ours (`eval/lm_eval.py`) | {_f(res['ours_requests_per_s'])} | {_f(res['ours_tokens_per_s'], '.0f')}"
+                f" | {_f(res['ours_seconds'], '.1f')} | {_f(res['ours_speedup'])}x"
+                f" | {res['max_relative_loglikelihood_difference']:.1e} (relative) | {res['greedy_flags_agree']} |")
+    head.append(f"| lm-eval `--model hf` | {_f(res['hflm_requests_per_s'])} | {_f(res['hflm_tokens_per_s'], '.0f')}"
+                f" | {_f(res['hflm_seconds'], '.1f')} | 1x | | |")
+    text = "\n".join(head) + "\n"
+    text += (f"\n{s['checkpoint']} in {s['dtype']}, {s['requests']} loglikelihood requests ({s['tokens']} tokens),"
+             f" batch size {s['batch_size']}, {s['torch_threads']} torch thread(s), {s['runs']} run(s) each.\n")
+    return text + _source(r)
+
+
 TABLES: Dict[str, Callable[[], str]] = {
+    "eval-throughput": eval_throughput,
     "xla-moe-memory": xla_moe_memory,
     "moe-resources": moe_resources,
     "moe-dispatch": moe_dispatch,
