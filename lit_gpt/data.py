@@ -219,21 +219,36 @@ def _prepare(rows, bad, checkpoint_dir, destination, source, prompt_style, max_s
 
     train, val = split_train_val(samples, val_split_fraction, seed)
     lengths = [s["input_ids"].numel() for s in samples]
+    meta = prepared_meta(source=source, checkpoint_dir=checkpoint_dir, fingerprint=fingerprint, prompt_style=prompt_style,
+                         prompt_bos=style.bos, max_seq_length=max_seq_length, mask_inputs=mask_inputs, seed=seed,
+                         val_split_fraction=val_split_fraction, split=(len(train), len(val)), truncated=truncated,
+                         bad=bad, lengths=lengths, extra=extra_meta)
+    write_prepared(destination, train, val, meta)
+    return meta
+
+
+def prepared_meta(*, source: str, checkpoint_dir: Path, fingerprint: str, prompt_style: Any, prompt_bos: Any,
+                  max_seq_length: Optional[int], mask_inputs: bool, seed: int, val_split_fraction: float,
+                  split: Tuple[int, int], truncated: int, bad: Sequence[BadRow], lengths: Sequence[int],
+                  extra: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """meta.json of a prepared folder (instruction data, and preference pairs with `extra` = their kind and counts):
+    what was read, how it was tokenized, the split and the lengths, the skipped rows with their lines."""
+    n_train, n_val = split
     meta = {
         "format_version": FORMAT_VERSION,
         "source": source,
         "tokenizer": {"checkpoint_dir": str(checkpoint_dir), "sha256": fingerprint},
         "prompt_style": prompt_style,
         # how the prompts were encoded: None = the tokenizer's own BOS rule, False = as the chat template wrote them
-        "prompt_bos": style.bos,
+        "prompt_bos": prompt_bos,
         "max_seq_length": max_seq_length,
         "mask_inputs": mask_inputs,
         "seed": seed,
         "val_split_fraction": val_split_fraction,
         "counts": {
-            "samples": len(samples),
-            "train": len(train),
-            "val": len(val),
+            "samples": n_train + n_val,
+            "train": n_train,
+            "val": n_val,
             "truncated": truncated,
             "skipped": len(bad),
             "longest": max(lengths),
@@ -243,9 +258,9 @@ def _prepare(rows, bad, checkpoint_dir, destination, source, prompt_style, max_s
             {"line": b.line, **({"row": b.element} if b.element is not None else {}), "reason": b.reason}
             for b in sorted(bad, key=_bad_order)
         ],
-        **(extra_meta or {}),
     }
-    write_prepared(destination, train, val, meta)
+    for key, value in (extra or {}).items():  # nested dicts (counts) are extended, not replaced
+        meta[key] = {**meta[key], **value} if isinstance(value, dict) and isinstance(meta.get(key), dict) else value
     return meta
 
 

@@ -314,31 +314,12 @@ def _tokenize_and_write(rows: List[PreferenceRow], bad: List[BadRow], tokenizer:
     train, val = data.split_train_val(samples, val_split_fraction, seed)
     lengths = [s[k].numel() for s in samples for k in ("input_ids", "rejected_input_ids")]
     prompts = [prompt_length(s) for s in samples]
-    bad.sort(key=lambda b: (b.line, b.element or 0))
-    meta = {
-        "format_version": data.FORMAT_VERSION,
-        "kind": KIND,
-        "source": source,
-        "tokenizer": {"checkpoint_dir": str(checkpoint_dir), "sha256": fingerprint},
-        "prompt_style": style.name,
-        "prompt_bos": style.bos,  # None = the tokenizer's own BOS rule, False = as the chat template wrote them
-        "max_seq_length": max_seq_length,
-        "mask_inputs": True,  # the prompt is always masked: DPO scores the replies only
-        "seed": seed,
-        "val_split_fraction": val_split_fraction,
-        "counts": {
-            "samples": len(samples),
-            "train": len(train),
-            "val": len(val),
-            "truncated": truncated,
-            "skipped": len(bad),
-            "longest": max(lengths),
-            "mean_length": round(sum(lengths) / len(lengths), 1),
-            "longest_prompt": max(prompts),
-        },
-        "skipped_rows": [{"line": b.line, **({"row": b.element} if b.element is not None else {}),
-                          "reason": b.reason} for b in bad],
-    }
+    meta = data.prepared_meta(
+        source=source, checkpoint_dir=checkpoint_dir, fingerprint=fingerprint, prompt_style=style.name,
+        prompt_bos=style.bos,  # None = the tokenizer's own BOS rule, False = as the chat template wrote them
+        max_seq_length=max_seq_length, mask_inputs=True,  # the prompt is always masked: DPO scores the replies only
+        seed=seed, val_split_fraction=val_split_fraction, split=(len(train), len(val)), truncated=truncated, bad=bad,
+        lengths=lengths, extra={"kind": KIND, "counts": {"longest_prompt": max(prompts)}})
     data.write_prepared(destination, train, val, meta)
     return meta
 
