@@ -6,7 +6,7 @@ step's micro-batches are read first and their counts summed over all processes; 
 divided by that total, so the logged loss and the gradients are those of the mean over the whole step, however it
 is split into micro-batches and devices.
 
-* `SFT` (supervised finetuning, every finetune recipe): the summed next-token cross-entropy of the labelled
+* `Objective` itself is supervised finetuning's (every finetune recipe): the summed next-token cross-entropy of the labelled
   positions, averaged per target token. Exactly what the loop computed before objectives existed.
 * `DPO` (direct preference optimisation, finetune/dpo.py and xla/finetune/dpo.py): a micro-batch of B preference
   pairs is one forward of 2B rows (the B chosen replies, then the B rejected ones, all after their prompt); the
@@ -111,8 +111,6 @@ class Objective:
         """What the objective computes, recorded in finetune.json (a resumed run must match); None for SFT."""
         return None
 
-
-SFT = Objective
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -48,7 +48,7 @@ from lit_gpt.interrupts import on_interrupt, resume_command
 from lit_gpt.manifest import MANIFEST
 from lit_gpt.data import IGNORE_INDEX, PreparedData, TrainBatches, val_batches
 from lit_gpt.losses import MoETerms, labelled_rows, token_mask, write_expert_load
-from lit_gpt.objectives import Objective, pad_rows  # noqa: F401  (pad_rows: importable from here, where it lived)
+from lit_gpt.objectives import Objective
 from lit_gpt.runtime import FINAL_DIR, Runtime
 from lit_gpt.storage import location
 from lit_gpt.utils import LitError
@@ -181,11 +181,6 @@ class RunData:
     def rebatch_val(self) -> None:
         """Collate the validation batches again from `prepared.val` (after the samples gained fields)."""
         self.val = val_batches(self.prepared.val, self.rows, self.max_seq_length, **self.val_args)
-
-
-def has_target(sample: Dict[str, Any], max_seq_length: int) -> bool:
-    """Whether a sample keeps at least one target token once cropped to max_seq_length inputs."""
-    return Objective().keep(sample, max_seq_length)
 
 
 def load_data(
