@@ -20,8 +20,8 @@ import traceback
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-# a script: its jobs import the test helpers (tests/words.py) as pytest would, with tests/ on the path
-sys.path.insert(0, str(REPO / "tests"))
+# its jobs import the test helpers (tests/words.py) as pytest would: the launcher (tests/xla/test_xla_families.py)
+# puts tests/ on PYTHONPATH
 
 
 def main() -> None:

@@ -132,7 +132,8 @@ class Workers:
             (folder / "jobs.json").write_text(json.dumps(device_jobs))
             self.procs[devices] = subprocess.Popen(
                 [sys.executable, str(WORKER), str(folder / "jobs.json"), str(folder / "results.json")], cwd=REPO,
-                env=xla_env(devices), stdout=open(folder / "worker.log", "w"), stderr=subprocess.STDOUT,
+                env=xla_env(devices, PYTHONPATH=str(REPO / "tests")), stdout=open(folder / "worker.log", "w"),
+                stderr=subprocess.STDOUT,
             )
         self.results: Dict[int, dict] = {}
 

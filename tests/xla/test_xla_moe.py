@@ -34,7 +34,7 @@ from typing import Dict, List
 import pytest
 import torch
 
-# this file also runs as a worker job (tests/xla/families_worker.py, which puts tests/ on the path as pytest does)
+# this file also runs as a worker job (tests/xla/families_worker.py, launched with tests/ on PYTHONPATH as pytest has it)
 from test_xla_families import (  # the families' helpers: same workers, same CPU runs
     METHODS, REPO, Workers, _cpu, _losses, _weights,
 )
