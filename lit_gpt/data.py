@@ -18,9 +18,10 @@ import hashlib
 import json
 import os
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -165,29 +166,46 @@ def prepare(
 ) -> Dict[str, Any]:
     """Tokenize, split and write `rows`; `bad` are the rows already found unusable while reading. Returns meta."""
     from lit_gpt.prompts import PromptStyle
+
+    checkpoint_dir, fingerprint, tokenizer, max_seq_length = tokenizing_setup(checkpoint_dir, max_seq_length)
+    style = PromptStyle.from_name(prompt_style, checkpoint_dir)
+    with writing_to(destination):
+        return _prepare(rows, bad, checkpoint_dir, destination, source, prompt_style, max_seq_length, mask_inputs,
+                        val_split_fraction, seed, on_bad_rows, extra_meta, fingerprint, tokenizer, style)
+
+
+def tokenizing_setup(checkpoint_dir: Path, max_seq_length: Optional[int], what: str = "the data is"
+                     ) -> Tuple[Path, str, Any, int]:
+    """(checkpoint_dir, tokenizer fingerprint, tokenizer, max_seq_length: the model's context length when None) of a
+    preparation, with one line for a missing checkpoint or a bad length."""
     from lit_gpt.tokenizer import Tokenizer
 
     checkpoint_dir = Path(checkpoint_dir)
     if not checkpoint_dir.is_dir():
         raise LitError(
-            f"checkpoint directory {str(checkpoint_dir)!r} does not exist: the data is tokenized with the model's"
+            f"checkpoint directory {str(checkpoint_dir)!r} does not exist: {what} tokenized with the model's"
             " tokenizer, so download and convert the model first (or pass --checkpoint_dir)"
         )
     fingerprint = tokenizer_fingerprint(checkpoint_dir)
     tokenizer = Tokenizer(checkpoint_dir)
-    style = PromptStyle.from_name(prompt_style, checkpoint_dir)
     if max_seq_length is None:
         from lit_gpt.config import load_config
 
         max_seq_length = load_config(checkpoint_dir).block_size
     if max_seq_length < 2:
         raise LitError(f"--max_seq_length must be >= 2 (got {max_seq_length})")
+    return checkpoint_dir, fingerprint, tokenizer, max_seq_length
+
+
+@contextmanager
+def writing_to(destination: Path) -> Iterator[None]:
+    """Check the destination (`check_destination`); if the body fails, remove the folders it created (nothing was
+    written: no empty folder is left behind)."""
     created = check_destination(destination)
     try:
-        return _prepare(rows, bad, checkpoint_dir, destination, source, prompt_style, max_seq_length, mask_inputs,
-                        val_split_fraction, seed, on_bad_rows, extra_meta, fingerprint, tokenizer, style)
+        yield
     except BaseException:
-        _remove_empty(created)  # nothing was written: leave no empty folder behind
+        _remove_empty(created)
         raise
 
 

@@ -246,7 +246,6 @@ def prepare_preferences(
     None: the checkpoint's (its chat template for an instruct/chat model that has one, else raw). Every error is one
     LitError line, and nothing is written."""
     from lit_gpt.prompts import PromptStyle
-    from lit_gpt.tokenizer import Tokenizer
 
     if data_file is None:
         raise LitError("pass your preference file with --data_file")
@@ -259,34 +258,14 @@ def prepare_preferences(
     if not rows and not bad:
         raise LitError(f"{source}: no rows at all; nothing to write")
     data.report_bad_rows(bad if on_bad_rows == "error" else [], source, on_bad_rows)  # fail before the slow part
-    checkpoint_dir = Path(checkpoint_dir)
-    if not checkpoint_dir.is_dir():
-        raise LitError(
-            f"checkpoint directory {str(checkpoint_dir)!r} does not exist: the pairs are tokenized with the model's"
-            " tokenizer, so download and convert the model first (or pass --checkpoint_dir)"
-        )
-    fingerprint = data.tokenizer_fingerprint(checkpoint_dir)
-    tokenizer = Tokenizer(checkpoint_dir)
+    checkpoint_dir, fingerprint, tokenizer, max_seq_length = data.tokenizing_setup(checkpoint_dir, max_seq_length,
+                                                                                   "the pairs are")
     style = PromptStyle.from_checkpoint(checkpoint_dir, prompt_style)
-    if max_seq_length is None:
-        from lit_gpt.config import load_config
-
-        max_seq_length = load_config(checkpoint_dir).block_size
-    if max_seq_length < 2:
-        raise LitError(f"--max_seq_length must be >= 2 (got {max_seq_length})")
-    created = data.check_destination(destination)
-    try:
+    with data.writing_to(destination):
         return _tokenize_and_write(rows, list(bad), tokenizer, style, max_seq_length, source=source,
                                    destination=Path(destination), checkpoint_dir=checkpoint_dir,
                                    fingerprint=fingerprint, val_split_fraction=val_split_fraction, seed=seed,
                                    on_bad_rows=on_bad_rows)
-    except BaseException:
-        for folder in created:  # deepest first; nothing was written: leave no empty folder behind
-            try:
-                folder.rmdir()
-            except OSError:
-                break
-        raise
 
 
 def _tokenize_and_write(rows: List[PreferenceRow], bad: List[BadRow], tokenizer: Any, style: Any,
