@@ -38,16 +38,11 @@ from typing import Any, Dict, List, Literal, Optional
 from lit_gpt.utils import DEFAULT_CHECKPOINT_DIR, LitError, run_cli
 
 import result_files  # bench/result_files.py (this script's folder is on sys.path)
+from finetune import WORDS  # bench/finetune.py: the same synthetic rows' words
 
 ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = ("sft", "dpo_adapters_off", "dpo_precomputed")
 EXPECTED = {"sft": 1.0, "dpo_adapters_off": 3.0, "dpo_precomputed": 2.0}  # LoRA, forward units (see above)
-WORDS = (
-    "time person year way day thing man world life hand part child eye woman place work week case point government"
-    " company number group problem fact be have do say get make go know take see come think look want give use find"
-    " tell ask seem feel try leave call good new first last long great little own other old right big high different"
-    " small large next early young important few public bad same able"
-).split()
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "generation_config.json")
 
 
