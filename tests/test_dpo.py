@@ -244,8 +244,8 @@ def test_two_processes_ddp_match_one(words_dir, pairs_dir, tmp_path):
         assert a.keys() == b.keys() and all(b[s] == pytest.approx(a[s], abs=2e-4) for s in a), (key, a, b)
 
 
-def test_dpo_on_real_smollm2_raises_held_out_reward_accuracy(smollm2_dir, tmp_path):
-    """The real SmolLM2-135M-Instruct with its chat template: pairs whose chosen reply answers and whose rejected
+def test_dpo_on_real_smollm2_raises_held_out_reward_accuracy(smollm2_bf16_dir, tmp_path):
+    """The real SmolLM2-135M-Instruct as the Hub serves it (bf16 safetensors, trained in fp32), with its chat template: pairs whose chosen reply answers and whose rejected
     reply refuses; after a short LoRA DPO run the held-out pairs (other questions) rank the answer above the
     refusal: reward accuracy above chance (it starts at 0: the policy is the reference)."""
     facts = [("the capital of France", "Paris"), ("the largest planet", "Jupiter"), ("the boiling point of water",
@@ -259,10 +259,10 @@ def test_dpo_on_real_smollm2_raises_held_out_reward_accuracy(smollm2_dir, tmp_pa
              ("the smallest prime number", "2"), ("the main gas in Earth's air", "nitrogen")]
     rows = [{"prompt": f"What is {q}?", "chosen": f"It is {a}.",
              "rejected": "I am not able to help with that question."} for q, a in facts]
-    data_dir = prepare_pairs(smollm2_dir, rows, tmp_path / "prefs", val_split_fraction=0.2)
+    data_dir = prepare_pairs(smollm2_bf16_dir, rows, tmp_path / "prefs", val_split_fraction=0.2)
     out = tmp_path / "out"
     load_recipe("dpo").setup(
-        checkpoint_dir=smollm2_dir, out_dir=out, precision="32-true", accelerator="cpu",
+        checkpoint_dir=smollm2_bf16_dir, out_dir=out, precision="32-true", accelerator="cpu",
         data=DataArgs(data_dir=data_dir),
         train=TrainArgs(global_batch_size=4, micro_batch_size=4, max_steps=6, learning_rate=2e-3, min_lr=2e-4,
                         lr_warmup_steps=1, save_interval=None, seed=0),
