@@ -68,6 +68,9 @@ def location(path: PathLike) -> Path:
         raise LitError(f"{str(path)!r} needs {what}") from None
     except ValueError as e:  # fsspec: "Protocol not known" / "Unsupported filesystem"
         raise LitError(f"{str(path)!r}: {e}; use a local folder or a URL such as gs://bucket/run") from None
+    except OSError as e:  # a filesystem that connects when made (ftp://, sftp://): host unknown or unreachable
+        raise LitError(f"{str(path)!r}: cannot reach its host ({e.strerror or e}): check the host name and the"
+                       " network, or use a local folder") from None
     return p
 
 

@@ -118,6 +118,8 @@ CASES = [
          "--out_dir 'gs://b/run' needs the gcsfs package: pip install gcsfs", needs_missing="gcsfs"),
     Case("finetune-resume-s3-missing", "finetune/lora.py", ["--resume", "s3://b/run/step-000002"],
          "--resume 's3://b/run/step-000002' needs the s3fs package: pip install s3fs", needs_missing="s3fs"),
+    Case("finetune-out-dir-unreachable-host", "finetune/lora.py", ["--out_dir", "ftp://no-such-host.invalid/run"],
+         "--out_dir 'ftp://no-such-host.invalid/run': cannot reach its host"),
     Case("finetune-out-dir-memory-warns", "finetune/lora.py",
          ["--out_dir", "memory://run", "--checkpoint_dir", "no-such-checkpoint"],
          "no-such-checkpoint", warning="--out_dir 'memory://run' is this process's memory"),
