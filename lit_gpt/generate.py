@@ -14,7 +14,7 @@ When the steps are compiled: `lit_gpt.compile_policy`. The recipes' steps around
 """
 
 import time
-from typing import Any, Callable, Iterator, List, NamedTuple, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Union
 
 import torch
 
@@ -22,7 +22,7 @@ from lit_gpt.compile_policy import Steps, build_steps
 from lit_gpt.loading import load_model  # noqa: F401  (re-exported for earlier importers: its home is lit_gpt.loading)
 from lit_gpt.model import GPT
 from lit_gpt.runtime import Runtime, bucket_length  # noqa: F401  (bucket_length: re-exported for earlier importers)
-from lit_gpt.sampling import check_sampling_args, sample
+from lit_gpt.sampling import Setting, check_sampling_args, sample
 from lit_gpt.utils import LitError
 
 StopIds = Optional[Union[int, Sequence[int]]]
@@ -97,21 +97,25 @@ def prefill(
     input_pos: torch.Tensor,
     last: torch.Tensor,
     *,
-    temperature: float = 0.0,
+    temperature: Setting = 0.0,
     top_k: Optional[int] = None,
-    top_p: float = 1.0,
+    top_p: Setting = 1.0,
     generator: Optional[torch.Generator] = None,
+    noise: Optional[torch.Tensor] = None,
+    slots: Optional[torch.Tensor] = None,
+    cache_length: Optional[int] = None,
 ) -> torch.Tensor:
     """Run the (B, L) prompt, right-padded to a bucket length L, through the model in one forward, filling the KV
-    cache at `input_pos` (0..L-1); return the first new token (B,), sampled from the logits at the last real
-    position `last` (a (1,) tensor holding T - 1).
+    cache at `input_pos` ((B, L) positions 0..L-1, in the cache rows `slots`: `GPT.forward`); return the first new
+    token (B,), sampled (`lit_gpt.sampling.sample`) from the logits at the last real position `last` (a (1,) tensor
+    holding T - 1).
 
     `last` is a tensor, not the int T - 1, so a traced graph does not depend on the prompt length. The padding is
     harmless: under the causal mask position T - 1 attends to keys 0..T-1 only, and the keys/values written at
     positions >= T are overwritten by the decode steps before any query can see them (the step at position p
     writes p, then attends to 0..p)."""
-    logits = model(prompt, input_pos, last_only=last)
-    return sample(logits[:, -1], temperature, top_k, top_p, generator)
+    logits = model(prompt, input_pos, last_only=last, slots=slots, cache_length=cache_length)
+    return sample(logits[:, -1], temperature, top_k, top_p, generator, noise)
 
 
 def decode_one_token(
@@ -119,14 +123,17 @@ def decode_one_token(
     token: torch.Tensor,
     input_pos: torch.Tensor,
     *,
-    temperature: float = 0.0,
+    temperature: Setting = 0.0,
     top_k: Optional[int] = None,
-    top_p: float = 1.0,
+    top_p: Setting = 1.0,
     generator: Optional[torch.Generator] = None,
+    noise: Optional[torch.Tensor] = None,
+    cache_length: Optional[int] = None,
 ) -> torch.Tensor:
-    """Feed the (B,) tokens at position `input_pos` (shape (1,)) and return the next (B,) tokens."""
-    logits = model(token.view(-1, 1), input_pos)
-    return sample(logits[:, -1], temperature, top_k, top_p, generator)
+    """Feed the (B,) tokens at their positions `input_pos` ((B, 1): each row its own; or (1,) shared) and return
+    the next (B,) tokens; the queries see the cache's first `cache_length` positions (default all)."""
+    logits = model(token.view(-1, 1), input_pos, cache_length=cache_length)
+    return sample(logits[:, -1], temperature, top_k, top_p, generator, noise)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -154,6 +161,172 @@ def default_runtime(model: torch.nn.Module) -> Runtime:
     return Runtime(None, device)
 
 
+class Batch:
+    """The loop's state: a KV cache of `rows` rows ("slots") x `length` positions, and each row's last token, next
+    position, stop flag and sampling settings, on the device. Sequences join at a step boundary (`join`: their
+    prompts prefilled into free rows, which returns their first tokens) and leave when they end (`leave`); each
+    `step` decodes one token for every row. `generate_stream` runs a batch that all its rows join at once; a server
+    (`lit_gpt.recipes.serving`) keeps one batch for its lifetime and lets requests join and leave between steps
+    (continuous batching). Both run these two methods: there is one loop.
+
+    Shapes. With `static` (a backend that traces graphs: XLA, or compiled steps) every step runs all rows over the
+    whole cache, so the decode step is one graph and a prefill one graph per prompt bucket; the state is updated
+    in place, so every step sees the same input tensors (and, under SPMD, the same shardings). Eager backends run
+    the rows up to the highest one in use, over the cache positions in use (rounded up to `VISIBLE_MULTIPLE`): an
+    idle slot or an unused stretch of a long cache costs nothing.
+
+    Sampling: one setting for every row (`uniform`: `generate_stream`'s arguments, one generator for the batch), or
+    per row (`join(..., sampling=[RowSampling, ...])`: each row's temperature and top-p, and its own generator, from
+    which that row's draws come whatever else is in the batch).
+
+    Every `join` and `step` ends with `runtime.end_step()` (on XLA, the end of the step's graph)."""
+
+    VISIBLE_MULTIPLE = 64
+
+    def __init__(self, model: torch.nn.Module, rows: int, length: int, *, runtime: Optional[Runtime] = None,
+                 static: Optional[bool] = None, exact_length: bool = False, stop_ids: StopIds = None,
+                 uniform: Optional[Dict[str, Any]] = None, decode_fn: Callable[..., torch.Tensor] = decode_one_token,
+                 prefill_fn: Callable[..., torch.Tensor] = prefill) -> None:
+        self.model, self.gpt = model, unwrap(model)
+        self.runtime = runtime or default_runtime(self.gpt)
+        have = kv_cache_length(self.gpt, rows)
+        if have < length or (exact_length and have != length):
+            self.runtime.setup_kv_cache(self.gpt, rows, length)
+        self.rows, self.length = rows, kv_cache_length(self.gpt, rows)  # a longer cache already there is kept
+        self.static = self.runtime.compiles_graphs if static is None else static
+        self.decode_fn, self.prefill_fn = decode_fn, prefill_fn
+        self.uniform = uniform
+        self.tokens = self.runtime.zeros((rows,), torch.long)
+        self.positions = self.runtime.zeros((rows,), torch.long)
+        stop_list = [stop_ids] if isinstance(stop_ids, int) else list(stop_ids or ())
+        self.stops_host = torch.tensor(stop_list, dtype=torch.long) if stop_list else None
+        self.stops = self.runtime.to_device(self.stops_host) if stop_list else None
+        self.done = self.runtime.zeros((rows,), torch.bool)
+        # host mirrors: which rows are in use, their next positions and their sampling settings
+        self.active = [False] * rows
+        self.next_pos = [0] * rows
+        self.sampling: List[RowSampling] = [RowSampling()] * rows
+        self.vocab = self.gpt.config.vocab_size
+
+    # --------------------------------------------------------------- rows
+    def free_rows(self) -> List[int]:
+        return [r for r in range(self.rows) if not self.active[r]]
+
+    def leave(self, row: int) -> None:
+        """Row `row` is free from the next step on (its cache entries are overwritten by the next join)."""
+        self.active[row] = False
+        self.sampling[row] = RowSampling()
+
+    def _sampling_args(self, rows: Sequence[int]) -> Dict[str, Any]:
+        if self.uniform is not None:
+            return self.uniform
+        settings = [self.sampling[r] for r in rows]
+        if not self.static and all(s.temperature == 0.0 for s in settings):
+            return {}  # greedy rows only, on an eager backend: no settings, no draws
+        # a static backend always runs the per-row graph (greedy rows are rows at temperature 0): one graph
+        draws = [_exponential(self.vocab, s.generator) if s.temperature > 0 else None for s in settings]
+        # each row's draws come from its generator's device (the host on XLA, which has no generator per row)
+        where = next((d.device for d in draws if d is not None), torch.device("cpu"))
+        noise = torch.stack([d.to(where) if d is not None else torch.ones(self.vocab, device=where) for d in draws])
+        to_device = self.runtime.to_device
+        return dict(temperature=to_device(torch.tensor([s.temperature for s in settings])),
+                    top_p=to_device(torch.tensor([s.top_p for s in settings])), noise=to_device(noise))
+
+    # --------------------------------------------------------------- the two steps
+    def join(self, rows: Sequence[int], prompt: torch.Tensor, sampling: Optional[Sequence["RowSampling"]] = None,
+             pad_to: Optional[int] = None, pad_id: int = 0) -> torch.Tensor:
+        """Prefill the (n, T) prompts (equal lengths; one row per entry of `rows`, which must be free) into those
+        rows; return their first new tokens (n,) on the device. The prompt is right-padded to the runtime's bucket
+        (or `pad_to`) where it is (the host for XLA)."""
+        rows = list(rows)
+        n, T = prompt.shape
+        if n != len(rows) or any(self.active[r] for r in rows):
+            raise ValueError(f"join: {n} prompts for rows {rows} (rows in use: {[r for r in rows if self.active[r]]})")
+        length = self.runtime.prompt_bucket(T, self.length) if pad_to is None else pad_to
+        if not T <= length <= self.length:
+            raise LitError(f"a prompt of {T} tokens padded to {length} does not fit the KV cache of {self.length}")
+        if sampling is not None:
+            for r, s in zip(rows, sampling):
+                self.sampling[r] = s
+        if length > T:
+            prompt = torch.nn.functional.pad(prompt, (0, length - T), value=pad_id)
+        to_device = self.runtime.to_device
+        whole = rows == list(range(self.rows))
+        slots = None if whole else to_device(torch.tensor(rows))  # a partial join always gathers: one graph
+        token = self.prefill_fn(
+            self.model, to_device(prompt), to_device(torch.arange(length).expand(n, length)),
+            to_device(torch.tensor([T - 1])), slots=slots, cache_length=length, **self._sampling_args(rows),
+        )
+        start = to_device(torch.full((n,), T, dtype=torch.long))
+        if whole:  # in place: the next step's inputs are the same tensors
+            self.tokens.copy_(token)
+            self.positions.copy_(start)
+            self.done.zero_()
+        else:
+            index = slots
+            self.tokens.index_copy_(0, index, token)
+            self.positions.index_copy_(0, index, start)
+        for r in rows:
+            self.active[r], self.next_pos[r] = True, T
+        if whole:
+            token = self._stop(token)
+        elif self.stops is not None:
+            self.done.index_copy_(0, index, (token.unsqueeze(-1) == self.stops).any(-1))
+        self.runtime.end_step()
+        return token
+
+    def step(self) -> torch.Tensor:
+        """Decode one token for every row up to the highest in use (all rows with `static`): (n,) on the device.
+        Rows not in use compute a token that nobody reads."""
+        used = [r for r in range(self.rows) if self.active[r]]
+        if not used:
+            raise ValueError("step: no row is in use (join first)")
+        n = self.rows if self.static else used[-1] + 1
+        visible = None
+        if not self.static:
+            need = max(self.next_pos[r] for r in used) + 1
+            visible = min(self.length, -(-need // self.VISIBLE_MULTIPLE) * self.VISIBLE_MULTIPLE)
+        tokens = self.tokens if n == self.rows else self.tokens[:n]
+        positions = self.positions if n == self.rows else self.positions[:n]
+        token = self.decode_fn(self.model, tokens, positions.unsqueeze(1), cache_length=visible,
+                               **self._sampling_args(range(n)))
+        tokens.copy_(token)
+        # the next positions; an idle row's stays inside the cache (it writes there, nobody reads it)
+        positions.add_(1).clamp_(max=self.length - 1)
+        for r in used:
+            self.next_pos[r] += 1
+        token = self._stop(token, n)
+        self.runtime.end_step()
+        return token
+
+    def _stop(self, token: torch.Tensor, n: Optional[int] = None) -> torch.Tensor:
+        """With stop ids: a row that stopped repeats the first stop id, and its flag is set (on the device)."""
+        if self.stops is None:
+            return token
+        done = self.done if n is None or n == self.rows else self.done[:n]
+        token = torch.where(done, self.stops[0], token)
+        done.copy_(done | (token.unsqueeze(-1) == self.stops).any(-1))
+        return token
+
+    def all_done(self) -> bool:
+        """Whether every row has produced a stop id (a host read of the flags)."""
+        return bool(self.done.cpu().all())
+
+
+class RowSampling(NamedTuple):
+    """One row's sampling settings in a `Batch` (temperature 0: greedy)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    generator: Optional[torch.Generator] = None
+
+
+def _exponential(vocab: int, generator: Optional[torch.Generator]) -> torch.Tensor:
+    """A row's Exp(1) draws for `sample`'s race, from its own generator, on that generator's device."""
+    device = generator.device if generator is not None else torch.device("cpu")
+    return torch.empty(vocab, device=device).exponential_(1.0, generator=generator)
+
+
 @torch.no_grad()
 def generate_stream(
     model: torch.nn.Module,
@@ -178,12 +351,12 @@ def generate_stream(
     once and can time the steady steps apart from the first ones, which may compile); then chunks of
     `chunk_size` steps (default: the runtime's `stop_check_every`).
 
-    `model` may be wrapped (Fabric, FSDP): its forward runs, the caches go to the inner `GPT`. The `runtime`
-    (default: `default_runtime`, CPU/CUDA on the weights' device) says where tensors go and what differs per
-    backend: on XLA (`XLARuntime`, required there) the prompt is right-padded *on the host* to a power-of-two
-    bucket before the transfer and every step ends the lazy graph, so the prefill compiles once per bucket and the
-    decode step once; chunks reach the host as transfers, never as new graphs. `pad_to` and `max_seq_length`
-    override the bucket and the KV-cache length.
+    The loop is a `Batch` that every row joins at once. `model` may be wrapped (Fabric, FSDP): its forward runs,
+    the caches go to the inner `GPT`. The `runtime` (default: `default_runtime`, CPU/CUDA on the weights' device)
+    says where tensors go and what differs per backend: on XLA (`XLARuntime`, required there) the prompt is
+    right-padded *on the host* to a power-of-two bucket before the transfer and every step ends the lazy graph, so
+    the prefill compiles once per bucket and the decode step once; chunks reach the host as transfers, never as new
+    graphs. `pad_to` and `max_seq_length` override the bucket and the KV-cache length.
 
     Generation ends after `max_new_tokens` steps or once every row has produced one of `stop_ids`. The stop flag
     lives on the device and is computed inside each step; the host reads it once per chunk (the only
@@ -192,7 +365,8 @@ def generate_stream(
     token); in a batch, a row that stopped earlier holds its stop token and then the first stop id: cut each row
     at its first stop id.
 
-    `decode_fn` / `prefill_fn` replace the two steps, e.g. with the compiled ones of `compile_steps`."""
+    `decode_fn` / `prefill_fn` replace the two steps, e.g. with the compiled ones of `compile_steps` (then every
+    step keeps the shapes of the whole cache)."""
     check_sampling_args(temperature, top_k, top_p)
     gpt = unwrap(model)
     runtime = runtime or default_runtime(gpt)
@@ -214,37 +388,21 @@ def generate_stream(
             f"max_seq_length {cache} must be between the padded prompt + max_new_tokens"
             f" ({max(length, T + max_new_tokens)}) and the context length {block_size}"
         )
-    if kv_cache_length(gpt, B) < cache or (max_seq_length is not None and kv_cache_length(gpt, B) != cache):
-        runtime.setup_kv_cache(gpt, B, cache)
-    sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
-    stop_list = [stop_ids] if isinstance(stop_ids, int) else list(stop_ids or ())
-    stops_host = torch.tensor(stop_list, dtype=torch.long) if stop_list else None
-    stops = runtime.to_device(stops_host) if stops_host is not None else None
-
-    if length > T:  # padded where the prompt is (the host for XLA, whose callers keep prompts there)
-        prompt = torch.nn.functional.pad(prompt, (0, length - T), value=pad_id)
-    token = prefill_fn(
-        model, runtime.to_device(prompt), runtime.to_device(torch.arange(length)),
-        runtime.to_device(torch.tensor([T - 1])), **sampling,
-    )
-    done = runtime.to_device(torch.zeros(B, dtype=torch.bool))
-    input_pos = runtime.to_device(torch.tensor([T]))
+    compiled = decode_fn is not decode_one_token or prefill_fn is not prefill
+    batch = Batch(model, B, cache, runtime=runtime, static=runtime.compiles_graphs or compiled,
+                  exact_length=max_seq_length is not None, stop_ids=stop_ids,
+                  uniform=dict(temperature=temperature, top_k=top_k, top_p=top_p, generator=generator),
+                  decode_fn=decode_fn, prefill_fn=prefill_fn)
     chunk: List[torch.Tensor] = []
     for step in range(max_new_tokens):
-        if step > 0:
-            token = decode_fn(model, token, input_pos, **sampling)
-            input_pos.add_(1)  # in place: the next step sees the same tensor, so its graph is the same
-        if stops is not None:
-            token = torch.where(done, stops[0], token)
-            done = done | (token.unsqueeze(-1) == stops).any(-1)
-        runtime.end_step()
+        token = batch.join(range(B), prompt, pad_to=length, pad_id=pad_id) if step == 0 else batch.step()
         chunk.append(token)
         if step < 2 or len(chunk) == every or step == max_new_tokens - 1:
             out = runtime.to_host(chunk)
             chunk = []
-            if stops is not None and bool(done.cpu().all()):
+            if batch.stops is not None and batch.all_done():
                 # the first step after which every row has stopped; rows stopped in an earlier chunk hold stop ids
-                st = stops if out.device == stops.device else stops_host.to(out.device)
+                st = batch.stops if out.device == batch.stops.device else batch.stops_host.to(out.device)
                 is_stop = (out.unsqueeze(-1) == st).any(-1)
                 all_stopped = is_stop.cummax(dim=1).values.all(dim=0)
                 end = int(torch.argmax(all_stopped.int()))

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from lit_gpt.config import Config
 from lit_gpt.attention import sink_attention, softcap, softcapped_attention  # noqa: F401 (softcap: re-exported)
+from lit_gpt.kv_cache import KVCache, cache_mask  # noqa: F401 (KVCache: re-exported)
 from lit_gpt.moe import ExpertLinear, MoE
 
 
@@ -167,10 +168,17 @@ class GPT(nn.Module):
         input_pos: Optional[torch.Tensor] = None,
         last_only: Optional[torch.Tensor] = None,
         head_rows: Optional[torch.Tensor] = None,
+        slots: Optional[torch.Tensor] = None,
+        cache_length: Optional[int] = None,
     ) -> torch.Tensor:
-        """idx: (B, T) token ids. input_pos: (T,) positions, required when a KV cache is set. Returns (B, T, vocab)
+        """idx: (B, T) token ids. input_pos: required when a KV cache is set: (T,) positions shared by every row, or
+        (B, T) positions per row (rows of a continuous batch are at different positions). Returns (B, T, vocab)
         logits, or fewer: the vocab projection is the largest matmul of a small model, so it can run on some
         positions only.
+
+        With per-row positions, `slots` (a (B,) index tensor) says which rows of the KV cache the B rows are (default
+        rows 0..B-1), and `cache_length` how many leading cache positions the queries may see (default all): an eager
+        backend attends over the positions in use only, a tracing one keeps the whole cache (one graph).
 
         `last_only`: a 1-D index tensor of positions: logits at those positions of every row, (B, len, vocab)
         (generation needs one).
@@ -182,7 +190,13 @@ class GPT(nn.Module):
                 f"the RoPE tables are on {self.cos.device} but the input is on {idx.device}: move the whole model"
                 " (model.to(device)) or rebuild them with model.reset_rope_cache(device)"
             )
-        if input_pos is not None:
+        per_row = input_pos is not None and input_pos.dim() == 2
+        if (slots is not None or cache_length is not None) and not per_row:
+            raise ValueError("slots and cache_length need per-row positions: input_pos of shape (B, T)")
+        if per_row:  # (B, T) -> tables (B, 1, T, n): broadcast over the heads
+            cos = self.cos.index_select(0, input_pos.reshape(-1)).view(*input_pos.shape, -1).unsqueeze(1)
+            sin = self.sin.index_select(0, input_pos.reshape(-1)).view(*input_pos.shape, -1).unsqueeze(1)
+        elif input_pos is not None:
             cos = self.cos.index_select(0, input_pos)
             sin = self.sin.index_select(0, input_pos)
         else:
@@ -196,7 +210,8 @@ class GPT(nn.Module):
             if input_pos is None:  # T is static: one table, no select
                 cos, sin = (cos[..., n:], sin[..., n:]) if T > limit else (cos[..., :n], sin[..., :n])
             else:  # a select on a device scalar: the same graph for every step of the KV-cache loop
-                beyond = input_pos.max() >= limit
+                # per row with per-row positions: each sequence picks as it would alone
+                beyond = input_pos.amax(-1).view(-1, 1, 1, 1) >= limit if per_row else input_pos.max() >= limit
                 cos = torch.where(beyond, cos[..., n:], cos[..., :n])
                 sin = torch.where(beyond, sin[..., n:], sin[..., :n])
         masks: Dict[Optional[int], torch.Tensor] = {}
@@ -205,8 +220,9 @@ class GPT(nn.Module):
             if cache is None:
                 raise TypeError("input_pos was given but no KV cache is set: call model.set_kv_cache(...) first")
             # once per forward and window, not per layer: small ops like these are a good part of a decode step
+            visible = cache.k.size(2) if cache_length is None else cache_length
             for window in dict.fromkeys(block.attn.sliding_window for block in self.transformer.h):  # in layer order
-                masks[window] = cache_mask(input_pos, cache.k.size(2), window)
+                masks[window] = cache_mask(input_pos, visible, window)
 
         x = self.transformer.wte(idx)
         if self.config.scale_embeddings:
@@ -215,7 +231,7 @@ class GPT(nn.Module):
             x = self.block_runner(self.transformer.h, x, cos, sin)
         else:
             for block in self.transformer.h:
-                x = block(x, cos, sin, input_pos, masks.get(block.attn.sliding_window))
+                x = block(x, cos, sin, input_pos, masks.get(block.attn.sliding_window), slots, cache_length)
         if last_only is not None:
             x = x.index_select(1, last_only)
         if head_rows is not None:
@@ -249,9 +265,11 @@ class Block(nn.Module):
         sin: torch.Tensor,
         input_pos: Optional[torch.Tensor] = None,
         mask: Optional[torch.Tensor] = None,
+        slots: Optional[torch.Tensor] = None,
+        cache_length: Optional[int] = None,
     ) -> torch.Tensor:
         n_1 = self.norm_1(x)
-        h = self.post_attention_norm(self.attn(n_1, cos, sin, input_pos, mask))
+        h = self.post_attention_norm(self.attn(n_1, cos, sin, input_pos, mask, slots, cache_length))
         if self.config.parallel_residual:
             n_2 = n_1 if self.norm_2 is None else self.norm_2(x)
             return x + h + self.post_mlp_norm(self.mlp(n_2))
@@ -306,8 +324,11 @@ class CausalSelfAttention(nn.Module):
         sin: torch.Tensor,
         input_pos: Optional[torch.Tensor] = None,
         mask: Optional[torch.Tensor] = None,
+        slots: Optional[torch.Tensor] = None,
+        cache_length: Optional[int] = None,
     ) -> torch.Tensor:
-        """With a KV cache (`input_pos` given), `mask` is `cache_mask(input_pos, ...)`, computed here if not given."""
+        """With a KV cache (`input_pos` given), `mask` is `cache_mask(input_pos, ...)`, computed here if not given;
+        `slots` and `cache_length` as in `GPT.forward`."""
         B, T, _ = x.size()
         c = self.config
         n_qk = c.n_head + c.n_query_groups
@@ -332,7 +353,7 @@ class CausalSelfAttention(nn.Module):
         if input_pos is not None:
             if self.kv_cache is None:
                 raise TypeError("input_pos was given but no KV cache is set: call model.set_kv_cache(...) first")
-            k, v = self.kv_cache(input_pos, k, v)
+            k, v = self.kv_cache(input_pos, k, v, slots, cache_length)
             if mask is None:
                 mask = cache_mask(input_pos, k.size(2), window)
         elif window is not None and T > window:
@@ -361,39 +382,6 @@ class CausalSelfAttention(nn.Module):
         if mask is None:
             return F.scaled_dot_product_attention(q, k, v, is_causal=q.size(2) > 1, scale=scale, enable_gqa=gqa)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
-
-
-def cache_mask(input_pos: torch.Tensor, cache_length: int, sliding_window_size: Optional[int] = None) -> torch.Tensor:
-    """(T, cache_length) boolean attention mask of the queries at `input_pos` over the KV cache's positions.
-    Positions are tensors: the mask is computed from them, so one traced graph serves every step."""
-    k_pos = torch.arange(cache_length, device=input_pos.device)
-    mask = input_pos.unsqueeze(-1) >= k_pos
-    if sliding_window_size is not None:
-        mask = mask & (input_pos.unsqueeze(-1) - k_pos < sliding_window_size)
-    return mask
-
-
-class KVCache(nn.Module):
-    def __init__(
-        self,
-        batch_size: int,
-        n_groups: int,
-        max_seq_length: int,
-        head_size: int,
-        device: Optional[torch.device] = None,
-        dtype: Optional[torch.dtype] = None,
-    ) -> None:
-        super().__init__()
-        shape = (batch_size, n_groups, max_seq_length, head_size)
-        self.register_buffer("k", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
-        self.register_buffer("v", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
-
-    def forward(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        if k.size(0) != self.k.size(0):
-            raise ValueError(f"batch size {k.size(0)} does not match the KV cache's {self.k.size(0)}")
-        self.k.index_copy_(2, input_pos, k.to(self.k.dtype))
-        self.v.index_copy_(2, input_pos, v.to(self.v.dtype))
-        return self.k, self.v
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -204,7 +204,7 @@ class XLARuntime(Runtime):
         tables of at least that length. A cache of that size is kept: positions beyond the current one are
         masked, so a previous prompt's entries are harmless. The RoPE tables only grow, so that a training loop
         that generates samples keeps its own tables (and with them its compiled graphs)."""
-        from lit_gpt.model import KVCache
+        from lit_gpt.kv_cache import KVCache
 
         device = gpt.transformer.wte.weight.device
         dtype = dtype or gpt.transformer.wte.weight.dtype
