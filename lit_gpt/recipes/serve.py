@@ -1,0 +1,93 @@
+"""serve/base.py's steps after loading: the engine (lit_gpt.recipes.serving), its warm-up, the HTTP application
+(lit_gpt.recipes.openai_api) under uvicorn, and a clean end.
+
+Threads: the engine runs on the main thread, the one that loaded the model (XLA and CUDA work stays on one thread,
+and signals arrive there); uvicorn serves on a second thread with its own event loop. Ctrl-C / SIGTERM set a flag
+that the engine reads between steps: uvicorn stops accepting connections and waits for the open ones, the engine
+finishes every request in flight and queued, then the process exits 0. A second signal exits at once (130).
+"""
+
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Any, Optional
+
+from lit_gpt.utils import LitError
+
+DEFAULT_MAX_SEQ_LENGTH = 4096
+
+
+def check_serve_args(host: str = "127.0.0.1", port: int = 8000, slots: int = 8, max_seq_length: Optional[int] = None,
+                     max_queue: int = 64, prompt_style: Optional[str] = None, **_: Any) -> None:
+    """The serving flags' checks that need no weights (one LitError line each)."""
+    from lit_gpt.prompts import PromptStyle
+
+    if not 0 <= port <= 65535:
+        raise LitError(f"--port must be between 0 and 65535, got {port}")
+    if slots < 1:
+        raise LitError(f"--slots must be >= 1, got {slots}")
+    if max_queue < 0:
+        raise LitError(f"--max_queue must be >= 0, got {max_queue}")
+    if max_seq_length is not None and max_seq_length < 2:
+        raise LitError(f"--max_seq_length must be >= 2, got {max_seq_length}")
+    if prompt_style is not None and prompt_style not in PromptStyle.names():
+        raise LitError(f"--prompt_style must be one of {', '.join(PromptStyle.names())}, got {prompt_style!r}")
+
+
+def serve(loaded: Any, host: str = "127.0.0.1", port: int = 8000, model_name: Optional[str] = None, slots: int = 8,
+          max_seq_length: Optional[int] = None, max_queue: int = 64, prompt_style: Optional[str] = None) -> None:
+    """Serve `loaded` (recipes.evaluate.EvalModel) until Ctrl-C / SIGTERM, then drain and return."""
+    import uvicorn
+
+    from lit_gpt.prompts import PromptStyle
+    from lit_gpt.recipes.openai_api import build_app
+    from lit_gpt.recipes.serving import Engine
+
+    def log(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    length = max_seq_length or min(loaded.block_size, DEFAULT_MAX_SEQ_LENGTH)
+    if length > loaded.block_size:
+        raise LitError(f"--max_seq_length {length} is beyond the model's context ({loaded.block_size})")
+    style = PromptStyle.from_checkpoint(loaded.checkpoint_dir, prompt_style)
+    name = model_name or loaded.checkpoint_dir.name
+    engine = Engine(loaded, slots=slots, max_seq_length=length, max_queue=max_queue, log=log)
+    log(f"Warming up ({engine.runtime.name}: {slots} slots x {length} positions) ...")
+    warm = engine.warm_up()
+    log(f"Warm-up: {warm['seconds']:.1f} s, {warm['compiles']} compilations ({warm['buckets']} prompt lengths)")
+
+    app = build_app(engine, name, style)
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=None)
+    server = uvicorn.Server(config)
+    server.install_signal_handlers = lambda: None  # not on its thread: the main thread owns the signals (below)
+    thread = threading.Thread(target=server.run, name="http", daemon=True)
+
+    stopping = threading.Event()
+
+    def on_signal(signum: int, frame: Any) -> None:
+        if stopping.is_set():  # the second one: leave now
+            log("Stopped without draining.")
+            os._exit(130)
+        stopping.set()
+        server.should_exit = True
+        log(f"{signal.Signals(signum).name}: finishing the requests in flight (again to stop at once) ...")
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        thread.start()
+        while not server.started and thread.is_alive():
+            time.sleep(0.02)
+        if not server.started:
+            raise LitError(f"could not listen on {host}:{port} (in use, or not an address of this machine):"
+                           " choose another --port or --host")
+        bound = server.servers[0].sockets[0].getsockname()[1] if server.servers else port
+        log(f"Serving {name!r} on http://{host}:{bound}/v1 (Ctrl-C to stop)")
+        # until uvicorn is done: after a signal it waits for the open connections, which the engine finishes
+        engine.run(lambda: not thread.is_alive())
+        thread.join()
+        log(f"Stopped after {engine.stats['admitted']} requests.")
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
