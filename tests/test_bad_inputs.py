@@ -496,7 +496,37 @@ CASES = [
         "--train.max_steps", "2", "--train.global_batch_size", "2", "--train.micro_batch_size", "2",
         "--eval.interval", "100", "--eval.max_iters", "1", "--precision", "32-true"),
          r"(?i)adapter.*lora|lora.*adapter", env=xla_env(), owner="recipes"),
+    # --- the server: bad flags are one line before any port opens --------------------------------------------------
+    Case("serve-no-slots", lambda d, fx: serve(fx, "--slots", "0"), r"--slots must be >= 1", owner="recipes"),
+    Case("serve-bad-port", lambda d, fx: serve(fx, "--port", "70000"), r"--port must be between 0 and 65535",
+         owner="recipes"),
+    Case("serve-unknown-prompt-style", lambda d, fx: serve(fx, "--prompt_style", "llama9"),
+         r"--prompt_style must be one of", owner="recipes"),
+    Case("serve-cache-beyond-context", lambda d, fx: serve(fx, "--max_seq_length", "100000"),
+         r"--max_seq_length 100000 is beyond the model's context", owner="recipes"),
+    Case("serve-missing-checkpoint", lambda d, fx: py("serve/base.py", "--checkpoint_dir", d / "nope",
+                                                      "--accelerator", "cpu"), r"nope", owner="recipes"),
+    Case("serve-port-in-use", lambda d, fx: serve(fx, "--port", str(busy_port())),
+         r"could not listen on 127\.0\.0\.1:\d+ .*choose another --port", owner="recipes"),
 ]
+
+
+def serve(fx: Fixtures, *args: Arg) -> List[Arg]:
+    return py("serve/base.py", "--checkpoint_dir", fx.ckpt, "--accelerator", "cpu", "--precision", "32-true", *args)
+
+
+_BUSY: List[object] = []
+
+
+def busy_port() -> int:
+    """A port this process listens on (kept open for the session): the server must say it cannot listen there."""
+    import socket
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(1)
+    _BUSY.append(sock)
+    return sock.getsockname()[1]
 
 
 def consolidate_damaged(d: Path, fx: Fixtures) -> List[Arg]:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT_GLOBS = ("finetune/*.py", "generate/*.py", "chat/base.py", "eval/*.py", "xla/finetune/*.py", "xla/generate/*.py",
+SCRIPT_GLOBS = ("finetune/*.py", "generate/*.py", "chat/base.py", "eval/*.py", "serve/*.py", "xla/finetune/*.py", "xla/generate/*.py",
                 "scripts/*.py", "xla/scripts/*.py")
 SCRIPTS = sorted({str(p.relative_to(ROOT)) for pattern in SCRIPT_GLOBS for p in ROOT.glob(pattern)})
 # the actions jsonargparse adds by itself; their help is jsonargparse's own

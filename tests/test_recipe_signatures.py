@@ -275,3 +275,17 @@ def test_the_generate_recipes_pass_one_typed_object(recipes):
             for name, flag in flags(module.setup).items():
                 if name in defaults:
                     assert flag.default == defaults[name], (recipe, name)
+
+
+@pytest.mark.parametrize("recipe", ["eval/perplexity.py", "eval/lm_eval.py", "serve/base.py"])
+def test_the_recipes_that_load_a_model_to_use_it_take_the_same_model_flags(recipe):
+    """Evaluation and serving load what they run the same way (`lit_gpt.recipes.evaluate.EVAL_FLAGS`): the same
+    names, annotations, defaults and --help texts, in that order."""
+    from lit_gpt.recipes.evaluate import EVAL_FLAGS
+
+    reference = flags(load("eval/perplexity.py").setup)
+    found = flags(load(recipe).setup)
+    names = [f.name for f in EVAL_FLAGS]
+    assert [n for n in found if n in names] == names, recipe
+    for name in names:
+        assert found[name].aspects() == reference[name].aspects(), (recipe, name)
