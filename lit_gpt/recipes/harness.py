@@ -88,9 +88,8 @@ class LitLM(TemplateLM):
         self._device = self.runtime.device
         self._rank, self._world_size = 0, 1
         self.compiles_per_bucket: Dict[Tuple[str, int], int] = {}  # (step, padded length) -> compilations seen
-        # prompts per generation batch. Under SPMD over several devices the loop recompiles its decode step at
-        # every step for a batch split over the devices (seen on XLA:CPU, 8 devices, 8 rows): one prompt at a time
-        self.generate_rows = 1 if self.bucketed and self.runtime.data_parallel_size > 1 else self.batch_size
+        # prompts per generation batch (on XLA padded to this many rows: one graph per prompt bucket)
+        self.generate_rows = self.batch_size
         if self.gpt.max_seq_length < self.max_length:  # full-length windows need RoPE tables that long
             self.runtime.set_rope(self.gpt, self.max_length)
 
