@@ -17,9 +17,10 @@ class TrainArgs:
     """Optimisation and checkpointing. Steps are optimizer steps (one step = `global_batch_size` samples)."""
 
     global_batch_size: int = 16
-    """Samples per optimizer step, over all devices; micro-batches are accumulated to reach it."""
+    """Samples per optimizer step, over all devices; micro-batches are accumulated to reach it. With --data.packing
+    true: packed rows of max_seq_length tokens (as torchtune and MaxText count packed sequences)."""
     micro_batch_size: int = 1
-    """Samples per forward/backward pass on one device."""
+    """Samples per forward/backward pass on one device (with --data.packing true: packed rows)."""
     max_steps: Optional[int] = None
     """Stop after this many optimizer steps. When unset, `epochs` decides."""
     epochs: int = 1
@@ -40,7 +41,8 @@ class TrainArgs:
     max_norm: Optional[float] = 1.0
     """Clip the global gradient norm to this value; None disables clipping."""
     max_seq_length: Optional[int] = None
-    """Crop samples to this many tokens (default: the length the data was prepared with)."""
+    """Crop samples to this many tokens (default: the length the data was prepared with). With --data.packing true
+    every row has exactly this many positions (default: the longest sample's)."""
     save_interval: Optional[int] = 1000
     """Write a resumable checkpoint every this many optimizer steps (and at the last step); None: only at the end."""
     log_interval: int = 1
@@ -106,6 +108,10 @@ class DataArgs:
     pad_pow2: bool = False
     """Pad each batch to the next power of two (capped at max_seq_length): with XLA the train step then compiles
     once per bucket instead of once per batch length."""
+    packing: bool = False
+    """Pack samples into rows of exactly --train.max_seq_length tokens, each document attending to itself only
+    with its own positions: the same loss and gradients as unpadded samples, without computing padding, and one
+    train-step shape (one compilation on XLA). The batch sizes then count rows. Instruction data only (not DPO)."""
 
 
 @dataclass

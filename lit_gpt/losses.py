@@ -38,8 +38,10 @@ def labelled_rows(labels: torch.Tensor) -> Optional[torch.Tensor]:
 def loss_sum(
     model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, targets_only: bool = True,
     rows: Optional[torch.Tensor] = None,
+    **documents: torch.Tensor,
 ) -> torch.Tensor:
-    """Summed next-token cross-entropy over the labelled positions of a batch.
+    """Summed next-token cross-entropy over the labelled positions of a batch (`documents`: packed rows' positions
+    and segments, passed to the model).
 
     With `targets_only` the vocabulary projection (the largest matmul of a small model) runs only on the positions
     that have a label: not on the masked prompts nor on the padding. That makes the shape data-dependent, which
@@ -49,10 +51,10 @@ def loss_sum(
         rows = labelled_rows(labels) if rows is None else rows
         if rows is not None:
             if rows.numel() == 0:  # nothing to learn in this batch: a zero loss that still has a graph
-                return model(input_ids[:, :1]).sum() * 0.0
-            logits = model(input_ids, head_rows=rows)
+                return model(input_ids[:, :1], **{k: v[:, :1] for k, v in documents.items()}).sum() * 0.0
+            logits = model(input_ids, head_rows=rows, **documents)
             return cross_entropy_sum(logits, labels.reshape(-1).index_select(0, rows))
-    return cross_entropy_sum(model(input_ids), labels)
+    return cross_entropy_sum(model(input_ids, **documents), labels)
 
 
 # ---------------------------------------------------------------------------------------------------------------

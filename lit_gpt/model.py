@@ -29,6 +29,8 @@ import torch.nn.functional as F
 from lit_gpt.config import Config
 from lit_gpt.attention import sink_attention, softcap, softcapped_attention  # noqa: F401 (softcap: re-exported)
 from lit_gpt.kv_cache import KVCache, cache_mask  # noqa: F401 (KVCache: re-exported)
+from lit_gpt.packing import SegmentIds, document_mask
+from lit_gpt.utils import LitError
 from lit_gpt.moe import ExpertLinear, MoE
 
 
@@ -50,6 +52,9 @@ class GPT(nn.Module):
         # `blocks(h, x, cos, sin) -> x` in place of the block loop when there is no KV cache (training, scoring):
         # lit_gpt.xla.scan sets it to run all blocks as one scanned layer (compile time flat in depth)
         self.block_runner: Optional[Callable[..., torch.Tensor]] = None
+        # `attend(q, k, v, segments, scale)` for packed rows instead of a dense (T, T) document mask: a kernel that
+        # takes document ids (torch_xla's flash attention on TPUs: lit_gpt.xla.flash installs it there)
+        self.segment_attention: Optional[Callable[..., torch.Tensor]] = None
         # built here, explicitly, on the device the model is created on (free on the meta device): `forward`
         # never builds tables itself, which on a tracing backend would fold the computation into the first graph
         self.reset_rope_cache()
@@ -170,6 +175,8 @@ class GPT(nn.Module):
         head_rows: Optional[torch.Tensor] = None,
         slots: Optional[torch.Tensor] = None,
         cache_length: Optional[int] = None,
+        positions: Optional[torch.Tensor] = None,
+        segments: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """idx: (B, T) token ids. input_pos: required when a KV cache is set: (T,) positions shared by every row, or
         (B, T) positions per row (rows of a continuous batch are at different positions). Returns (B, T, vocab)
@@ -183,7 +190,9 @@ class GPT(nn.Module):
         `last_only`: a 1-D index tensor of positions: logits at those positions of every row, (B, len, vocab)
         (generation needs one).
         `head_rows`: a 1-D index tensor into the flattened (B * T) positions: logits of those only, (len, vocab)
-        (training needs the positions that have a label, which differ from row to row)."""
+        (training needs the positions that have a label, which differ from row to row).
+        `positions` and `segments` (without a KV cache): packed rows (`lit_gpt.packing`), (B, T) each: every token's
+        position within its document (RoPE) and its document's id; a document attends to itself only."""
         T = idx.size(1)
         if self.cos.device != idx.device:
             raise RuntimeError(
@@ -199,6 +208,15 @@ class GPT(nn.Module):
         elif input_pos is not None:
             cos = self.cos.index_select(0, input_pos)
             sin = self.sin.index_select(0, input_pos)
+        elif segments is not None:  # packed rows: positions restart in every document
+            rope = self.config.rope_scaling or {}
+            if rope.get("type") == "longrope" and T > rope["original_max_seq_len"]:
+                # LongRoPE picks its factors by the sequence's length: a row's length is not its documents'
+                raise LitError(f"packed rows of {T} positions with LongRoPE (original context"
+                               f" {rope['original_max_seq_len']}): set --train.max_seq_length <="
+                               f" {rope['original_max_seq_len']} or leave --data.packing off")
+            cos = self.cos.index_select(0, positions.reshape(-1)).view(*positions.shape, -1).unsqueeze(1)
+            sin = self.sin.index_select(0, positions.reshape(-1)).view(*positions.shape, -1).unsqueeze(1)
         else:
             if T > self._max_seq_length:
                 raise ValueError(f"Cannot forward a sequence of length {T}: max_seq_length is {self._max_seq_length}")
@@ -223,12 +241,21 @@ class GPT(nn.Module):
             visible = cache.k.size(2) if cache_length is None else cache_length
             for window in dict.fromkeys(block.attn.sliding_window for block in self.transformer.h):  # in layer order
                 masks[window] = cache_mask(input_pos, visible, window)
+        elif segments is not None:
+            kernel = self.segment_attention
+            for window in dict.fromkeys(block.attn.sliding_window for block in self.transformer.h):
+                # the kernel does plain causal attention within documents; other layers get the dense mask
+                masks[window] = SegmentIds(segments, kernel) if kernel is not None and window is None and not (
+                    self.config.attention_sinks or self.config.attention_logit_softcapping
+                ) else document_mask(segments, positions, window)
 
         x = self.transformer.wte(idx)
         if self.config.scale_embeddings:
             x = x * torch.tensor(self.config.n_embd**0.5, dtype=x.dtype)
         if self.block_runner is not None and input_pos is None:
-            x = self.block_runner(self.transformer.h, x, cos, sin)
+            if masks and not getattr(self.block_runner, "takes_masks", False):
+                raise ValueError("this block runner (e.g. --scan_layers) cannot take packed rows' document masks")
+            x = self.block_runner(self.transformer.h, x, cos, sin, *([masks] if masks else []))
         else:
             for block in self.transformer.h:
                 x = block(x, cos, sin, input_pos, masks.get(block.attn.sliding_window), slots, cache_length)
@@ -356,7 +383,7 @@ class CausalSelfAttention(nn.Module):
             k, v = self.kv_cache(input_pos, k, v, slots, cache_length)
             if mask is None:
                 mask = cache_mask(input_pos, k.size(2), window)
-        elif window is not None and T > window:
+        elif mask is None and window is not None and T > window:
             pos = torch.arange(T, device=x.device)
             diff = pos.unsqueeze(-1) - pos
             mask = (diff >= 0) & (diff < window)
@@ -372,6 +399,8 @@ class CausalSelfAttention(nn.Module):
         own so that the adapter variants (lit_gpt/adapter.py) add their gated prefix attention here instead of
         copying `forward`."""
         scale = self.scale
+        if isinstance(mask, SegmentIds):  # packed rows through a kernel that takes document ids
+            return mask.attend(q, k, v, mask.segments, scale)
         if self.sinks is not None:
             return sink_attention(q, k, v, mask, scale, self.sinks)
         if self.config.attention_logit_softcapping is not None:

@@ -43,7 +43,20 @@ def pad_rows(batch: Dict[str, Any], rows: int) -> Dict[str, Any]:
     if missing <= 0:
         return batch
     pad = lambda t, value: torch.cat([t, t.new_full((missing, t.size(1)), value)])  # noqa: E731
-    return {**batch, "input_ids": pad(batch["input_ids"], 0), "labels": pad(batch["labels"], IGNORE_INDEX)}
+    padded = {**batch, "input_ids": pad(batch["input_ids"], 0), "labels": pad(batch["labels"], IGNORE_INDEX)}
+    for key in PACKED_KEYS:  # packed rows: padding rows are one padding "document" at positions 0
+        if key in batch:
+            padded[key] = pad(batch[key], 0)
+    return padded
+
+
+PACKED_KEYS = ("positions", "segments")
+"""What a packed batch (`lit_gpt.packing.collate_packed`) adds to the model's inputs."""
+
+
+def documents(extra: Sequence[torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """The model's keyword arguments for packed rows (`positions`, `segments`) from `Objective.inputs`' tail."""
+    return dict(zip(PACKED_KEYS, extra))
 
 
 class Objective:
@@ -87,21 +100,22 @@ class Objective:
         return int((batch["labels"] != IGNORE_INDEX).sum())
 
     def inputs(self, batch: Dict[str, Any]) -> Tuple[torch.Tensor, ...]:
-        """The host tensors that go to the device."""
-        return batch["input_ids"], batch["labels"]
+        """The host tensors that go to the device (packed rows: also their positions and document ids)."""
+        return (batch["input_ids"], batch["labels"], *(batch[k] for k in PACKED_KEYS if k in batch))
 
     def loss(self, model: nn.Module, inputs: Sequence[torch.Tensor], rows: Optional[torch.Tensor] = None
              ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """(summed loss, summed stats or None) of one micro-batch. `rows`: the flat indices of the labelled positions
         (`lit_gpt.losses.labelled_rows`, on the device) where the backend computes the head on those only."""
-        input_ids, labels = inputs
-        return loss_sum(model, input_ids, labels, targets_only=rows is not None, rows=rows), None
+        input_ids, labels, *packed = inputs
+        return loss_sum(model, input_ids, labels, targets_only=rows is not None, rows=rows,
+                        **documents(packed)), None
 
     @torch.no_grad()
     def eval_loss(self, model: nn.Module, inputs: Sequence[torch.Tensor]) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """The validation loss of one batch (no gradient), summed like `loss`."""
-        input_ids, labels = inputs
-        return cross_entropy_sum(model(input_ids), labels), None
+        input_ids, labels, *packed = inputs
+        return cross_entropy_sum(model(input_ids, **documents(packed)), labels), None
 
     def metrics(self, stats: Sequence[float], count: float) -> Dict[str, float]:
         """Logged means from summed stats over `count` units."""

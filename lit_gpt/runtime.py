@@ -60,8 +60,9 @@ def write_error(directory: Path, partials: Sequence[Path], e: OSError) -> LitErr
     )
 
 
-def _call_block(block: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return block(x, cos, sin)
+def _call_block(block: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    return block(x, cos, sin, None, mask)
 
 
 def full_state_dict(model: nn.Module) -> Dict[str, torch.Tensor]:
@@ -430,11 +431,13 @@ class Runtime:
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         step = torch.compile(_call_block, backend=self.compile_backend, fullgraph=True, dynamic=False)
 
-        def run_blocks(blocks: nn.ModuleList, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-            for block in blocks:
-                x = step(block, x, cos, sin)
+        def run_blocks(blocks: nn.ModuleList, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       masks: Optional[Dict[Optional[int], torch.Tensor]] = None) -> torch.Tensor:
+            for block in blocks:  # packed rows: each block's document mask (by its attention window)
+                x = step(block, x, cos, sin, masks[block.attn.sliding_window]) if masks else step(block, x, cos, sin)
             return x
 
+        run_blocks.takes_masks = True  # type: ignore[attr-defined]
         model.block_runner = run_blocks
         self.compiles_graphs = True
 

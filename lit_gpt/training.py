@@ -49,6 +49,7 @@ from lit_gpt.manifest import MANIFEST
 from lit_gpt.data import IGNORE_INDEX, PreparedData, TrainBatches, val_batches
 from lit_gpt.losses import MoETerms, labelled_rows, token_mask, write_expert_load
 from lit_gpt.objectives import Objective
+from lit_gpt.packing import collate_packed, pack_for_training
 from lit_gpt.runtime import FINAL_DIR, Runtime
 from lit_gpt.storage import location
 from lit_gpt.utils import LitError
@@ -211,7 +212,8 @@ def load_data(
             raise LitError(
                 f"--train.max_seq_length {train.max_seq_length} exceeds the model's context length {block_size}"
             )
-        max_seq_length = min(train.max_seq_length, longest)
+        # packed rows are exactly max_seq_length long, whatever the samples' lengths
+        max_seq_length = train.max_seq_length if data.packing else min(train.max_seq_length, longest)
     else:
         max_seq_length = min(longest, block_size)
     say = (lambda msg: print(msg, file=sys.stderr)) if rank == 0 else (lambda msg: None)
@@ -228,14 +230,18 @@ def load_data(
         say(f"note: {len(prepared.train) - len(kept)} training sample(s) have no target token within"
             f" max_seq_length {max_seq_length} and are left out")
     val_kept = [s for s in prepared.val if objective.keep(s, max_seq_length)]
-    steps_per_epoch = len(kept) // train.global_batch_size
+    train_items, val_items, what = kept, val_kept, "usable samples"
+    pad = dict(pad_multiple=data.pad_multiple, pad_pow2=data.pad_pow2, collate_fn=objective.collate)
+    if data.packing:  # the items the batch sizes count are rows of samples
+        train_items, val_items = pack_for_training(objective.name, kept, val_kept, max_seq_length, say)
+        what, pad["collate_fn"] = "packed rows", collate_packed
+    steps_per_epoch = len(train_items) // train.global_batch_size
     if steps_per_epoch == 0:
         raise LitError(
-            f"the training set has {len(kept)} usable samples, fewer than --train.global_batch_size"
+            f"the training set has {len(train_items)} {what}, fewer than --train.global_batch_size"
             f" ({train.global_batch_size}): lower the global batch size or add data"
         )
-    pad = dict(pad_multiple=data.pad_multiple, pad_pow2=data.pad_pow2, collate_fn=objective.collate)
-    if train.compile:
+    if train.compile and not data.packing:
         if uses_fsdp(runtime.fabric):
             raise LitError("--train.compile works on one device or with --strategy ddp, not with FSDP")
         if data.pad_multiple == 1 and not data.pad_pow2:
@@ -245,11 +251,11 @@ def load_data(
                 " buckets)")
     # whole optimizer steps only: every layout (1 process, 8 devices, ...) sees the same samples in each step
     batches = TrainBatches(
-        kept, rows, max_seq_length, seed=train.seed, shuffle=data.shuffle, rank=rank, world_size=processes,
+        train_items, rows, max_seq_length, seed=train.seed, shuffle=data.shuffle, rank=rank, world_size=processes,
         batches_per_epoch=steps_per_epoch * train.gradient_accumulation_iters(runtime.data_parallel_size), **pad,
     )
     val_args = dict(max_iters=eval.max_iters, rank=rank, world_size=processes, **pad)
-    val = val_batches(val_kept, rows, max_seq_length, **val_args)
+    val = val_batches(val_items, rows, max_seq_length, **val_args)
     sample_prompt = None
     if prepared.val:
         first = prepared.val[0]

@@ -73,6 +73,17 @@ def check_scan_layers(scan_layers: Union[bool, str]) -> None:
         raise LitError(f"--scan_layers: {reason} (or run without --scan_layers)")
 
 
+def packing_scan_layers(scan_layers: Union[bool, str], packing: bool) -> Union[bool, str]:
+    """Packed rows need each block's document mask, which the scanned blocks do not carry: with --data.packing,
+    "auto" runs the loop and --scan_layers true is refused in one line."""
+    if not packing:
+        return scan_layers
+    if scan_layers is True:
+        raise LitError("--data.packing runs the blocks as a loop (the scanned layer takes no document masks):"
+                       " use --scan_layers auto or false with packing")
+    return False
+
+
 def check_moe(config: Config, scan_layers: Union[bool, str], activation_checkpointing: bool) -> None:
     """Settings that cannot train a mixture-of-experts model on XLA, refused before anything loads (`config` with
     the --moe settings applied):
@@ -142,6 +153,7 @@ def xla_finetune_command(
     def setup(**flags: Any) -> Dict[str, Any]:
         if check is not None:
             check(flags)
+        flags["scan_layers"] = packing_scan_layers(flags["scan_layers"], flags["data"].packing)
         config = flags["moe"].apply(load_config(flags["checkpoint_dir"], config_cls, **values(flags, own)))
         check_moe(config, flags["scan_layers"], flags["activation_checkpointing"])
         fabric = setup_fabric(
