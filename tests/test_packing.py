@@ -3,7 +3,6 @@ document attending to itself only at its own positions, so that a packed step gi
 the same samples unpacked (fp32, within 1e-5 relative) for every family and every method; deterministic rows; and
 a recipe run that packs (epoch-driven, dropout on) counts rows in its batch sizes."""
 
-import json
 import math
 import random
 from typing import Dict, List

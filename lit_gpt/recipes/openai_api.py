@@ -141,12 +141,12 @@ def build_app(engine: Engine, model_name: str, style: Any) -> FastAPI:
             raise APIError(400, "the prompt is empty", "prompt")
         return ids
 
-    def limits(prompt_ids: List[int], max_tokens: Optional[int], param: str) -> int:
+    def limits(prompt_ids: List[int], max_tokens: Optional[int], param: str, prompt_param: str) -> int:
         room = engine.max_seq_length - len(prompt_ids)
         if room < 1:
             raise APIError(400, f"the prompt has {len(prompt_ids)} tokens but this server's context is"
-                                f" {engine.max_seq_length} (--max_seq_length): shorten it", "messages"
-                           if param == "max_completion_tokens" else "prompt", code="context_length_exceeded")
+                                f" {engine.max_seq_length} (--max_seq_length): shorten it", prompt_param,
+                           code="context_length_exceeded")
         if max_tokens is None:
             return room
         if max_tokens > room:
@@ -204,7 +204,7 @@ def build_app(engine: Engine, model_name: str, style: Any) -> FastAPI:
         ids = encode(text, style.bos)
         limit = body.max_completion_tokens or body.max_tokens
         param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
-        jobs = jobs_for(body, [ids], [limits(ids, limit, param)])
+        jobs = jobs_for(body, [ids], [limits(ids, limit, param, "messages")])
         return await respond(request, body, jobs, chat=True)
 
     @app.post("/v1/completions")
@@ -214,7 +214,7 @@ def build_app(engine: Engine, model_name: str, style: Any) -> FastAPI:
         if not prompts:
             raise APIError(400, "prompt is an empty list", "prompt")
         ids = [encode(p, None) for p in prompts]
-        jobs = jobs_for(body, ids, [limits(i, body.max_tokens, "max_tokens") for i in ids])
+        jobs = jobs_for(body, ids, [limits(i, body.max_tokens, "max_tokens", "prompt") for i in ids])
         return await respond(request, body, jobs, chat=False)
 
     async def respond(request: Request, body: _Common, per_prompt: List[List[Job]], chat: bool) -> Any:
