@@ -100,11 +100,11 @@ def preference_rows(checkpoint_dir: Path, n: int, lengths=(90, 120), seed: int =
     return rows
 
 
-def command(variant: str, backend: str, checkpoint_dir: Path, data_dir: Path, out_dir: Path, steps: int,
-            micro: int, rows: int, max_len: int) -> List[str]:
-    """The recipe's command line for one variant (LoRA r=8 on every layer's attention and MLP, no dropout)."""
+def lora_run(script: str, backend: str, checkpoint_dir: Path, data_dir: Path, out_dir: Path, steps: int,
+             micro: int, rows: int, max_len: int) -> List[str]:
+    """A finetune recipe's timed run (finetune/SCRIPT or xla/finetune/SCRIPT): LoRA r=8 on every layer's attention
+    and MLP, no dropout, one micro-batch of `rows` per step, no validation, no checkpoints (bench/packing.py too)."""
     folder = "xla/finetune" if backend == "xla" else "finetune"
-    script = "lora.py" if variant == "sft" else "dpo.py"
     args = [f"{folder}/{script}", "--checkpoint_dir", str(checkpoint_dir), "--data.data_dir", str(data_dir),
             "--out_dir", str(out_dir), "--precision", "32-true", "--train.max_steps", str(steps),
             "--train.micro_batch_size", str(micro), "--train.global_batch_size", str(rows),
@@ -115,6 +115,32 @@ def command(variant: str, backend: str, checkpoint_dir: Path, data_dir: Path, ou
             "--lora_projection", "true"]
     if backend == "cpu":
         args += ["--accelerator", "cpu", "--devices", "1"]
+    return args
+
+
+def backend_devices(backend: str, bench: str) -> int:
+    """Devices of the run: 1 on the CPU; on XLA PJRT_DEVICE's (CPU_NUM_DEVICES on XLA:CPU), one line without it."""
+    if backend != "xla":
+        return 1
+    if os.environ.get("PJRT_DEVICE") is None:
+        raise LitError(f"--backend xla needs PJRT_DEVICE (e.g. PJRT_DEVICE=CPU CPU_NUM_DEVICES=8 python {bench}"
+                       " --backend xla)")
+    return int(os.environ.get("CPU_NUM_DEVICES", "1")) if os.environ["PJRT_DEVICE"] == "CPU" else 1
+
+
+def work_folder(work_dir: Optional[Path]) -> Any:
+    """(folder, temporary directory or None): `work_dir`, or a temporary directory removed at the end."""
+    tmp = tempfile.TemporaryDirectory() if work_dir is None else None
+    work = Path(tmp.name) if tmp else Path(work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    return work, tmp
+
+
+def command(variant: str, backend: str, checkpoint_dir: Path, data_dir: Path, out_dir: Path, steps: int,
+            micro: int, rows: int, max_len: int) -> List[str]:
+    """The recipe's command line for one variant."""
+    args = lora_run("lora.py" if variant == "sft" else "dpo.py", backend, checkpoint_dir, data_dir, out_dir, steps,
+                    micro, rows, max_len)
     if variant != "sft":
         args += ["--method", "lora", "--dpo.reference", variant[len("dpo_"):], "--dpo.beta", "0.1"]
     return args
@@ -195,16 +221,9 @@ def main(
         results_file: Also write the results to this JSON file (bench/result_files.py).
         note: A remark stored in the results file (e.g. what else ran on the machine).
     """
-    devices = 1
-    if backend == "xla":
-        if os.environ.get("PJRT_DEVICE") is None:
-            raise LitError("--backend xla needs PJRT_DEVICE (e.g. PJRT_DEVICE=CPU CPU_NUM_DEVICES=8 python bench/dpo.py"
-                           " --backend xla)")
-        devices = int(os.environ.get("CPU_NUM_DEVICES", "1")) if os.environ["PJRT_DEVICE"] == "CPU" else 1
+    devices = backend_devices(backend, "bench/dpo.py")
     rows = micro_batch_size * devices
-    tmp = tempfile.TemporaryDirectory() if work_dir is None else None
-    work = Path(tmp.name) if tmp else Path(work_dir)
-    work.mkdir(parents=True, exist_ok=True)
+    work, tmp = work_folder(work_dir)
     model_dir = make_model(work / "model", Path(checkpoint_dir), n_layer, n_embd)
     pairs = rows * steps + 4
     (work / "pairs.json").write_text(json.dumps(preference_rows(model_dir, pairs, tuple(lengths))))

@@ -499,23 +499,15 @@ def test_ctrl_c_drains(one_slot, tokenizer):
 def test_lora_weights_served(tiny_dir, tmp_path):
     """--lora_path: the server answers with the base plus the LoRA weights (greedy: the tokens of the merged model
     run in this process), not with the base alone."""
-    import torch
-
     from lit_gpt import lora
     from lit_gpt.generate import generate
     from lit_gpt.loading import load_model
-    from lit_gpt.peft import load_variant_model, save_finetuned
+    from lit_gpt.peft import load_variant_model
     from lit_gpt.tokenizer import Tokenizer
+    from variants import finetuned_on
 
-    config = lora.Config.from_checkpoint(tiny_dir, lora_r=4, lora_alpha=8, lora_mlp=True)
-    torch.manual_seed(1)
-    model = lora.GPT(config)
-    model.load_state_dict(load_model(tiny_dir).state_dict(), strict=False)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if model.peft_filter(name, p):
-                p.normal_(std=0.2)  # a finetuned-looking update, not the initial zeros
-    path = save_finetuned(model, tmp_path / "final")
+    finetuned_on(tiny_dir, lora, tmp_path / "final", lora_r=4, lora_alpha=8, lora_mlp=True)
+    path = tmp_path / "final" / "lit_model.lora.safetensors"
     process = ServerProcess(tiny_dir, "--lora_path", str(path), "--slots", "2", "--max_seq_length", "64").start()
     try:
         process.ready()
