@@ -605,7 +605,94 @@ def eval_throughput() -> str:
     return text + _source(r)
 
 
+def serve() -> str:
+    """bench/serve.py: serve/base.py under concurrent clients against one request at a time and against
+    transformers' batched generate on the same prompts (every bench/results/serve*.json, one block of rows each)."""
+    records = _load_all(*sorted(p.stem for p in RESULTS.glob("serve*.json")))
+    head = ["| server (`serve/base.py`) | requests in flight | tokens/s | x sequential | time to first token, median"
+            " (p90) | transformers batched `generate`, batch = requests in flight: tokens/s | ours vs transformers |",
+            "| --- | --- | --- | --- | --- | --- | --- |"]
+    if not records:
+        return "\n".join(head + ["| not measured (run `python bench/serve.py --results_file bench/results/serve_cpu.json`)"
+                                 " | | | | | | |"]) + "\n"
+    for r in records:
+        res, s = r["results"], r["settings"]
+        seq = res["sequential"]
+        ref1 = next((t for t in res["transformers"] if t["batch_size"] == 1), None)
+        where = (f"{s['device'].upper()}, {s['dtype']}, {s['threads']} thread{'' if s['threads'] == 1 else 's'},"
+                 f" {s['slots']} slots")
+        head.append(f"| {where} | 1, one after another (not streamed) | {_f(seq['tokens_per_s'], '.1f')} | 1.00x | -"
+                    f" | {'-' if ref1 is None else _f(ref1['tokens_per_s'], '.1f')}"
+                    f" | {'-' if seq.get('x_transformers_batch_1') is None else _f(seq['x_transformers_batch_1']) + 'x'} |")
+        for level in res["levels"]:
+            head.append(f"| | {level['concurrency']} (streamed) | {_f(level['tokens_per_s'], '.1f')}"
+                        f" | {_f(level['x_sequential'])}x | {_f(level['ttft_median_s'] * 1000, '.0f')} ms"
+                        f" ({_f(level['ttft_p90_s'] * 1000, '.0f')} ms) | {_f(level['transformers_tokens_per_s'], '.1f')}"
+                        f" | {_f(level['x_transformers'])}x |")
+    s, res = records[0]["settings"], records[0]["results"]
+    same = all(lv["same_text_as_sequential"] == lv["requests"] for r in records for lv in r["results"]["levels"])
+    same_hf = all(t["same_text_as_server"] == r["settings"]["requests"] for r in records for t in r["results"]["transformers"])
+    text = "\n".join(head) + "\n"
+    text += (f"\n{s['checkpoint']}, {s['requests']} completion requests per row (\"{s['prompt']}\", a different word"
+             f" each: {'-'.join(map(str, sorted(set(s['prompt_tokens']))))} prompt tokens), greedy, {s['max_tokens']} tokens"
+             f" each, sent by the `openai` package's AsyncOpenAI client from the same machine; the server ran with"
+             f" `--slots {s['slots']} --max_seq_length {s['max_seq_length']}`. Tokens/s: completion tokens over the"
+             " row's wall time; N requests in flight: N clients, each sending its next request when its last one"
+             " ended. Time to first token: from sending a request to its first non-empty streamed text. transformers:"
+             " `AutoModelForCausalLM.generate` on the checkpoint's export, the same prompt tokens left-padded in"
+             " batches of N, in the same run after the server stopped, same threads. Greedy answers "
+             + ("identical" if same else "NOT all identical") + " at every concurrency to the sequential ones, and "
+             + ("identical" if same_hf else "NOT all identical") + " to transformers'.\n")
+    return text + _source(*records)
+
+
+PACKING_FILES = (("packing_cpu", "CPU (finetune/lora.py)"), ("xla_packing_cpu1", "XLA:CPU, 1 device"),
+                 ("xla_packing_cpu8", "XLA:CPU, 8 devices"))
+
+
+def packing() -> str:
+    """bench/packing.py: packed rows against power-of-two padding, same samples: the useful-token fraction and the
+    useful tokens per second, per backend."""
+    records = _load_all(*(name for name, _ in PACKING_FILES))
+    head = ["| backend | useful tokens / computed positions: pow2 padding | packed | useful tokens/s: pow2 padding"
+            " | packed | packed / padded | train-step compilations: padded, packed |",
+            "| --- | --- | --- | --- | --- | --- | --- |"]
+    if not any(records):
+        return "\n".join(head + ["| not measured (run `python bench/packing.py --results_file"
+                                 " bench/results/packing_cpu.json`) | | | | | | |"]) + "\n"
+    for (_, label), r in zip(PACKING_FILES, records):
+        if r is None:
+            continue
+        frac, speed = r["results"]["fractions"]["useful_fraction"], r["results"]["speed"]
+        compiles = ", ".join(str(max(c or 0 for c in speed[k]["train_compiles"])) for k in ("padded", "packed"))
+        head.append(f"| {label} | {_f(frac['padded'], '.3f')} | {_f(frac['packed'], '.3f')}"
+                    f" | {_f(speed['padded']['useful_tokens_per_s'], '.0f')}"
+                    f" | {_f(speed['packed']['useful_tokens_per_s'], '.0f')} | {_f(speed['packed_over_padded'])}x"
+                    f" | {compiles if r['settings']['backend'] == 'xla' else '-'} |")
+    first = next(r for r in records if r)
+    s, f = first["settings"], first["results"]["fractions"]
+    text = "\n".join(head) + "\n"
+    text += (f"\n{s['data']}: {f['samples']} samples (median {f['length_median']} tokens, 90th percentile"
+             f" {f['length_p90']}, longest {f['length_max']}), packed into {f['rows']} rows of {s['max_seq_length']}"
+             f" ({_f(f['samples_per_row'], '.1f')} samples per row); padded: micro-batches of {s['micro_batch_size']}"
+             " samples to the next power of two. Useful tokens: the real (prompt and response) input tokens; computed"
+             f" positions: rows x length. Speed: LoRA (r={s['lora_r']}), {s['precision']}, {s['model']}, the recipe"
+             " unmodified in its own process, the loop's count of real tokens over its steady steps (on XLA the padded"
+             " run's steps that compiled a new length bucket are not steady), median of the interleaved rounds.\n")
+    att = first["results"].get("attention")
+    if att:
+        flex = (f"{_f(att['flex_s'] * 1000, '.1f')} ms after {_f(att['flex_forward_compile_s'], '.0f')} s of compilation"
+                if att.get("flex_trains") else f"does not train here ({att.get('flex_error')})")
+        text += (f"\nAttention for packed rows on the CPU, forward + backward, shape {att['shape']} with"
+                 f" {att['documents_per_row']} documents per row: SDPA with the block-diagonal mask (what the model"
+                 f" runs) {_f(att['sdpa_mask_s'] * 1000, '.1f')} ms, SDPA causal (an unpacked row's kernel)"
+                 f" {_f(att['sdpa_causal_s'] * 1000, '.1f')} ms; FlexAttention's document mask: {flex}.\n")
+    return text + _source(*records)
+
+
 TABLES: Dict[str, Callable[[], str]] = {
+    "packing": packing,
+    "serve": serve,
     "eval-throughput": eval_throughput,
     "xla-moe-memory": xla_moe_memory,
     "moe-resources": moe_resources,

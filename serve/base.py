@@ -36,7 +36,7 @@ FLAGS: List[Flag] = [
     Flag("slots", int, 8, "Requests decoded together (rows of the batched KV cache)."),
     Flag("max_seq_length", Optional[int], None,
          "Positions per slot: the longest prompt + max_tokens a request may have (default: the model's context,\n"
-         "at most 4096). The KV cache holds slots x max_seq_length positions per layer."),
+         "at most 2048). The KV cache holds slots x max_seq_length positions per layer, allocated at the start."),
     Flag("max_queue", int, 64, "Requests that may wait for a free slot; past that they get HTTP 429."),
     Flag("prompt_style", Optional[str], None,
          'How chat messages become the prompt: "chat" (the checkpoint\'s chat template), "alpaca" or "raw"\n'

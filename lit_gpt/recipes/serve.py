@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 from lit_gpt.utils import LitError
 
-DEFAULT_MAX_SEQ_LENGTH = 4096
+DEFAULT_MAX_SEQ_LENGTH = 2048  # per slot: 8 slots of 2048 hold 16k positions per layer
 
 
 def check_serve_args(host: str = "127.0.0.1", port: int = 8000, slots: int = 8, max_seq_length: Optional[int] = None,

@@ -1,0 +1,346 @@
+"""Serving throughput: serve/base.py (continuous batching) under concurrent OpenAI-client load, against one request
+at a time on the same server, and against transformers' batched `generate` on the same prompts, in one run (CPU):
+
+    python bench/serve.py --checkpoint_dir checkpoints/HuggingFaceTB/SmolLM2-135M-Instruct \\
+        --results_file bench/results/serve_cpu.json
+
+The server is the real one: `python serve/base.py --port 0 ...` in a subprocess (its "Serving ... on
+http://HOST:PORT/v1" line gives the port), driven by the `openai` package's `AsyncOpenAI` client from this process.
+Every phase sends the same `--requests` completion requests ("Once upon a time, there was a WORD who", a different
+WORD each, greedy, `max_tokens` = `--max_tokens`; such prompts run to max_tokens rather than stopping early):
+
+* `sequential`: one request at a time, `stream: false` (the baseline: a server that answers one request at a time);
+* concurrency N (`--concurrency`, default 1, 4, 8, 16): N clients at once, each sending its next request when its
+  last one ended, `stream: true`. Time to first token (TTFT) = from sending a request to its first non-empty text
+  chunk: median and 90th percentile. With more clients than `--slots` the rest queue (their TTFT shows it).
+
+Tokens/s = the completion tokens the server reported (`usage`) over the wall time of the phase. After the server
+phases the server gets SIGINT (it drains and exits 0), then the reference runs in this process: transformers'
+`AutoModelForCausalLM` on the checkpoint's transformers export (`lit_gpt.convert.convert_lit_checkpoint` into a
+temporary folder, or `--hf_dir`), the same prompt token ids left-padded in batches of N (one untimed warm-up call per
+batch size), greedy, `max_new_tokens` = `--max_tokens`, float32, on the CPU. Both sides use `--threads` threads
+(OMP_NUM_THREADS for the server, `torch.set_num_threads` here). Stored per level: tokens/s, the ratio to
+sequential, TTFT median / p90, the transformers tokens/s at batch size N and our ratio to it, and how many greedy
+answers equal the sequential ones and transformers' (the same text: batching changes nothing).
+
+The client runs in this process on the same cores as the server: on a small machine its share of the CPU counts
+against the server (as it would for a client on the same host).
+"""
+
+import asyncio
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+from lit_gpt.utils import DEFAULT_CHECKPOINT_DIR, LitError, run_cli
+
+import result_files  # bench/result_files.py (this script's folder is on sys.path)
+
+ROOT = Path(__file__).resolve().parents[1]
+WORDS = ("dragon", "baker", "robot", "princess", "farmer", "wizard", "sailor", "painter", "knight", "fox", "doctor",
+         "giant", "teacher", "pirate", "gardener", "mouse", "king", "musician", "owl", "tailor", "dancer", "hunter",
+         "poet", "miller", "rabbit", "queen", "soldier", "fisherman", "witch", "clockmaker", "bear", "shepherd")
+SERVING = re.compile(r"Serving .* on (http://\S+/v1)")
+
+
+def prompts_for(n: int) -> List[str]:
+    return [f"Once upon a time, there was a {WORDS[i % len(WORDS)]}{'' if i < len(WORDS) else f' number {i}'} who"
+            for i in range(n)]
+
+
+def percentile(values: List[float], q: float) -> float:
+    """The q-quantile (0..1) with linear interpolation between the sorted values."""
+    s = sorted(values)
+    x = q * (len(s) - 1)
+    lo = int(x)
+    return s[lo] if lo + 1 >= len(s) else s[lo] + (s[lo + 1] - s[lo]) * (x - lo)
+
+
+def log(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the server
+# ---------------------------------------------------------------------------------------------------------------
+class Server:
+    """serve/base.py in a subprocess; its stderr lines are kept (and shown with a prefix)."""
+
+    def __init__(self, argv: List[str], threads: int, timeout: float) -> None:
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
+               "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+        self.command = "python " + " ".join(argv)
+        t0 = time.perf_counter()
+        self.proc = subprocess.Popen([sys.executable, *argv], cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self.lines: List[str] = []
+        self.url: Optional[str] = None
+        found = threading.Event()
+
+        def read() -> None:
+            for line in self.proc.stderr:
+                line = line.rstrip("\n")
+                self.lines.append(line)
+                log(f"[server] {line}")
+                m = SERVING.search(line)
+                if m and self.url is None:
+                    self.url = m.group(1)
+                    found.set()
+            found.set()  # the process ended
+
+        self.reader = threading.Thread(target=read, daemon=True)
+        self.reader.start()
+        if not found.wait(timeout) or self.url is None:
+            self.proc.kill()
+            self.proc.wait()
+            tail = "\n".join(self.lines[-20:])
+            raise LitError(f"serve/base.py did not start serving within {timeout:.0f} s (exit {self.proc.returncode}):"
+                           f" {tail[-2000:]}")
+        self.start_s = time.perf_counter() - t0
+
+    def line(self, prefix: str) -> Optional[str]:
+        return next((x for x in self.lines if x.startswith(prefix)), None)
+
+    def stop(self, timeout: float = 120) -> int:
+        """SIGINT (what Ctrl-C sends): the server drains and exits; its exit status."""
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise LitError(f"serve/base.py did not exit within {timeout:.0f} s of SIGINT")
+        self.reader.join(5)
+        return code
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the client side
+# ---------------------------------------------------------------------------------------------------------------
+async def one_request(client: Any, model: str, prompt: str, max_tokens: int, stream: bool) -> Dict[str, Any]:
+    t0 = time.perf_counter()
+    if not stream:
+        r = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0.0)
+        return {"text": r.choices[0].text, "tokens": r.usage.completion_tokens, "ttft_s": None,
+                "seconds": time.perf_counter() - t0, "finish_reason": r.choices[0].finish_reason}
+    text, ttft, tokens, reason = "", None, None, None
+    chunks = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0.0,
+                                             stream=True)
+    async for chunk in chunks:
+        if chunk.choices and chunk.choices[0].text:
+            if ttft is None:
+                ttft = time.perf_counter() - t0
+            text += chunk.choices[0].text
+        if chunk.choices and chunk.choices[0].finish_reason:
+            reason = chunk.choices[0].finish_reason
+        if getattr(chunk, "usage", None) is not None:
+            tokens = chunk.usage.completion_tokens
+    if tokens is None:
+        raise LitError("the server's stream carried no usage")
+    return {"text": text, "tokens": tokens, "ttft_s": ttft, "seconds": time.perf_counter() - t0,
+            "finish_reason": reason}
+
+
+async def run_level(url: str, model: str, prompts: List[str], max_tokens: int, concurrency: Optional[int],
+                    warm_up: int) -> Dict[str, Any]:
+    """All prompts, `concurrency` at a time (None: one at a time, not streamed). Returns the phase's measurements
+    and the answers in prompt order."""
+    from openai import AsyncOpenAI
+
+    async with AsyncOpenAI(base_url=url, api_key="none", max_retries=0, timeout=3600) as client:
+        stream = concurrency is not None
+        width = concurrency or 1
+        if warm_up:
+            await asyncio.gather(*(one_request(client, model, p, 4, stream) for p in prompts[: min(warm_up, width)]))
+        out: List[Optional[Dict[str, Any]]] = [None] * len(prompts)
+        todo = iter(range(len(prompts)))
+
+        async def worker() -> None:
+            for i in todo:  # one shared iterator: each worker takes the next prompt when its request ended
+                out[i] = await one_request(client, model, prompts[i], max_tokens, stream)
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(width)))
+        seconds = time.perf_counter() - t0
+    done: List[Dict[str, Any]] = [r for r in out if r is not None]
+    tokens = sum(r["tokens"] for r in done)
+    result = {"concurrency": concurrency, "requests": len(done), "completion_tokens": tokens, "seconds": seconds,
+              "tokens_per_s": tokens / seconds, "latency_median_s": statistics.median(r["seconds"] for r in done),
+              "full_length": sum(r["finish_reason"] == "length" for r in done)}
+    if stream:
+        ttfts = [r["ttft_s"] for r in done if r["ttft_s"] is not None]
+        result.update(ttft_median_s=statistics.median(ttfts), ttft_p90_s=percentile(ttfts, 0.9))
+    result["texts"] = [r["text"] for r in done]
+    return result
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the reference: transformers' batched generate
+# ---------------------------------------------------------------------------------------------------------------
+def transformers_reference(hf_dir: Path, prompt_ids: List[List[int]], max_tokens: int, batch_sizes: List[int],
+                           pad_id: int, stop_ids: List[int], decode: Any) -> List[Dict[str, Any]]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
+    model.eval()
+
+    def generate(rows: List[List[int]], new_tokens: int) -> List[List[int]]:
+        width = max(len(r) for r in rows)
+        ids = torch.tensor([[pad_id] * (width - len(r)) + r for r in rows])
+        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+        with torch.inference_mode():
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=None,
+                                 do_sample=False, temperature=None, top_p=None, top_k=None, pad_token_id=pad_id,
+                                 eos_token_id=stop_ids)
+        answers = []
+        for row in out[:, width:].tolist():
+            cut = next((k for k, t in enumerate(row) if t in stop_ids), len(row))
+            answers.append(row[:cut])
+        return answers
+
+    results = []
+    for b in batch_sizes:
+        generate(prompt_ids[:b], 4)  # warm-up: this batch size's first call
+        t0 = time.perf_counter()
+        answers: List[List[int]] = []
+        for start in range(0, len(prompt_ids), b):
+            answers += generate(prompt_ids[start: start + b], max_tokens)
+        seconds = time.perf_counter() - t0
+        tokens = sum(len(a) for a in answers)
+        results.append({"batch_size": b, "completion_tokens": tokens, "seconds": seconds,
+                        "tokens_per_s": tokens / seconds, "texts": [decode(a) for a in answers]})
+        log(f"transformers generate, batch {b:>2}: {tokens / seconds:7.1f} tokens/s ({tokens} tokens in"
+            f" {seconds:.1f} s)")
+    return results
+
+
+# ---------------------------------------------------------------------------------------------------------------
+def main(
+    checkpoint_dir: Path = DEFAULT_CHECKPOINT_DIR,
+    hf_dir: Optional[Path] = None,
+    concurrency: List[int] = [1, 4, 8, 16],
+    requests: int = 16,
+    max_tokens: int = 32,
+    slots: int = 16,
+    max_seq_length: int = 256,
+    threads: Optional[int] = None,
+    startup_timeout: float = 600,
+    results_file: Optional[Path] = None,
+    note: Optional[str] = None,
+) -> Dict[str, Any]:
+    """Tokens/s and time to first token of serve/base.py at several concurrency levels, against one request at a
+    time and against transformers' batched generate on the same prompts (CPU, fp32).
+
+    Args:
+        checkpoint_dir: The model served (a converted checkpoint folder).
+        hf_dir: Its transformers export for the reference (default: converted into a temporary folder).
+        concurrency: Concurrent clients per level; transformers runs the same numbers as batch sizes.
+        requests: Completion requests per level (the same prompts at every level).
+        max_tokens: Tokens per answer (greedy; the prompts run to it).
+        slots: The server's --slots (requests decoded together; more clients than slots queue).
+        max_seq_length: The server's --max_seq_length (longest prompt + max_tokens must fit).
+        threads: CPU threads of the server and of transformers (default: the usable cores).
+        startup_timeout: Seconds to wait for the server to load and warm up.
+        results_file: Also write the results to this JSON file (bench/result_files.py).
+        note: A remark stored in the results file (e.g. what else ran on the machine).
+    """
+    import torch
+
+    from lit_gpt.tokenizer import Tokenizer
+
+    checkpoint_dir = Path(checkpoint_dir)
+    if not (checkpoint_dir / "lit_config.json").is_file():
+        raise LitError(f"{checkpoint_dir} is not a converted checkpoint folder (no lit_config.json): pass"
+                       " --checkpoint_dir, e.g. checkpoints/HuggingFaceTB/SmolLM2-135M-Instruct")
+    if requests < 1 or max_tokens < 1 or not concurrency or min(concurrency) < 1:
+        raise LitError("--requests, --max_tokens and every --concurrency must be >= 1")
+    threads = threads or len(os.sched_getaffinity(0))
+    torch.set_num_threads(threads)
+    tokenizer = Tokenizer(checkpoint_dir)
+    prompts = prompts_for(requests)
+    prompt_ids = [tokenizer.encode(p).tolist() for p in prompts]  # as the server encodes a completion prompt
+    longest = max(len(p) for p in prompt_ids)
+    if longest + max_tokens > max_seq_length:
+        raise LitError(f"the longest prompt ({longest} tokens) + --max_tokens {max_tokens} is over --max_seq_length"
+                       f" {max_seq_length}: raise --max_seq_length")
+
+    argv = ["serve/base.py", "--checkpoint_dir", str(checkpoint_dir), "--accelerator", "cpu", "--precision",
+            "32-true", "--port", "0", "--slots", str(slots), "--max_seq_length", str(max_seq_length)]
+    log(f"starting the server: python {' '.join(argv)} (OMP_NUM_THREADS={threads})")
+    server = Server(argv, threads, startup_timeout)
+    model = checkpoint_dir.name
+    levels: List[Dict[str, Any]] = []
+    try:
+        log(f"server up in {server.start_s:.1f} s at {server.url}")
+        sequential = asyncio.run(run_level(server.url, model, prompts, max_tokens, None, warm_up=1))
+        log(f"sequential:     {sequential['tokens_per_s']:7.1f} tokens/s ({sequential['completion_tokens']} tokens in"
+            f" {sequential['seconds']:.1f} s)")
+        for c in concurrency:
+            r = asyncio.run(run_level(server.url, model, prompts, max_tokens, c, warm_up=c))
+            r["x_sequential"] = r["tokens_per_s"] / sequential["tokens_per_s"]
+            r["same_text_as_sequential"] = sum(a == b for a, b in zip(r["texts"], sequential["texts"]))
+            levels.append(r)
+            log(f"concurrency {c:>2}: {r['tokens_per_s']:7.1f} tokens/s = {r['x_sequential']:.2f}x sequential, TTFT"
+                f" median {r['ttft_median_s'] * 1000:.0f} ms, p90 {r['ttft_p90_s'] * 1000:.0f} ms;"
+                f" {r['same_text_as_sequential']}/{r['requests']} answers equal to sequential")
+    finally:
+        exit_code = server.stop()
+    log(f"server stopped (exit {exit_code})")
+
+    tmp = tempfile.TemporaryDirectory() if hf_dir is None else None
+    try:
+        if tmp is not None:
+            from lit_gpt.convert import convert_lit_checkpoint
+
+            hf_dir = convert_lit_checkpoint(checkpoint_dir, Path(tmp.name) / "hf")
+        stop_ids = sorted(set(tokenizer.stop_ids))
+        pad_id = stop_ids[0] if stop_ids else 0
+        reference = transformers_reference(Path(hf_dir), prompt_ids, max_tokens, concurrency, pad_id, stop_ids,
+                                           lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+
+    for r, ref in zip(levels, reference):
+        r["transformers_batch_size"] = ref["batch_size"]
+        r["transformers_tokens_per_s"] = ref["tokens_per_s"]
+        r["x_transformers"] = r["tokens_per_s"] / ref["tokens_per_s"]
+        ref["same_text_as_server"] = sum(a == b for a, b in zip(ref["texts"], sequential["texts"]))
+    ref1 = next((ref for ref in reference if ref["batch_size"] == 1), None)
+    sequential["x_transformers_batch_1"] = None if ref1 is None else sequential["tokens_per_s"] / ref1["tokens_per_s"]
+
+    print(f"{'':>16} {'tokens/s':>9} {'x seq':>6} {'TTFT med':>9} {'TTFT p90':>9} {'HF batched':>11} {'x HF':>6}")
+    print(f"{'sequential':>16} {sequential['tokens_per_s']:9.1f} {1.0:6.2f} {'-':>9} {'-':>9}"
+          f" {'' if ref1 is None else format(ref1['tokens_per_s'], '11.1f')}"
+          f" {'' if ref1 is None else format(sequential['x_transformers_batch_1'], '6.2f')}")
+    for r in levels:
+        print(f"{'concurrency ' + str(r['concurrency']):>16} {r['tokens_per_s']:9.1f} {r['x_sequential']:6.2f}"
+              f" {r['ttft_median_s'] * 1000:7.0f}ms {r['ttft_p90_s'] * 1000:7.0f}ms"
+              f" {r['transformers_tokens_per_s']:11.1f} {r['x_transformers']:6.2f}")
+
+    texts = {"sequential": sequential.pop("texts"), **{f"concurrency_{r['concurrency']}": r.pop("texts") for r in levels},
+             **{f"transformers_batch_{ref['batch_size']}": ref.pop("texts") for ref in reference}}
+    results = {"sequential": sequential, "levels": levels, "transformers": reference,
+               "server": {"start_s": server.start_s, "exit_code": exit_code, "warm_up": server.line("Warm-up:"),
+                          "stopped": server.line("Stopped after")},
+               "answers": {"prompts": prompts, **texts}}
+    settings = {"checkpoint": "/".join(checkpoint_dir.parts[-2:]), "device": "cpu", "dtype": "float32",
+                "threads": threads, "slots": slots, "max_seq_length": max_seq_length, "requests": requests,
+                "max_tokens": max_tokens, "concurrency": list(concurrency), "prompt_tokens": [min(map(len, prompt_ids)),
+                longest], "prompt": "Once upon a time, there was a {word} who", "sampling": "greedy",
+                "server_command": server.command, "transformers_padding": "left"}
+    result_files.write(results_file, "serve", settings, results, note)
+    return results
+
+
+if __name__ == "__main__":
+    run_cli(main)
