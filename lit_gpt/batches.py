@@ -85,8 +85,10 @@ class TrainBatches:
         pad_pow2: bool = False,
         batches_per_epoch: Optional[int] = None,
         collate_fn: Optional[Callable[..., Dict[str, Any]]] = None,
+        packed: bool = False,
     ) -> None:
         self.samples = samples
+        self.packed = packed  # the items are packed rows (lit_gpt.packing): a checkpoint's position counts those
         self.micro_batch_size = micro_batch_size
         self.max_seq_length = max_seq_length
         self.seed = seed
@@ -135,7 +137,8 @@ class TrainBatches:
         return self.collate_fn(batch, self.max_seq_length, self.pad_multiple, self.pad_pow2)
 
     def state_dict(self) -> Dict[str, int]:
-        return {"epoch": self.epoch, "index": self.index, "seed": self.seed, "world_size": self.world_size}
+        return {"epoch": self.epoch, "index": self.index, "seed": self.seed, "world_size": self.world_size,
+                "packed": self.packed}
 
     def load_state_dict(self, state: Dict[str, int]) -> None:
         if state.get("seed", self.seed) != self.seed or state.get("world_size", self.world_size) != self.world_size:
@@ -143,6 +146,11 @@ class TrainBatches:
                 f"the checkpoint's data order (seed {state.get('seed')}, {state.get('world_size')} devices) differs"
                 f" from this run's (seed {self.seed}, {self.world_size} devices): resume with the same --train.seed"
                 " and --devices"
+            )
+        if bool(state.get("packed", False)) != self.packed:
+            raise LitError(
+                f"the checkpoint was trained with --data.packing {str(bool(state.get('packed'))).lower()}: resume with"
+                " the same setting (its data position counts packed rows, not samples, or the other way round)"
             )
         self.epoch = int(state["epoch"])
         self.index = int(state["index"])

@@ -253,6 +253,7 @@ def load_data(
     batches = TrainBatches(
         train_items, rows, max_seq_length, seed=train.seed, shuffle=data.shuffle, rank=rank, world_size=processes,
         batches_per_epoch=steps_per_epoch * train.gradient_accumulation_iters(runtime.data_parallel_size), **pad,
+        packed=data.packing,
     )
     val_args = dict(max_iters=eval.max_iters, rank=rank, world_size=processes, **pad)
     val = val_batches(val_items, rows, max_seq_length, **val_args)

@@ -232,3 +232,19 @@ def test_a_segment_id_kernel_replaces_the_dense_mask_where_installed():
     windowed.segment_attention = segment_attention(kernel)
     assert_packed_equals_unpacked(windowed.train())
     assert not calls
+
+
+def test_a_checkpoint_resumes_only_with_the_packing_it_was_trained_with():
+    """A step checkpoint's data position counts rows or samples: resuming with the other setting is refused."""
+    from lit_gpt.batches import TrainBatches
+
+    samples = samples_of([5, 6, 7, 8])
+    packed = TrainBatches(rows_of(samples, pack(samples, 16)), 1, 16, packed=True, collate_fn=collate_packed)
+    next(packed)
+    with pytest.raises(LitError, match="trained with --data.packing true: resume with the same setting"):
+        TrainBatches(samples, 1, 16).load_state_dict(packed.state_dict())
+    with pytest.raises(LitError, match="trained with --data.packing false"):
+        TrainBatches(rows_of(samples, [[0, 1]]), 1, 16, packed=True).load_state_dict(TrainBatches(samples, 1, 16).state_dict())
+    resumed = TrainBatches(rows_of(samples, pack(samples, 16)), 1, 16, packed=True, collate_fn=collate_packed)
+    resumed.load_state_dict(packed.state_dict())
+    assert resumed.index == 1

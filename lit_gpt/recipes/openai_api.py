@@ -221,8 +221,16 @@ def build_app(engine: Engine, model_name: str, style: Any) -> FastAPI:
         loop = asyncio.get_running_loop()
         queue: "asyncio.Queue[Any]" = asyncio.Queue()
         jobs = [job for choices in per_prompt for job in choices]
+        def emitter(index: int, job: Job) -> Any:
+            def emit(*event: Any) -> None:  # on the engine's thread
+                try:
+                    loop.call_soon_threadsafe(queue.put_nowait, (index, *event))
+                except RuntimeError:  # the event loop is closed (the server stopped): nobody is listening
+                    job.cancelled = True
+            return emit
+
         for index, job in enumerate(jobs):
-            job.emit = lambda *event, index=index: loop.call_soon_threadsafe(queue.put_nowait, (index, *event))
+            job.emit = emitter(index, job)
         try:
             engine.submit(jobs)
         except QueueFull as e:
