@@ -122,9 +122,11 @@ class Engine:
             if job is not None and job.cancelled:
                 self._leave(row)
         while True:
-            with self.lock:
+            with self.lock:  # the row is taken under the lock: `submit` counts free rows and waiting jobs
                 free = [r for r, job in enumerate(self.jobs) if job is None]
                 job = self.waiting.popleft() if free and self.waiting else None
+                if job is not None and not job.cancelled:
+                    self.jobs[free[0]] = job
             if job is None:
                 break
             if job.cancelled:
@@ -140,7 +142,6 @@ class Engine:
 
     def _admit(self, job: Job, row: int) -> None:
         job.row, job.decoder = row, self.tokenizer.stream_decoder(skip_special_tokens=True)
-        self.jobs[row] = job
         self.stats["admitted"] += 1
         prompt = torch.tensor([job.prompt_ids], dtype=torch.long)
         pad_to = bucket_length(prompt.size(1), self.max_seq_length) if self.static else None
@@ -179,8 +180,9 @@ class Engine:
         self._leave(row)
 
     def _leave(self, row: int) -> None:
-        self.jobs[row] = None
         self.batch.leave(row)
+        with self.lock:
+            self.jobs[row] = None
 
     # ----------------------------------------------------------------- warm-up
     def prompt_buckets(self) -> List[int]:
