@@ -24,6 +24,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence
 import torch
 
 from lit_gpt.batches import IGNORE_INDEX, Sample
+from lit_gpt.utils import LitError
 
 
 def sample_positions(sample: Sample, max_seq_length: int) -> int:
@@ -119,8 +120,6 @@ def pack_for_training(objective_name: str, train: Sequence[Sample], val: Sequenc
                       say: Any = print) -> "tuple[List[List[Sample]], List[List[Sample]]]":
     """The training and validation samples packed into rows (each a list of samples) for `--data.packing true`,
     with a note of how full the rows are. Only supervised finetuning packs (one line otherwise)."""
-    from lit_gpt.utils import LitError
-
     if objective_name != "sft":
         raise LitError(f"--data.packing packs instruction samples; {objective_name.upper()} trains on pairs, which"
                        " are not packed: leave --data.packing false")
