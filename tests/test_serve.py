@@ -32,15 +32,18 @@ SERVERS: Dict[str, Tuple[str, ...]] = {
 
 
 @pytest.fixture(scope="module")
-def launch(request, smollm2_dir):
+def launch(request, smollm2_dir, smollm2_bf16_dir):
     """`launch(name)`: the running ServerProcess `name` of SERVERS (started anew when there is none, or it exited).
-    Every server a selected test of this module uses is started here, at once; all are killed when the module ends."""
+    Every server a selected test of this module uses is started here, at once; all are killed when the module ends.
+    The one-slot server loads the bf16 Hub-style checkpoint (what users bring; served in fp32 on the CPU), the other
+    the fp32 one the reference answers come from."""
     started: Dict[str, List[ServerProcess]] = {}
+    checkpoints = {"server": smollm2_dir, "one_slot": smollm2_bf16_dir}
 
     def get(name: str) -> ServerProcess:
         runs = started.setdefault(name, [])
         if not runs or runs[-1].proc.poll() is not None:
-            runs.append(ServerProcess(smollm2_dir, *SERVERS[name]).start())
+            runs.append(ServerProcess(checkpoints[name], *SERVERS[name]).start())
         return runs[-1]
 
     wanted = {name for item in request.session.items if getattr(item, "module", None) is request.module
