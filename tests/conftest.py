@@ -2,12 +2,29 @@
 and tiny random checkpoints."""
 
 import importlib.util
+import os
 import shutil
+import tempfile
 from pathlib import Path
+from typing import Callable
 
-import lightning.fabric  # noqa: F401  (see below)
-import pytest
-import torch
+
+def _threads_per_test_process() -> int:
+    """The cores of this machine split between the test processes: pytest-xdist's workers (`-n`, on by default in
+    pyproject.toml) each get their share. On 2 cores with 2 workers that is 1 thread each: OpenMP threads spin
+    while they wait, so 2 processes x 2 threads on 2 cores ran generation ~12x slower than 1 thread each."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+
+
+# before torch is imported (it reads these once); inherited by every process a test starts. A value the user set wins
+for _name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_name, str(_threads_per_test_process()))
+
+import lightning.fabric  # noqa: E402, F401  (see below)
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from filelock import FileLock  # noqa: E402
 
 # Lightning binds a logging StreamHandler to the sys.stderr of the moment it is first imported. Imported here, at session
 # start, the handler holds the session's stream; imported first inside a test it would hold that test's captured (capsys
@@ -15,6 +32,29 @@ import torch
 # "--- Logging error ---" traceback into whatever a later test captures
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "generation_config.json")
+HERE = Path(__file__).resolve().parent
+# pytest-xdist (on by default: pyproject.toml) hands each worker one group of tests at a time: a module, or "xla" for
+# every module of tests/xla that starts XLA processes (they run one module at a time: two 8-device XLA:CPU processes
+# side by side can starve a device thread past XLA's 10 s collective rendezvous, which aborts the run). A group's
+# module fixtures so run once. The longest groups start first (measured on 2 cores, 2026-11-28) so that the last
+# one to start is short and neither worker idles at the end; the rest keep their order.
+LONGEST_FIRST = ("xla", "test_docs.py", "test_babysit.py", "test_finetune.py", "test_serve.py", "test_dpo.py",
+                 "test_faults.py", "test_bad_inputs.py", "test_loop_contract.py", "test_lm_eval.py")
+
+
+def _xdist_group(item) -> str:
+    path = Path(str(item.fspath)).resolve()
+    if path.parent == HERE / "xla" and getattr(item.module, "NEEDS_XLA", True):
+        return "xla"
+    return path.relative_to(HERE).as_posix()
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(_xdist_group(item)))
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(_xdist_group(item), len(rank)))  # stable
 
 
 def smollm2_gguf_path():
@@ -33,14 +73,48 @@ def smollm2_gguf() -> Path:
     return path
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _system_temp_inside_the_runs_folder(tmp_path_factory):
+    """Everything the suite and the processes it starts write to the system temp folder (tempfile's folders, the
+    recipes' temporary mirrors and logs) goes under pytest's folder of this run instead, which pytest removes when
+    the run passes (tmp_path_retention_policy in pyproject.toml): a run leaves nothing behind in /tmp."""
+    path = tmp_path_factory.mktemp("system_temp")
+    saved = os.environ.get("TMPDIR"), tempfile.tempdir
+    os.environ["TMPDIR"] = tempfile.tempdir = str(path)
+    yield path
+    if saved[0] is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = saved[0]
+    tempfile.tempdir = saved[1]
+
+
+def shared_folder(tmp_path_factory, name: str, build: Callable[[Path], None]) -> Path:
+    """`build(folder)` once per test run, also when pytest-xdist runs the tests in several worker processes: the
+    workers share the parent of their own base temp folders (the run's folder); the first worker to ask builds the
+    folder under a file lock, the others wait for it and reuse it. `name` may hold slashes (the folder's tail)."""
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent
+    folder = base / "shared" / name
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    done = folder.parent / f".{folder.name}.done"
+    with FileLock(str(folder.parent / f".{folder.name}.lock")):
+        if not done.is_file():
+            if folder.exists():  # a build that failed half-way in another worker: start over
+                shutil.rmtree(folder)
+            build(folder)
+            done.touch()
+    return folder
+
+
 @pytest.fixture(scope="session")
 def smollm2_dir(smollm2_gguf, tmp_path_factory) -> Path:
-    """SmolLM2-135M-Instruct converted from GGUF into a lit checkpoint dir (fp32), once per session."""
+    """SmolLM2-135M-Instruct converted from GGUF into a lit checkpoint dir (fp32), once per run."""
     from lit_gpt.gguf import convert_gguf
 
-    out = tmp_path_factory.mktemp("ckpt") / "HuggingFaceTB" / "SmolLM2-135M-Instruct"
-    convert_gguf(smollm2_gguf, out)
-    return out
+    return shared_folder(tmp_path_factory, "ckpt/HuggingFaceTB/SmolLM2-135M-Instruct",
+                         lambda out: convert_gguf(smollm2_gguf, out))
 
 
 def make_tiny_checkpoint(directory: Path, tokenizer_dir: Path, seed: int = 0, **overrides) -> Path:
@@ -57,7 +131,7 @@ def make_tiny_checkpoint(directory: Path, tokenizer_dir: Path, seed: int = 0, **
 
 @pytest.fixture(scope="session")
 def tiny_dir(smollm2_dir, tmp_path_factory) -> Path:
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "tiny-llama", smollm2_dir)
+    return shared_folder(tmp_path_factory, "tiny/tiny-llama", lambda out: make_tiny_checkpoint(out, smollm2_dir))
 
 
 @pytest.fixture(scope="session")
@@ -68,14 +142,15 @@ def smollm2_bf16_dir(smollm2_dir, tmp_path_factory) -> Path:
 
     from lit_gpt.convert import convert_hf_checkpoint, convert_lit_checkpoint
 
-    root = tmp_path_factory.mktemp("smollm2_bf16")
-    hf32 = root / "hf32"
-    convert_lit_checkpoint(smollm2_dir, hf32)
-    model = AutoModelForCausalLM.from_pretrained(hf32, torch_dtype=torch.bfloat16)
-    hub = root / "HuggingFaceTB" / "SmolLM2-135M-Instruct"
-    model.save_pretrained(hub)  # bf16 safetensors, like the Hub's
-    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json"):
-        if (smollm2_dir / name).is_file():
-            (hub / name).write_bytes((smollm2_dir / name).read_bytes())
-    convert_hf_checkpoint(hub)
-    return hub
+    def build(hub: Path) -> None:
+        hf32 = tmp_path_factory.mktemp("smollm2_hf32")
+        convert_lit_checkpoint(smollm2_dir, hf32)
+        model = AutoModelForCausalLM.from_pretrained(hf32, torch_dtype=torch.bfloat16)
+        shutil.rmtree(hf32)
+        model.save_pretrained(hub)  # bf16 safetensors, like the Hub's
+        for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json"):
+            if (smollm2_dir / name).is_file():
+                (hub / name).write_bytes((smollm2_dir / name).read_bytes())
+        convert_hf_checkpoint(hub)
+
+    return shared_folder(tmp_path_factory, "smollm2_bf16/HuggingFaceTB/SmolLM2-135M-Instruct", build)

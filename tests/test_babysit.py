@@ -132,6 +132,7 @@ def recipe_command(tiny: Path, data: Path, out_dir: Union[Path, str]) -> List[st
             str(data), "--out_dir", str(out_dir), *RECIPE_ARGS]
 
 
+@pytest.mark.slow  # the babysitter's soak: the real recipe, 3 runs across preemptions (~45 s); the fault tables are fast
 @pytest.mark.skipif(not HAS_XLA, reason="torch_xla is not installed (pip install torch_xla==2.9.0)")
 def test_babysat_recipe_survives_a_failed_creation_and_two_preemptions_bit_exactly(words, tmp_path):
     tiny, data = words

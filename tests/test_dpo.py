@@ -224,6 +224,7 @@ def test_cli_error_is_one_line(words_dir, pairs_dir, tmp_path):
         " robust, or leave label_smoothing at 0"]
 
 
+@pytest.mark.slow  # two processes (DDP over gloo): multi-process runs are in the slow suite (tests/README.md)
 def test_two_processes_ddp_match_one(words_dir, pairs_dir, tmp_path):
     """2 CPU processes (DDP over gloo), each 1 pair per micro-batch, == 1 process with 2: the step's loss is the mean
     over the pairs of all processes. Full finetuning: the precomputed reference is computed by each process."""

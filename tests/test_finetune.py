@@ -416,6 +416,7 @@ def test_compiled_blocks_share_one_graph(method, monkeypatch):
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
 
 
+@pytest.mark.slow  # Inductor compiles C++ kernels: ~35 s (the default suite compiles the blocks with aot_eager above)
 def test_inductor_compiled_blocks_match_eager():
     """The default backend (Inductor's generated kernels) once, on one padded length: the LoRA model's loss and
     gradients match the eager model's, and the second step reuses the graph."""

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Dict, Tuple
+from typing import Dict, List, Tuple
 
 import pytest
 
@@ -26,14 +26,31 @@ TIMEOUT = 900
 HAS_XLA = importlib.util.find_spec("torch_xla") is not None
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m selects by marker
 def pytest_collection_modifyitems(config, items):
     for item in items:
         # a test module that needs plain torch only (checkpoint files) says so with NEEDS_XLA = False
         if Path(str(item.fspath)).resolve().parent != HERE or not getattr(item.module, "NEEDS_XLA", True):
             continue
+        # the suite's budget (tests/README.md): end-to-end runs on 8 virtual devices run under -m slow; the default
+        # suite runs them on 1 device (and test_xla.py keeps one 8-device FSDP contract test by default)
+        callspec = getattr(item, "callspec", None)
+        if callspec is not None and callspec.params.get("devices") == 8:
+            item.add_marker(pytest.mark.slow)
         item.add_marker(pytest.mark.xla)
         if not HAS_XLA:
             item.add_marker(pytest.mark.skip(reason="torch_xla is not installed (pip install torch_xla==2.9.0)"))
+
+
+def selected_devices(request) -> List[int]:
+    """The `devices` values (1, 8) that the selected tests of the requesting module are parametrized with, largest
+    first: a module fixture starts only the runs those tests read (the default suite selects the 1-device ones)."""
+    found = set()
+    for item in request.session.items:
+        callspec = getattr(item, "callspec", None)
+        if item.module is request.module and callspec is not None and "devices" in callspec.params:
+            found.add(callspec.params["devices"])
+    return sorted(found, reverse=True)
 
 
 def xla_env(devices: int, **extra: str) -> Dict[str, str]:
@@ -125,6 +142,11 @@ def tiny_config():
     from tiny import tiny_llama_config
 
     return tiny_llama_config()
+
+
+@pytest.fixture(scope="session", name="selected_devices")
+def selected_devices_fixture():
+    return selected_devices
 
 
 @pytest.fixture(scope="session", name="xla_env")

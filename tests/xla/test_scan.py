@@ -130,11 +130,12 @@ print("RESULT " + json.dumps(fabric.launch(main)))
 
 
 @pytest.fixture(scope="module")
-def results(xla_env):
-    """Both device counts at once (each process mostly imports and compiles)."""
+def results(xla_env, selected_devices, request):
+    """The device counts the selected tests need (1; also 8 under -m slow) at once (each process mostly imports and
+    compiles)."""
     procs = {n: subprocess.Popen([sys.executable, "-c", WORKER], env=xla_env(n), text=True, stdout=subprocess.PIPE,
                                  stderr=subprocess.PIPE, cwd=Path(__file__).resolve().parents[2])
-             for n in (1, 8)}
+             for n in selected_devices(request)}
     out = {}
     for n, proc in procs.items():
         stdout, stderr = proc.communicate(timeout=600)

@@ -31,7 +31,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 import pytest
 import torch
@@ -200,14 +200,14 @@ def checkpoints(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def default_runs(checkpoints, xla_env):
-    """The XLA workers start first (LoRA per family, then nothing else; Gemma 3 generation first, in a fresh
-    runtime); the CPU runs happen here meanwhile."""
+def default_runs(checkpoints, xla_env, selected_devices, request):
+    """The XLA workers (one per device count the selected tests need: 1; also 8 under -m slow) start first (LoRA per
+    family, then nothing else; Gemma 3 generation first, in a fresh runtime); the CPU runs happen here meanwhile."""
     ckpt, root = checkpoints, checkpoints / "default"
     jobs = {devices: [{"name": f"gen_{key}", "script": "xla/generate/base.py", "args": _gen_args(ckpt, prompt)}
                       for key, prompt in GEN_PROMPTS.items()]
             + [job for family in FAMILIES for job in _train_jobs(ckpt, root, family, "lora", devices, resume=False)]
-            for devices in (1, 8)}
+            for devices in selected_devices(request)}
     workers = Workers(xla_env, root / "workers", jobs)
     cpu_gen = {key: _cpu("generate/base.py", _gen_args(ckpt, prompt)) for key, prompt in GEN_PROMPTS.items()}
     for family in FAMILIES:
@@ -216,9 +216,10 @@ def default_runs(checkpoints, xla_env):
     workers.stop()
 
 
-def _assert_same_training(root: Path, family: str, method: str, workers: Workers) -> None:
+def _assert_same_training(root: Path, family: str, method: str, workers: Workers,
+                          device_counts: Tuple[int, ...] = (1, 8)) -> None:
     """The CPU run's logged losses (both steps, relative 1e-4) and final weights (`WEIGHT_ATOL`) on 1 and 8 XLA
-    devices."""
+    devices (or those of `device_counts`)."""
     cpu_dir = _run_dir(root, family, method, "cpu")
     weights_file = METHODS[method][1]
     reference = _losses(cpu_dir)
@@ -226,7 +227,7 @@ def _assert_same_training(root: Path, family: str, method: str, workers: Workers
     assert all(torch.isfinite(torch.tensor(v)) for v in reference.values()), reference
     ref_weights = _weights(cpu_dir / "final" / weights_file)
     assert ref_weights
-    for devices in (1, 8):
+    for devices in device_counts:
         backend = f"xla{devices}"
         r = workers.result(devices, f"{family}_{method}")
         assert f"Saved the {method} weights of step {STEPS}" in r["stdout"], r["stdout"][-2000:]
@@ -269,9 +270,10 @@ def test_the_data_puts_each_step_on_one_side_of_the_longrope_context(checkpoints
         assert window is None or window < lengths[0]
 
 
+@pytest.mark.parametrize("devices", [1, 8])
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_lora_trains_the_same_on_cpu_and_xla_1_and_8_devices(default_runs, family):
-    _assert_same_training(default_runs["root"], family, "lora", default_runs["workers"])
+def test_lora_trains_the_same_on_cpu_and_xla_1_and_8_devices(default_runs, family, devices):
+    _assert_same_training(default_runs["root"], family, "lora", default_runs["workers"], (devices,))
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

@@ -5,7 +5,8 @@ dropout 0):
 
 * the same number of optimizer steps (epochs x samples / global batch, on any number of devices);
 * the same logged loss step by step (the mean per target token over the whole step: relative difference <= 1e-4);
-* final weights equal within 1e-5; each method's final weights generate the same text on the CPU and on XLA;
+* final weights equal within float32's bound (eps x tokens per step x magnitude: tests/tolerance.py); each
+  method's final weights generate the same text on the CPU and on XLA;
 * the train step compiles at most twice per padded length; validation with a sample compiles nothing later;
 * exact resume under SIGKILL (LoRA with dropout on 8 devices, so the XLA generator state matters): killed right
   after a checkpoint, then at a random moment (possibly inside a save), resumed with --resume auto each time: the
@@ -143,10 +144,23 @@ def _cpu_reference(method: str, tiny_dir: Path, data_dir: Path, out_dir: Path) -
     return CLI(recipe.setup, args=argv)
 
 
+def _selected(request) -> Tuple[set, bool]:
+    """The device counts the selected tests of this module ask for, and whether the soak is selected: the default
+    suite runs the 1-device jobs, `-m slow` the 8-device ones and the soak (tests/README.md)."""
+    devices, soak = set(), False
+    for item in request.session.items:
+        if item.module is request.module:
+            params = getattr(item, "callspec", None)
+            devices.add(params.params["devices"] if params and "devices" in params.params else 8)
+            soak = soak or item.originalname == "test_lora_with_dropout_survives_kills_bit_exactly_and_exports_its_own_step"
+    return devices, soak
+
+
 @pytest.fixture(scope="module")
-def runs(xla_env, tmp_path_factory):
-    """Prepare the data, then run the XLA jobs one after another in a background thread (1 and 8 devices per method,
-    the LoRA-with-dropout reference, the killed and resumed soak runs) while the CPU references run here."""
+def runs(xla_env, tmp_path_factory, request):
+    """Prepare the data, then run the XLA jobs one after another in a background thread (1 or 8 devices per method,
+    as the selected tests need; the LoRA-with-dropout reference, the killed and resumed soak runs) while the CPU
+    references run here."""
     tmp = tmp_path_factory.mktemp("xla_finetune")
     tiny_dir = make_word_checkpoint(tmp / "tiny-words")
     (tmp / "alpaca.json").write_text(json.dumps(_alpaca_rows()))
@@ -169,17 +183,19 @@ def runs(xla_env, tmp_path_factory):
     # gs:// (DCP's fsspec writer and reader, the marker as the commit, no renames), in a folder that survives kills
     bucket = f"file://{soak}"
     rng = random.Random(0)
+    devices, with_soak = _selected(request)
     jobs = []
     for method in METHODS:
-        jobs.append((f"{method}8", cmd(method, tmp / f"{method}8"), None, 8))
-        jobs.append((f"{method}1", cmd(method, tmp / f"{method}1"), None, 1))
-    jobs += [
-        ("dropout8", cmd("lora", tmp / "dropout8", args=SOAK), None, 8),
-        # killed right after a checkpoint, then at a random moment (maybe inside a save), then to the end
-        ("soak_a", cmd("lora", bucket, args=SOAK), f"saved {bucket}/step-000004", 8),
-        ("soak_b", cmd("lora", bucket, "--resume", "auto", args=SOAK), rng.uniform(14.0, 24.0), 8),
-        ("soak_c", cmd("lora", bucket, "--resume", "auto", args=SOAK), None, 8),
-    ]
+        for n in sorted(devices, reverse=True):
+            jobs.append((f"{method}{n}", cmd(method, tmp / f"{method}{n}"), None, n))
+    if with_soak:
+        jobs += [
+            ("dropout8", cmd("lora", tmp / "dropout8", args=SOAK), None, 8),
+            # killed right after a checkpoint, then at a random moment (maybe inside a save), then to the end
+            ("soak_a", cmd("lora", bucket, args=SOAK), f"saved {bucket}/step-000004", 8),
+            ("soak_b", cmd("lora", bucket, "--resume", "auto", args=SOAK), rng.uniform(14.0, 24.0), 8),
+            ("soak_c", cmd("lora", bucket, "--resume", "auto", args=SOAK), None, 8),
+        ]
     seq = Sequential(jobs, xla_env, tmp)
     cpu = {}
     for method in METHODS:
@@ -191,12 +207,13 @@ def runs(xla_env, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def generations(runs):
-    """Once the 8-device runs are done: each method's final weights through the CPU and the XLA generate recipe,
-    all started at once."""
+    """Once the runs are done: each method's final weights (from each device count the tests ran) through the CPU
+    and the XLA generate recipe, all started at once."""
     procs = {}
-    for method, (_, weights_file, (cpu_script, cpu_flag), (xla_script, xla_flag)) in METHODS.items():
-        runs["seq"].result(f"{method}8")
-        tiny_dir, final = runs["tiny_dir"], runs["tmp"] / f"{method}8" / "final"
+    for (method, (_, weights_file, (cpu_script, cpu_flag), (xla_script, xla_flag))), n in (
+            (m, n) for m in METHODS.items() for n in (1, 8) if f"{m[0]}{n}" in runs["seq"].done):
+        runs["seq"].result(f"{method}{n}")
+        tiny_dir, final = runs["tiny_dir"], runs["tmp"] / f"{method}{n}" / "final"
         sampling = ["--prompt", _gen_prompt(), "--prompt_style", "raw", "--temperature", "0",
                     "--max_new_tokens", str(GEN_TOKENS)]
         cpu_cmd = [sys.executable, str(REPO / cpu_script), "--checkpoint_dir", str(tiny_dir), cpu_flag,
@@ -207,7 +224,7 @@ def generations(runs):
             xla_cmd = [sys.executable, str(REPO / xla_script), "--checkpoint_dir", str(tiny_dir), xla_flag,
                        str(final / weights_file), *sampling]
         for kind, c in (("cpu", cpu_cmd), ("xla", xla_cmd)):
-            procs[(method, kind)] = subprocess.Popen(c, cwd=REPO, env=runs["env"](1), text=True,
+            procs[(method, n, kind)] = subprocess.Popen(c, cwd=REPO, env=runs["env"](1), text=True,
                                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     yield procs
     for p in procs.values():
@@ -236,6 +253,17 @@ def _losses(out_dir: Path, key: str = "loss") -> Dict[int, float]:
     return values
 
 
+def _trained_weight_tolerance(reference: torch.Tensor) -> float:
+    """float32's bound (tests/tolerance.py) for a weight trained on two backends: each step's gradient sums one
+    term per token of the step (8 rows of at most 81 tokens here: `_alpaca_rows`), Adam passes a gradient's
+    relative error on to its update, and the weight is its initial value plus its updates: eps x tokens per step x
+    the weight's magnitude (8e-6 to 3e-4 here; a tuned 1e-5 failed at 1.6e-5 on an adapter_wte of magnitude 3.5
+    with MKL's AVX-512 kernels). The differences measured on AVX-512 were 1e-7 to 1.6e-5, each 6x or more below."""
+    from tolerance import fp32_tolerance
+
+    return fp32_tolerance(8 * 81, reference.float().abs().max())
+
+
 def _weights(path: Path) -> Dict[str, torch.Tensor]:
     from lit_gpt.weights import is_weights_file, load_weights
 
@@ -245,38 +273,43 @@ def _weights(path: Path) -> Dict[str, torch.Tensor]:
     return obj["model"] if isinstance(obj.get("model"), dict) else obj
 
 
-@pytest.mark.parametrize("method", list(METHODS))
-def test_cpu_and_xla_on_1_and_8_devices_train_the_same(runs, method):
+# every method on 1 device in the default suite; on 8 devices (FSDP over SPMD) under -m slow
+CASES = [pytest.param(m, n, id=f"{m}-{n}", marks=[pytest.mark.slow] if n == 8 else []) for m in METHODS for n in (1, 8)]
+
+
+@pytest.mark.parametrize("method, devices", CASES)
+def test_cpu_and_xla_on_1_and_8_devices_train_the_same(runs, method, devices):
     """The parity contract: same steps, same per-step losses, same final weights on every backend."""
     cpu_dir, cpu_summary = runs["cpu"][method]
     weights_file = METHODS[method][1]
     reference = _losses(cpu_dir)
     assert cpu_summary["steps"] == STEPS and sorted(reference) == list(range(1, STEPS + 1))
     ref_weights = _weights(cpu_dir / "final" / weights_file)
-    for devices in (1, 8):
-        out = runs["seq"].result(f"{method}{devices}").stdout
-        out_dir = runs["tmp"] / f"{method}{devices}"
-        got = _losses(out_dir)
-        assert sorted(got) == sorted(reference), (devices, got)
-        for step in reference:
-            assert got[step] == pytest.approx(reference[step], rel=1e-4), (devices, step, got, reference)
-        weights = _weights(out_dir / "final" / weights_file)
-        assert weights.keys() == ref_weights.keys() and weights
-        for name in weights:
-            diff = (weights[name].float() - ref_weights[name].float()).abs().max().item()
-            assert diff <= 1e-5, (devices, name, diff)
-        assert f"Saved the {method} weights of step {STEPS}" in out
+    out = runs["seq"].result(f"{method}{devices}").stdout
+    out_dir = runs["tmp"] / f"{method}{devices}"
+    got = _losses(out_dir)
+    assert sorted(got) == sorted(reference), (devices, got)
+    for step in reference:
+        assert got[step] == pytest.approx(reference[step], rel=1e-4), (devices, step, got, reference)
+    weights = _weights(out_dir / "final" / weights_file)
+    assert weights.keys() == ref_weights.keys() and weights
+    for name in weights:
+        diff = (weights[name].float() - ref_weights[name].float()).abs().max().item()
+        bound = _trained_weight_tolerance(ref_weights[name])
+        assert diff <= bound, (devices, name, diff, bound)
+    assert f"Saved the {method} weights of step {STEPS}" in out
     # the loss went down over the two epochs (the same batches in each: compare epoch means)
     first, second = (sum(reference[s] for s in range(a, a + 5)) / 5 for a in (1, 6))
     assert second < first - 0.02, reference
 
 
-@pytest.mark.parametrize("method", list(METHODS))
-def test_epoch_driven_xla_runs_take_every_step_with_bounded_compilations(runs, method):
-    """8 devices, `--train.epochs 2` and no max_steps: 10 optimizer steps (epochs x 40 samples / 8), not 10 / 8;
-    the train step compiles at most twice per padded length; checkpoints and the consolidated export are there."""
-    out = runs["seq"].result(f"{method}8").stdout
-    out_dir = runs["tmp"] / f"{method}8"
+@pytest.mark.parametrize("method, devices", CASES)
+def test_epoch_driven_xla_runs_take_every_step_with_bounded_compilations(runs, method, devices):
+    """`--train.epochs 2` and no max_steps: 10 optimizer steps (epochs x 40 samples / 8) on any number of devices,
+    not 10 / 8; the train step compiles at most twice per padded length; checkpoints and the consolidated export
+    are there."""
+    out = runs["seq"].result(f"{method}{devices}").stdout
+    out_dir = runs["tmp"] / f"{method}{devices}"
     m = re.search(r"XLA compilations: train step (\d+) for (\d+) padded length\(s\)", out)
     assert m, out[-2000:]
     compiles, lengths = int(m.group(1)), int(m.group(2))
@@ -295,12 +328,12 @@ def test_epoch_driven_xla_runs_take_every_step_with_bounded_compilations(runs, m
         assert re.search(r"step 5: val loss [\d.]+ \| sample: ", out), out[-2000:]
 
 
-@pytest.mark.parametrize("method", list(METHODS))
-def test_final_weights_generate_the_same_on_cpu_and_xla(runs, generations, method):
+@pytest.mark.parametrize("method, devices", CASES)
+def test_final_weights_generate_the_same_on_cpu_and_xla(runs, generations, method, devices):
     results = {}
     for kind in ("cpu", "xla"):
-        stdout, stderr = generations[(method, kind)].communicate(timeout=TIMEOUT)
-        assert generations[(method, kind)].returncode == 0, stderr[-3000:]
+        stdout, stderr = generations[(method, devices, kind)].communicate(timeout=TIMEOUT)
+        assert generations[(method, devices, kind)].returncode == 0, stderr[-3000:]
         results[kind] = (stdout, stderr)
     (cpu_text, _), (xla_text, xla_log) = results["cpu"], results["xla"]
     # raw style: the prompt and its continuation; the continuation must not be empty for the check to mean much
@@ -313,6 +346,7 @@ def test_final_weights_generate_the_same_on_cpu_and_xla(runs, generations, metho
     assert "XLA compilations: 2 " in xla_log
 
 
+@pytest.mark.slow  # the soak: 4 runs on 8 devices, ~75 s
 def test_lora_with_dropout_survives_kills_bit_exactly_and_exports_its_own_step(runs):
     """With --out_dir in a bucket (file://, through fsspec): SIGKILL after the step-4 checkpoint, then at a random
     moment; each time --resume auto from the bucket. The losses (logs pushed to the bucket) and the final LoRA

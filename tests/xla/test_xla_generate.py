@@ -63,8 +63,8 @@ def _cli(script: str, checkpoint_dir: Path, max_new_tokens: int, *extra: str) ->
 
 
 @pytest.fixture(scope="module")
-def runs(tiny_dir, smollm2_dir, xla_env, tmp_path_factory):
-    """Start every process of this module at once; yield {name: Popen}."""
+def runs(tiny_dir, smollm2_dir, xla_env, tmp_path_factory, selected_devices, request):
+    """Start every process the selected tests need at once (1 device; also 8 under -m slow); yield {name: Popen}."""
     from lit_gpt.tokenizer import Tokenizer
 
     out = tmp_path_factory.mktemp("xla_generate")
@@ -85,7 +85,7 @@ def runs(tiny_dir, smollm2_dir, xla_env, tmp_path_factory):
         procs[name] = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=open(logs[name], "w"),
                                        text=True)
 
-    for devices in (1, 8):
+    for devices in selected_devices(request):
         start(f"tiny{devices}", [sys.executable, "-c", DRIVER, str(tiny_dir), json.dumps(requests),
                                  str(out / f"tiny{devices}.json")], xla_env(devices))
         start(f"real{devices}", _cli("xla/generate/base.py", smollm2_dir, 8), xla_env(devices))

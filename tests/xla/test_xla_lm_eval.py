@@ -21,13 +21,13 @@ BATCH = 8
 
 
 @pytest.fixture(scope="module")
-def runs(tiny_dir, xla_env, tmp_path_factory):
+def runs(tiny_dir, xla_env, tmp_path_factory, selected_devices, request):
     from harness_tasks import write_tasks
 
     root = tmp_path_factory.mktemp("xla_lm_eval")
     tasks = write_tasks(root / "tasks")
     procs = {}
-    for devices in (1, 8):
+    for devices in selected_devices(request):  # 1; also 8 under -m slow
         out = root / f"out{devices}"
         cmd = [sys.executable, str(REPO / "eval/lm_eval.py"), "--tasks", "lit_mc,lit_gen,lit_ppl", "--include_path",
                str(tasks), "--checkpoint_dir", str(tiny_dir), "--out_dir", str(out), "--batch_size", str(BATCH),

@@ -197,9 +197,9 @@ def _probe_job(ckpt: Path, root: Path, devices: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def default_runs(checkpoints, xla_env):
-    """Two XLA workers (1 and 8 devices): generation first (a fresh runtime), then the probe and the training runs;
-    the CPU runs happen here meanwhile."""
+def default_runs(checkpoints, xla_env, selected_devices, request):
+    """An XLA worker per device count the selected tests need (1; also 8 under -m slow): generation first (a fresh
+    runtime), then the probe and the training runs; the CPU runs happen here meanwhile."""
     ckpt, root = checkpoints, checkpoints / "default"
     root.mkdir()
     jobs = {devices: [{"name": f"gen_{family}_{key}", "script": "xla/generate/base.py",
@@ -208,7 +208,7 @@ def default_runs(checkpoints, xla_env):
             + [_probe_job(ckpt, root, devices)]
             + [job for family in FAMILIES for job in _train_jobs(ckpt, root, family, DEFAULT_METHOD[family], devices,
                                                                  resume=family == RESUME_FAMILY)]
-            for devices in (1, 8)}
+            for devices in selected_devices(request)}
     workers = Workers(xla_env, root / "workers", jobs)
     cpu_gen = {(family, key): _cpu("generate/base.py", _gen_args(ckpt, family, prompt))
                for family in FAMILIES for key, prompt in GEN_PROMPTS.items()}
@@ -269,7 +269,8 @@ def test_moe_train_step_compiles_once_without_host_transfers_or_cpu_fallbacks(de
     assert probe["fallbacks"] == [], probe["fallbacks"]
 
 
-def test_expert_weights_are_sharded_over_8_devices(default_runs):
+@pytest.mark.parametrize("devices", [8])
+def test_expert_weights_are_sharded_over_8_devices(default_runs, devices):
     default_runs["workers"].result(8, "probe")
     shardings = json.loads((default_runs["root"] / "probe8.json").read_text())["shardings"]
     # gpt-oss: 2 MoE layers x fc_1, fc_2, proj, each (n_expert, out, in) split along its largest dimension
@@ -396,7 +397,7 @@ def matrix(checkpoints, xla_env):
     root.mkdir()
     jobs = {devices: [job for family, method in MATRIX
                       for job in _train_jobs(ckpt, root, family, method, devices, resume=True)]
-            for devices in (1, 8)}
+            for devices in selected_devices(request)}
     workers = Workers(xla_env, root / "workers", jobs)
     for family, method in MATRIX:
         _cpu(f"finetune/{method}.py", _args(ckpt, family, method, "cpu", _dir(root, family, method, "cpu")))

@@ -30,12 +30,12 @@ RECIPE = ["--train.global_batch_size", "8", "--train.micro_batch_size", "1", "--
 
 
 @pytest.fixture(scope="module")
-def workers(xla_env, tmp_path_factory):
+def workers(xla_env, tmp_path_factory, selected_devices, request):
     from child_env import python_path
 
     root = tmp_path_factory.mktemp("xla_packing")
     procs = {}
-    for devices in (1, 8):
+    for devices in selected_devices(request):  # 1; also 8 under -m slow
         log = open(root / f"{devices}.log", "w")
         env = xla_env(devices, PYTHONPATH=f"{python_path()}:{REPO / 'tests'}")
         procs[devices] = subprocess.Popen([sys.executable, str(REPO / "tests/xla/packing_worker.py"),
@@ -92,6 +92,7 @@ def recipe_runs(xla_env, tmp_path_factory):
     return out, {name: (read_metrics(tmp / name), read_metrics(tmp / name, "val_loss")) for name in ("cpu", "xla8")}
 
 
+@pytest.mark.slow  # an 8-device recipe run (the default suite packs on 1 device above, and on the CPU)
 def test_packed_recipe_on_8_devices_equals_the_cpu_and_compiles_one_shape(recipe_runs):
     out, metrics = recipe_runs
     (cpu_loss, cpu_val), (xla_loss, xla_val) = metrics["cpu"], metrics["xla8"]

@@ -52,7 +52,7 @@ def _words(n: int, seed: int) -> str:
 
 
 @pytest.fixture(scope="module")
-def setup(tiny_dir, xla_env, tmp_path_factory):
+def setup(tiny_dir, xla_env, tmp_path_factory, selected_devices, request):
     """A tiny model with O(1) logits and the SmolLM2 tokenizer, a LoRA file of it, a JSONL of three documents;
     the XLA processes started at once."""
     from tiny import tiny_llama_config, write_checkpoint
@@ -78,7 +78,7 @@ def setup(tiny_dir, xla_env, tmp_path_factory):
     data.write_text("".join(json.dumps({"text": _words(n, seed)}) + "\n" for seed, n in enumerate((60, 7, 100))))
 
     procs: Dict[int, subprocess.Popen] = {}
-    for devices in (1, 8):
+    for devices in selected_devices(request):  # 1; also 8 under -m slow
         out = root / f"out{devices}"
         out.mkdir()
         log = open(out / "log.txt", "w")

@@ -1,14 +1,16 @@
 """Every XLA finetuning method on checkpoints stored in fp32, bf16 and fp16, under every precision the XLA recipes
 accept (32-true, bf16-true, bf16-mixed), on XLA:CPU (one device: the dtype handling is the staged loader's and
 the precision plugin's, the same on any mesh; tests/xla/test_xla_finetune.py covers 8 devices): it trains (finite loss) and exports its trained
-weights in the precision's dtype. The Hub serves bf16 checkpoints; the GGUF converter writes fp32. The 27 runs go
-through the recipes' `setup` in one process (the XLA runtime starts once)."""
+weights in the precision's dtype. The Hub serves bf16 checkpoints; the GGUF converter writes fp32. The 27 runs (-m slow;
+the default suite runs 3 that cover every method, dtype and precision) go through the recipes' `setup` in one
+process (the XLA runtime starts once)."""
 
 import json
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from words import alpaca_rows, make_word_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
@@ -20,6 +22,7 @@ import torch
 from lit_gpt.args import DataArgs, EvalArgs, TrainArgs
 
 repo, src, data_dir, out = (Path(a) for a in sys.argv[1:5])
+combinations = json.loads(sys.argv[5])  # [method, stored dtype, precision]
 from lit_gpt.weights import find_weights, load_weights, save_weights
 state = load_weights(find_weights(src))
 stored = {}
@@ -37,6 +40,8 @@ for method, kwargs in methods.items():
     spec.loader.exec_module(recipe)
     for dtype, checkpoint_dir in stored.items():
         for precision in ("32-true", "bf16-true", "bf16-mixed"):
+            if [method, dtype, precision] not in combinations:
+                continue
             run = out / f"{method}-{dtype}-{precision}"
             recipe.setup(checkpoint_dir=checkpoint_dir, out_dir=run, precision=precision, accelerator="cpu",
                          data=DataArgs(data_dir=data_dir, pad_pow2=True),
@@ -54,7 +59,16 @@ for method, kwargs in methods.items():
 """
 
 
-def test_every_method_on_every_stored_dtype_and_precision(xla_env, tmp_path):
+METHODS, DTYPES, PRECISIONS = ("full", "lora", "adapter"), ("fp32", "bf16", "fp16"), ("32-true", "bf16-true", "bf16-mixed")
+EVERY = [[m, d, p] for m in METHODS for d in DTYPES for p in PRECISIONS]
+# the default suite's covering subset: every method, every stored dtype and every precision once (a Latin square's
+# diagonal: the Hub's bf16 file under the CPU and XLA default 32-true, with LoRA); -m slow runs all 27
+COVERING = [["full", "fp32", "bf16-true"], ["lora", "bf16", "32-true"], ["adapter", "fp16", "bf16-mixed"]]
+
+
+@pytest.mark.parametrize("combinations", [pytest.param(COVERING, id="covering"),
+                                          pytest.param(EVERY, id="every", marks=pytest.mark.slow)])
+def test_every_method_on_every_stored_dtype_and_precision(xla_env, tmp_path, combinations):
     tiny_dir = make_word_checkpoint(tmp_path / "tiny-words")
     (tmp_path / "alpaca.json").write_text(json.dumps(alpaca_rows()[:20]))
     prep = subprocess.run(
@@ -65,10 +79,11 @@ def test_every_method_on_every_stored_dtype_and_precision(xla_env, tmp_path):
     )
     assert prep.returncode == 0, prep.stderr
     proc = subprocess.run([sys.executable, "-c", DRIVER, str(REPO), str(tiny_dir), str(tmp_path / "data"),
-                           str(tmp_path)], cwd=REPO, capture_output=True, text=True, env=xla_env(1), timeout=900)
+                           str(tmp_path), json.dumps(combinations)], cwd=REPO, capture_output=True, text=True,
+                          env=xla_env(1), timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = json.loads((tmp_path / "results.json").read_text())
-    assert len(results) == 27
+    assert sorted(results) == sorted("-".join(c) for c in combinations)
     for name, r in results.items():
         precision = name.split("-", 2)[2]
         assert r["dtypes"] == (["torch.bfloat16"] if precision == "bf16-true" else ["torch.float32"]), name
