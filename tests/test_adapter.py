@@ -4,6 +4,7 @@ a trained prefix gives the same logits with and without a cache; only the adapte
 
 import pytest
 import torch
+from tolerance import logits_tolerance
 from variants import (
     FAMILIES,
     base_and_variant,
@@ -33,13 +34,15 @@ def test_adapter_equals_base_at_init_and_caches_correctly(name):
     expected = base(idx)
     assert expected.std() > 0.3
     torch.testing.assert_close(model(idx), expected, atol=1e-6, rtol=0)
-    torch.testing.assert_close(cached_logits(model, idx), expected, atol=1e-5, rtol=0)
+    # the cache's prefill-then-steps sums in another order: float32's bound (tests/tolerance.py), not a tuned 1e-5
+    torch.testing.assert_close(cached_logits(model, idx), expected, atol=logits_tolerance(model.config, expected),
+                               rtol=0)
 
     # a trained prefix changes the output, and the cached path still equals the full forward
     randomize_own_(model)
     full = model(idx)
     assert (full - expected).abs().max() > 1e-2
-    torch.testing.assert_close(cached_logits(model, idx), full, atol=1e-5, rtol=0)
+    torch.testing.assert_close(cached_logits(model, idx), full, atol=logits_tolerance(model.config, full), rtol=0)
 
 
 @torch.no_grad()

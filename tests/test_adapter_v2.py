@@ -3,6 +3,7 @@ trained scales/biases and prefix give the same logits with and without a cache; 
 
 import pytest
 import torch
+from tolerance import logits_tolerance
 from variants import (
     FAMILIES,
     base_and_variant,
@@ -33,12 +34,14 @@ def test_adapter_v2_equals_base_at_init_and_caches_correctly(name):
     idx = tokens()
     expected = base(idx)
     torch.testing.assert_close(model(idx), expected, atol=1e-6, rtol=0)
-    torch.testing.assert_close(cached_logits(model, idx), expected, atol=1e-5, rtol=0)
+    # the cache's prefill-then-steps sums in another order: float32's bound (tests/tolerance.py), not a tuned 1e-5
+    torch.testing.assert_close(cached_logits(model, idx), expected, atol=logits_tolerance(model.config, expected),
+                               rtol=0)
 
     randomize_own_(model)
     full = model(idx)
     assert (full - expected).abs().max() > 1e-2
-    torch.testing.assert_close(cached_logits(model, idx), full, atol=1e-5, rtol=0)
+    torch.testing.assert_close(cached_logits(model, idx), full, atol=logits_tolerance(model.config, full), rtol=0)
 
 
 @torch.no_grad()

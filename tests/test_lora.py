@@ -3,6 +3,7 @@ gives the LoRA model's outputs; only the enabled q/k/v parts get an update; the 
 
 import pytest
 import torch
+from tolerance import logits_tolerance
 from variants import (
     FAMILIES,
     base_and_variant,
@@ -41,12 +42,14 @@ def test_lora_equals_base_at_init_and_merges_exactly(name):
     idx = tokens()
     expected = base(idx)
     torch.testing.assert_close(model(idx), expected, atol=1e-6, rtol=0)
-    torch.testing.assert_close(cached_logits(model, idx), expected, atol=1e-5, rtol=0)
+    # the cache's prefill-then-steps sums in another order: float32's bound (tests/tolerance.py), not a tuned 1e-5
+    torch.testing.assert_close(cached_logits(model, idx), expected, atol=logits_tolerance(model.config, expected),
+                               rtol=0)
 
     randomize_own_(model)
     full = model(idx)
     assert (full - expected).abs().max() > 1e-2
-    torch.testing.assert_close(cached_logits(model, idx), full, atol=1e-5, rtol=0)
+    torch.testing.assert_close(cached_logits(model, idx), full, atol=logits_tolerance(model.config, full), rtol=0)
     # merged into plain weights: same outputs (a tied head gets untied, the embeddings stay the base ones)
     plain = merged_base_model(model)
     assert not plain.config.tie_embeddings
