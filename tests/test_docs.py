@@ -48,7 +48,7 @@ PAGES = sorted((ROOT / "tutorials").glob("*.md")) + [ROOT / "README.md", ROOT / 
 PARSE_ONLY_REASONS = ("needs the network", "needs a GPU", "needs a TPU VM", "needs gcloud", "long run")
 TINY_MODEL_PAGES = ("tutorials/inference.md", "tutorials/finetune_adapter.md", "tutorials/finetune_lora.md", "tutorials/finetune_full.md",
                     "tutorials/convert.md", "tutorials/oom.md", "tutorials/tpu.md", "tutorials/resources.md", "tutorials/moe.md",
-                    "tutorials/finetune_dpo.md",
+                    "tutorials/finetune_dpo.md", "tutorials/serve.md",  # serving the real model: tests/test_serve.py
                     "xla/README.md")
 # flags added to a command when it does not set them itself: the run stays a few seconds
 _FINETUNE = ["--train.max_steps", "2", "--train.global_batch_size", "2", "--train.micro_batch_size", "1",

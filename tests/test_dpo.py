@@ -245,6 +245,7 @@ def test_two_processes_ddp_match_one(words_dir, pairs_dir, tmp_path):
         assert a.keys() == b.keys() and all(b[s] == pytest.approx(a[s], abs=2e-4) for s in a), (key, a, b)
 
 
+@pytest.mark.slow  # a real-model learning run (~16 s alone, ~65 s beside another worker), as finetuning's is
 def test_dpo_on_real_smollm2_raises_held_out_reward_accuracy(smollm2_bf16_dir, tmp_path):
     """The real SmolLM2-135M-Instruct as the Hub serves it (bf16 safetensors, trained in fp32), with its chat template: pairs whose chosen reply answers and whose rejected
     reply refuses; after a short LoRA DPO run the held-out pairs (other questions) rank the answer above the

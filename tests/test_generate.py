@@ -354,6 +354,7 @@ def compiled_run(model: GPT, steps: Steps, prompts, max_new_tokens: int, **kwarg
     return results
 
 
+@pytest.mark.slow  # Inductor compiles C++ kernels for both steps: ~10 s alone, ~40 s beside another worker
 def test_compiled_steps_on_cpu_equal_eager_and_compile_once_per_bucket():
     """--compile default on the CPU: the compiled prefill and decode step give the eager loop's greedy tokens, and
     three prompt lengths of one bucket compile the two steps once (the later prompts reuse both graphs)."""

@@ -204,13 +204,17 @@ def default_runs(checkpoints, xla_env, selected_devices, request):
     """The XLA workers (one per device count the selected tests need: 1; also 8 under -m slow) start first (LoRA per
     family, then nothing else; Gemma 3 generation first, in a fresh runtime); the CPU runs happen here meanwhile."""
     ckpt, root = checkpoints, checkpoints / "default"
+    # the per-family training runs only when their tests are selected (-m slow: the family x backend matrix)
+    training = any(item.module is request.module and item.originalname in TRAINING_TESTS
+                   for item in request.session.items)
     jobs = {devices: [{"name": f"gen_{key}", "script": "xla/generate/base.py", "args": _gen_args(ckpt, prompt)}
                       for key, prompt in GEN_PROMPTS.items()]
-            + [job for family in FAMILIES for job in _train_jobs(ckpt, root, family, "lora", devices, resume=False)]
+            + [job for family in (FAMILIES if training else []) for job in _train_jobs(ckpt, root, family, "lora",
+                                                                                        devices, resume=False)]
             for devices in selected_devices(request)}
     workers = Workers(xla_env, root / "workers", jobs)
     cpu_gen = {key: _cpu("generate/base.py", _gen_args(ckpt, prompt)) for key, prompt in GEN_PROMPTS.items()}
-    for family in FAMILIES:
+    for family in FAMILIES if training else []:
         _cpu_runs(ckpt, root, family, "lora")
     yield {"ckpt": ckpt, "root": root, "workers": workers, "cpu_gen": cpu_gen}
     workers.stop()
@@ -270,12 +274,20 @@ def test_the_data_puts_each_step_on_one_side_of_the_longrope_context(checkpoints
         assert window is None or window < lengths[0]
 
 
+TRAINING_TESTS = ("test_lora_trains_the_same_on_cpu_and_xla_1_and_8_devices", "test_lora_resumes_bit_exactly_on_cpu")
+
+
+# the family x backend matrix is in the slow suite (tests/README.md); the default suite checks every family's
+# forward and cached generation against transformers (tests/test_model.py, tests/test_families.py) and its LoRA and
+# adapter variants (tests/test_lora.py, ...), and trains every method on XLA (tests/xla/test_xla_finetune.py)
+@pytest.mark.slow
 @pytest.mark.parametrize("devices", [1, 8])
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_lora_trains_the_same_on_cpu_and_xla_1_and_8_devices(default_runs, family, devices):
     _assert_same_training(default_runs["root"], family, "lora", default_runs["workers"], (devices,))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_lora_resumes_bit_exactly_on_cpu(default_runs, family):
     root = default_runs["root"]
