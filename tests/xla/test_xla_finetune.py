@@ -306,16 +306,19 @@ def test_cpu_and_xla_on_1_and_8_devices_train_the_same(runs, method, devices):
 @pytest.mark.parametrize("method, devices", CASES)
 def test_epoch_driven_xla_runs_take_every_step_with_bounded_compilations(runs, method, devices):
     """`--train.epochs 2` and no max_steps: 10 optimizer steps (epochs x 40 samples / 8) on any number of devices,
-    not 10 / 8; the train step compiles at most twice per padded length; checkpoints and the consolidated export
-    are there."""
+    not 10 / 8; the train step compiles at most twice per padded length (4 times on 1 device, which accumulates 8
+    micro-batches); checkpoints and the consolidated export are there."""
     out = runs["seq"].result(f"{method}{devices}").stdout
     out_dir = runs["tmp"] / f"{method}{devices}"
     m = re.search(r"XLA compilations: train step (\d+) for (\d+) padded length\(s\)", out)
     assert m, out[-2000:]
     compiles, lengths = int(m.group(1)), int(m.group(2))
     assert lengths == 2  # the data pads to two lengths (see _alpaca_rows)
-    # per padded length: the first step (optimizer state created inside the graph) and the steady step, no more
-    assert 1 <= compiles <= 2 * lengths, out[-2000:]
+    # per padded length: the first step (optimizer state created inside the graph) and the steady step, no more; on
+    # 1 device the step of 8 rows is 8 micro-batches of 1, so the accumulating micro-step is a graph too (first, when
+    # it creates the gradients, and steady): 4 (measured: {64: 4, 80: 3})
+    per_length = 2 if devices == 8 else 4
+    assert 1 <= compiles <= per_length * lengths, out[-2000:]
     for step in (5, 10):
         assert (out_dir / f"step-{step:06d}" / "lit_checkpoint.json").is_file()
         # the run's files are inside the checkpoint when it is committed, not copied in afterwards
