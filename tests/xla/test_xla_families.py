@@ -5,18 +5,16 @@ features switched on where they matter (tests/words.py `FAMILIES`: sliding windo
 sequences, Gemma 3's local RoPE base and linear scaling, LongRoPE with partial rotary dims whose original context
 lies between the two steps' lengths, soft-caps in range, a NoPE layer).
 
-Default (LoRA, two optimizer steps, fp32, dropout 0):
-* per family, the same logged loss at both steps on the three backends (relative 1e-4) and final LoRA weights
-  within 1e-5;
-* per family, resume is exact on the CPU: a run stopped after step 1's checkpoint and resumed with
-  `--resume auto` gives bit-identical final LoRA weights and the same step-2 loss as the uninterrupted run;
-* Gemma 3 generation through `xla/generate/base.py` on 1 and 8 devices (windows and the local RoPE table in the
-  static-cache graphs, a prompt longer than the window): 2 compilations for the first prompt's bucket, 0 for a
-  second prompt of another length in that bucket, and the same greedy text as `generate/base.py` on the CPU.
+Default: Gemma 3 generation through `xla/generate/base.py` on 1 device (8 under -m slow; windows and the local
+RoPE table in the static-cache graphs, a prompt longer than the window): 2 compilations for the first prompt's
+bucket, 0 for a second prompt of another length in that bucket, and the same greedy text as `generate/base.py` on
+the CPU. (The default suite trains every method on XLA in tests/xla/test_xla_finetune.py and checks every family's
+forward against transformers in tests/test_model.py.)
 
-Slow (`pytest -m slow tests/xla/test_xla_families.py`; CI runs it, the README's default command leaves it out): every family x LoRA /
-adapter / full on the three backends (adapter_v2 on the CPU: there is no XLA adapter_v2 recipe), and resume
-after step 1 bit-exact for each of them on each backend.
+Slow (`pytest -m slow tests/xla/test_xla_families.py`; CI runs it, the README's default command leaves it out): every
+family x LoRA / adapter / full on the three backends (two optimizer steps, fp32, dropout 0: the same logged loss at
+both steps, relative 1e-4, and final weights within `WEIGHT_ATOL`; adapter_v2 on the CPU: there is no XLA
+adapter_v2 recipe), and resume after step 1 bit-exact for each of them on each backend.
 
 Cost: each XLA device count is one process that runs all its recipe calls in turn (tests/xla/families_worker.py:
 the runtime starts once; each family pays for its own compilations only); the two processes run side by side
@@ -201,21 +199,14 @@ def checkpoints(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def default_runs(checkpoints, xla_env, selected_devices, request):
-    """The XLA workers (one per device count the selected tests need: 1; also 8 under -m slow) start first (LoRA per
-    family, then nothing else; Gemma 3 generation first, in a fresh runtime); the CPU runs happen here meanwhile."""
+    """The XLA workers (one per device count the selected tests need: 1; also 8 under -m slow): Gemma 3 generation
+    in a fresh runtime; the CPU generation happens here meanwhile."""
     ckpt, root = checkpoints, checkpoints / "default"
-    # the per-family training runs only when their tests are selected (-m slow: the family x backend matrix)
-    training = any(item.module is request.module and item.originalname in TRAINING_TESTS
-                   for item in request.session.items)
     jobs = {devices: [{"name": f"gen_{key}", "script": "xla/generate/base.py", "args": _gen_args(ckpt, prompt)}
                       for key, prompt in GEN_PROMPTS.items()]
-            + [job for family in (FAMILIES if training else []) for job in _train_jobs(ckpt, root, family, "lora",
-                                                                                        devices, resume=False)]
             for devices in selected_devices(request)}
     workers = Workers(xla_env, root / "workers", jobs)
     cpu_gen = {key: _cpu("generate/base.py", _gen_args(ckpt, prompt)) for key, prompt in GEN_PROMPTS.items()}
-    for family in FAMILIES if training else []:
-        _cpu_runs(ckpt, root, family, "lora")
     yield {"ckpt": ckpt, "root": root, "workers": workers, "cpu_gen": cpu_gen}
     workers.stop()
 
@@ -274,25 +265,11 @@ def test_the_data_puts_each_step_on_one_side_of_the_longrope_context(checkpoints
         assert window is None or window < lengths[0]
 
 
-TRAINING_TESTS = ("test_lora_trains_the_same_on_cpu_and_xla_1_and_8_devices", "test_lora_resumes_bit_exactly_on_cpu")
-
-
-# the family x backend matrix is in the slow suite (tests/README.md); the default suite checks every family's
-# forward and cached generation against transformers (tests/test_model.py, tests/test_families.py) and its LoRA and
-# adapter variants (tests/test_lora.py, ...), and trains every method on XLA (tests/xla/test_xla_finetune.py)
-@pytest.mark.slow
-@pytest.mark.parametrize("devices", [1, 8])
-@pytest.mark.parametrize("family", list(FAMILIES))
-def test_lora_trains_the_same_on_cpu_and_xla_1_and_8_devices(default_runs, family, devices):
-    _assert_same_training(default_runs["root"], family, "lora", default_runs["workers"], (devices,))
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("family", list(FAMILIES))
-def test_lora_resumes_bit_exactly_on_cpu(default_runs, family):
-    root = default_runs["root"]
-    _assert_exact_resume(_run_dir(root, family, "lora", "cpu"), _run_dir(root, family, "lora", "cpu", resumed=True),
-                         METHODS["lora"][1])
+# every family's LoRA run on 1 and 8 devices (and its resume) is part of the slow matrix below (every method of every
+# family); the default suite checks every family's forward and cached generation against transformers
+# (tests/test_model.py, tests/test_families.py) and its LoRA and adapter variants (tests/test_lora.py, ...), and trains
+# every method on XLA (tests/xla/test_xla_finetune.py) and LoRA with one micro-batch of 8 rows on 1 XLA device
+# (tests/xla/test_xla_moe.py)
 
 
 @pytest.mark.parametrize("devices", [1, 8])
