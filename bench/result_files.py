@@ -20,7 +20,7 @@ import shlex
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 from lit_gpt.utils import meminfo_bytes
 
@@ -82,7 +82,8 @@ def _commit() -> Optional[str]:
 
 
 def write(path: Optional[Path], bench: str, settings: Dict[str, Any], results: Any, note: Optional[str] = None) -> None:
-    """Write one result file (nothing when `path` is None)."""
+    """Write one result file (nothing when `path` is None), atomically; when that fails after the run, the record is
+    kept in a temporary file that the error line names (lit_gpt.recipes.outputs.write_results)."""
     if path is None:
         return
     record = {
@@ -98,7 +99,28 @@ def write(path: Optional[Path], bench: str, settings: Dict[str, Any], results: A
         "settings": settings,
         "results": results,
     }
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(record, indent=2, default=str) + "\n")
+    from lit_gpt.recipes.outputs import write_results
+
+    path = write_results(Path(path), json.dumps(record, indent=2, default=str) + "\n")
     print(f"results written to {path}", file=sys.stderr)
+
+
+def _check_results_file(argv: List[str]) -> None:
+    """A bench run's --results_file is checked when the bench imports this module, before it loads or measures
+    anything (a folder, a file under a file, a read-only folder): a run of minutes must not end in a failed write.
+    One `error:` line and exit 1, as run_cli reports a LitError."""
+    from lit_gpt.recipes.outputs import check_output_file
+    from lit_gpt.utils import LitError
+
+    values = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--results_file"]
+    values += [a.split("=", 1)[1] for a in argv if a.startswith("--results_file=")]
+    try:
+        for value in values:
+            if value not in ("null", "None"):
+                check_output_file(value, "--results_file")
+    except LitError as e:
+        sys.exit(f"error: {e}")
+
+
+if Path(sys.argv[0]).resolve().parent == ROOT / "bench":  # a bench script run from the command line
+    _check_results_file(sys.argv[1:])

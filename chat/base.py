@@ -19,7 +19,7 @@ from lit_gpt.compile_policy import resolve_compile
 from lit_gpt.config import load_config
 from lit_gpt.generate import compile_steps, decode_one_token, generate_stream
 from lit_gpt.loading import load_model
-from lit_gpt.prompts import PromptStyle
+from lit_gpt.prompts import PromptStyle, describe_style
 from lit_gpt.recipes.generate import (
     FLAG_HELP, flag_help, generation_fabric, loading, prepare_for_device, quantize_weights,
 )
@@ -60,6 +60,10 @@ def setup(
     mode = resolve_compile(compile, resolve_accelerator(accelerator), max_new_tokens)  # checked before loading
     if max_new_tokens < 1:
         raise LitError(f"--max_new_tokens must be >= 1 (got {max_new_tokens})")
+    if system_prompt is not None and not _is_utf8(system_prompt):  # bytes that are not UTF-8: lone surrogates
+        bad = system_prompt.encode("utf-8", errors="surrogateescape")
+        raise LitError(f"--system_prompt is not valid UTF-8 text ({_first_bad_byte(bad)}): pass it in UTF-8, e.g."
+                       " convert it with iconv -t UTF-8")
     fabric = generation_fabric(accelerator, precision, quantize)
     tokenizer = Tokenizer(checkpoint_dir)
     style = PromptStyle.from_checkpoint(checkpoint_dir, prompt_style)
@@ -72,6 +76,7 @@ def setup(
     with loading(fabric, f"{checkpoint_dir} ({style.name} prompt style)"):
         model = quantize_weights(fabric, load_model(checkpoint_dir), quantize)
         model = prepare_for_device(fabric, model, steps)  # precision dtype, CPU layout, Fabric
+    fabric.print(describe_style(style, checkpoint_dir, prompt_style), file=sys.stderr)  # which style, and why
     fabric.seed_everything(seed)
     if hasattr(sys.stdin, "reconfigure"):
         # bytes that are not UTF-8 reach `main` as lone surrogates (reported there) instead of raising inside

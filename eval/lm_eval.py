@@ -17,8 +17,10 @@ the harness's `--model hf` backend on the same weights.
 
 Output: progress bars (stderr), the harness's results table on stdout, and its results dict as JSON in
 `--out_dir`/lm_eval.json (default: an eval/ folder beside the finetuned weights file, else in the checkpoint folder,
-where eval/perplexity.py writes too). A task name the harness does not know is one `error:` line, found before the
-model is loaded; nothing is written. Harness tasks read their data through `datasets`: offline, a task's
+where eval/perplexity.py writes too), written atomically; should that fail after the work, the results are kept in a
+temporary file that the error line names. Found before the model is loaded, each in one `error:` line, with nothing
+written: an --out_dir that is a file or cannot be created, a task name the harness does not know, a task file that
+is not valid YAML, a task whose data does not load, a --num_fewshot larger than the task's examples. Harness tasks read their data through `datasets`: offline, a task's
 `dataset_path` must be local (`dataset_path: json` with `dataset_kwargs: {data_files: ...}`; see
 tutorials/evaluate.md).
 """
@@ -54,22 +56,30 @@ FLAGS: List[Flag] = [
 
 
 def main(**flags: Any) -> None:
-    from lit_gpt.recipes.harness import LitLM, evaluate, list_tasks, resolve_tasks, results_table, write_results
+    from lit_gpt.recipes.evaluate import default_out_dir
+    from lit_gpt.recipes.harness import (
+        RESULTS_FILE, LitLM, check_task_data, evaluate, list_tasks, resolve_tasks, results_json, results_table,
+    )
+    from lit_gpt.recipes.outputs import check_output_dir, write_results
 
     if str(flags["tasks"]).strip() == "list":
         print(list_tasks(flags["include_path"]))
         return
     model_flags = values(flags, EVAL_FLAGS)
-    check_eval_args(**{k: v for k, v in model_flags.items() if k != "allow_other_base"})  # no weights read yet
+    _, finetuned = check_eval_args(**{k: v for k, v in model_flags.items() if k != "allow_other_base"})  # no weights
     if flags["batch_size"] < 1:
         raise LitError(f"--batch_size must be >= 1, got {flags['batch_size']}")
     if flags["num_fewshot"] is not None and flags["num_fewshot"] < 0:
         raise LitError(f"--num_fewshot must be >= 0, got {flags['num_fewshot']}")
     if flags["limit"] is not None and flags["limit"] <= 0:
         raise LitError(f"--limit must be > 0, got {flags['limit']}")
+    out_dir = Path(flags["out_dir"] or default_out_dir(flags["checkpoint_dir"], finetuned))
+    check_output_dir(out_dir, "--out_dir")  # where the results go: before the work, not after it
     manager, names = resolve_tasks(flags["tasks"], flags["include_path"])  # unknown tasks: before the model loads
+    check_task_data(manager, names, flags["num_fewshot"])  # each task's data loads, and has enough few-shot examples
 
     loaded = load_eval_model(**model_flags)
+    print("Prompt style: raw (each task's own prompt format, no chat template)", file=sys.stderr)
     loaded.runtime.seed(flags["seed"])
     lm = LitLM(loaded.model, loaded.tokenizer, loaded.runtime, batch_size=flags["batch_size"], name=loaded.name,
                seed=flags["seed"])
@@ -85,7 +95,7 @@ def main(**flags: Any) -> None:
                                                             sorted(lm.compiles_per_bucket.items())}
         print(f"XLA compilations: {results['config']['xla_compilations']}", file=sys.stderr)
     print(results_table(results))
-    path = write_results(results, flags["out_dir"] or loaded.default_out_dir())
+    path = write_results(out_dir / RESULTS_FILE, results_json(results))  # if that fails: kept elsewhere, named
     print(f"Results written to {path}", file=sys.stderr)
 
 

@@ -21,6 +21,7 @@ rows without "text", --stride > --window, --window beyond the model's context) i
 written.
 """
 
+import sys
 from pathlib import Path
 from typing import Any, List, Optional
 
@@ -48,6 +49,7 @@ def main(**flags: Any) -> None:
     model_flags = values(flags, EVAL_FLAGS)
     request = perplexity_request(**{k: v for k, v in flags.items() if k != "allow_other_base"})  # checks, no weights
     loaded = load_eval_model(**model_flags)
+    print("Prompt style: raw (perplexity scores the text as it is, no template)", file=sys.stderr)
     run_perplexity(loaded, request)  # progress bar, table, results JSON
 
 

@@ -15,7 +15,7 @@ import lightning as L
 from lit_gpt.loading import load_model
 from lit_gpt.recipes.generate import (
     GenerationArgs, check_request, generate_command, generate_sample, generation_steps, loading, prepare_for_device,
-    print_sample, quantize_weights, report,
+    print_sample, print_style, quantize_weights, report,
 )
 from lit_gpt.runtime import Runtime
 from lit_gpt.utils import run_cli
@@ -30,6 +30,7 @@ def main(fabric: L.Fabric, args: GenerationArgs) -> None:
         model = load_model(args.checkpoint_dir)
         model = quantize_weights(fabric, model, args.quantize)
         model = prepare_for_device(fabric, model, steps)
+    print_style(fabric, request)  # which prompt style, and why (stderr)
 
     runtime = Runtime(fabric)
     runtime.seed(args.seed)

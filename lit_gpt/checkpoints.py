@@ -9,6 +9,7 @@ is computed.
 
 import json
 import shutil
+import sys
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Union
 
@@ -70,19 +71,23 @@ def _flatten(d: Dict[str, Any], prefix: str = "") -> Dict[str, Any]:
     return out
 
 
-def check_same_run(saved: Dict[str, Any], current: Dict[str, Any], path: Path, allow_other_base: bool = False
-                   ) -> None:
+def check_same_run(saved: Dict[str, Any], current: Dict[str, Any], path: Path, allow_other_base: bool = False,
+                   allow_other_data: bool = False) -> None:
     """A resumed run must compute what the interrupted one would have: refuse when the arguments that decide it
-    differ (only logging, validation and checkpoint intervals may change), or when --checkpoint_dir now holds other
+    differ (only logging, validation and checkpoint intervals may change), when --checkpoint_dir now holds other
     base weights than the run started from (their fingerprints differ; `allow_other_base` lets it through with one
-    line). The same base found under another path is the same run."""
+    line), or when --data.data_dir now holds other prepared data (`check_same_data`; `allow_other_data`). The same
+    base or the same data found under another path is the same run."""
     a = json.loads(json.dumps(saved, default=str))
     b = json.loads(json.dumps(current, default=str))
-    ignored = set(RESUMABLE_CHANGES) | {"base"}  # runs of earlier versions recorded no base
+    ignored = set(RESUMABLE_CHANGES) | {"base", "prepared"}  # runs of earlier versions recorded neither
     if isinstance(a.get("base"), dict) and isinstance(b.get("base"), dict):
         check_base(a["base"], b.get("checkpoint_dir"), allow_other_base, f"the run in {str(path)!r}",
                    actual=b["base"].get("fingerprint"))
         ignored.add("checkpoint_dir")  # compared by what it holds, not where it is
+    if isinstance(a.get("prepared"), dict) and isinstance(b.get("prepared"), dict):
+        check_same_data(a["prepared"], b["prepared"], path, allow_other_data)
+        ignored.add("data.data_dir")  # compared by what it holds, not where it is
     fa, fb = _flatten(a), _flatten(b)
     differ = sorted(
         k for k in set(fa) | set(fb)
@@ -95,6 +100,27 @@ def check_same_run(saved: Dict[str, Any], current: Dict[str, Any], path: Path, a
             f"{str(path)!r} belongs to a run with other arguments ({shown}{more}): resume with the same arguments,"
             " or start a new run in a new --out_dir"
         )
+
+
+def check_same_data(saved: Dict[str, Any], current: Dict[str, Any], path: Path, allow_other_data: bool) -> None:
+    """Refuse, in one LitError line naming both, to resume a run on other prepared data than it trained on (the
+    fingerprints of `lit_gpt.data.prepared_record` differ: other rows, another split, tokenizer or prompt style),
+    e.g. after its --data.data_dir was prepared again from another file; `allow_other_data` makes it one warning
+    line instead (the data position, epoch and index, then continues on the new data)."""
+    if saved.get("fingerprint") == current.get("fingerprint"):
+        return
+
+    def details(r: Dict[str, Any]) -> str:
+        return f"from {r.get('source')!r}, {r.get('samples')} samples, {r.get('fingerprint')}"
+
+    moved = current.get("data_dir") != saved.get("data_dir")
+    where = f"--data.data_dir {current.get('data_dir')!r}" if moved else "that folder now"
+    mismatch = (f"the run in {str(path)!r} trained on the prepared data in {saved.get('data_dir')!r}"
+                f" ({details(saved)}), but {where} holds other data ({details(current)})")
+    if not allow_other_data:
+        raise LitError(f"{mismatch}: resume with the data it trained on, start a new run in a new --out_dir, or pass"
+                       " --allow_other_data true to continue on this data")
+    print(f"warning: {mismatch}; continuing on it anyway (--allow_other_data true)", file=sys.stderr)
 
 
 def resume_path(runtime: Runtime, resume: Union[bool, str, Path], out_dir: Path) -> Optional[Path]:
@@ -129,7 +155,7 @@ def resume_path(runtime: Runtime, resume: Union[bool, str, Path], out_dir: Path)
 
 def resume_run(
     runtime: Runtime, path: Path, model: nn.Module, optimizer: Any, method: Any, data: Any,
-    run_config: Optional[Dict[str, Any]], allow_other_base: bool = False,
+    run_config: Optional[Dict[str, Any]], allow_other_base: bool = False, allow_other_data: bool = False,
 ) -> Dict[str, Any]:
     """Restore model, optimizer, data position and every generator of every process from a step checkpoint."""
     saved_method = runtime.saved_method(path)
@@ -140,7 +166,7 @@ def resume_run(
         )
     saved_run = Path(path) / RUN_FILE
     if run_config is not None and saved_run.is_file():
-        check_same_run(json.loads(saved_run.read_text()), run_config, path, allow_other_base)
+        check_same_run(json.loads(saved_run.read_text()), run_config, path, allow_other_base, allow_other_data)
     state: Dict[str, Any] = {"model": model, "optimizer": optimizer, "train_state": None}
     runtime.load_step(path, state)
     train_state = state["train_state"]

@@ -46,8 +46,8 @@ from lit_gpt.utils import LitError, error_reason, write_atomic, write_text_atomi
 
 __all__ = [  # this module's own names, then the re-exported ones (see the module docstring)
     "FORMAT_VERSION", "META_FILE", "TRAIN_FILE", "VAL_FILE", "TOKENIZER_FILES", "PreparedData", "check_destination",
-    "load_prepared", "prepare", "print_summary", "report_bad_rows", "split_train_val", "tokenize_row",
-    "tokenizer_fingerprint", "write_prepared",
+    "check_overwrite", "data_fingerprint", "describe_data", "load_prepared", "prepare", "prepared_record",
+    "print_summary", "report_bad_rows", "split_train_val", "tokenize_row", "tokenizer_fingerprint", "write_prepared",
     "IGNORE_INDEX", "Sample", "TrainBatches", "collate", "count_cropped", "pad_length", "val_batches",
     "BadRow", "BadRowError", "Record", "Row", "RowFields", "check_text", "conversation_rows", "download", "get_text",
     "instruction_rows", "read_csv_records", "read_json_records", "read_records", "records_to_rows",
@@ -163,15 +163,17 @@ def prepare(
     seed: int = 42,
     on_bad_rows: str = "skip",
     extra_meta: Optional[Dict[str, Any]] = None,
+    overwrite: bool = False,
 ) -> Dict[str, Any]:
-    """Tokenize, split and write `rows`; `bad` are the rows already found unusable while reading. Returns meta."""
+    """Tokenize, split and write `rows`; `bad` are the rows already found unusable while reading. Returns meta.
+    A destination that holds other prepared data is refused unless `overwrite` (`check_overwrite`)."""
     from lit_gpt.prompts import PromptStyle
 
     checkpoint_dir, fingerprint, tokenizer, max_seq_length = tokenizing_setup(checkpoint_dir, max_seq_length)
     style = PromptStyle.from_name(prompt_style, checkpoint_dir)
     with writing_to(destination):
         return _prepare(rows, bad, checkpoint_dir, destination, source, prompt_style, max_seq_length, mask_inputs,
-                        val_split_fraction, seed, on_bad_rows, extra_meta, fingerprint, tokenizer, style)
+                        val_split_fraction, seed, on_bad_rows, extra_meta, fingerprint, tokenizer, style, overwrite)
 
 
 def tokenizing_setup(checkpoint_dir: Path, max_seq_length: Optional[int], what: str = "the data is"
@@ -210,7 +212,8 @@ def writing_to(destination: Path) -> Iterator[None]:
 
 
 def _prepare(rows, bad, checkpoint_dir, destination, source, prompt_style, max_seq_length, mask_inputs,
-             val_split_fraction, seed, on_bad_rows, extra_meta, fingerprint, tokenizer, style) -> Dict[str, Any]:
+             val_split_fraction, seed, on_bad_rows, extra_meta, fingerprint, tokenizer, style, overwrite
+             ) -> Dict[str, Any]:
     from tqdm import tqdm
 
     bad = list(bad)
@@ -241,7 +244,7 @@ def _prepare(rows, bad, checkpoint_dir, destination, source, prompt_style, max_s
                          prompt_bos=style.bos, max_seq_length=max_seq_length, mask_inputs=mask_inputs, seed=seed,
                          val_split_fraction=val_split_fraction, split=(len(train), len(val)), truncated=truncated,
                          bad=bad, lengths=lengths, extra=extra_meta)
-    write_prepared(destination, train, val, meta)
+    write_prepared(destination, train, val, meta, overwrite)
     return meta
 
 
@@ -323,15 +326,77 @@ def print_summary(meta: Dict[str, Any], destination: Path) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 # Writing and reading the prepared split
 # ---------------------------------------------------------------------------------------------------------------
-def write_prepared(destination: Path, train: List[Sample], val: List[Sample], meta: Dict[str, Any]) -> None:
+def write_prepared(destination: Path, train: List[Sample], val: List[Sample], meta: Dict[str, Any],
+                   overwrite: bool = False) -> None:
     """Write train.pt, val.pt, then meta.json, each atomically. meta.json goes last and the old one is removed
-    first: a directory with a meta.json that names these counts is complete."""
+    first: a directory with a meta.json that names these counts is complete. meta gets the data's fingerprint
+    (`data_fingerprint`); a folder that holds other prepared data is refused unless `overwrite` (the same data
+    prepared again is written again: nothing that trained on it changes)."""
     destination = Path(destination)
+    meta["fingerprint"] = data_fingerprint(train, val, meta)
+    check_overwrite(destination, meta, overwrite)
     destination.mkdir(parents=True, exist_ok=True)
     (destination / META_FILE).unlink(missing_ok=True)
     write_atomic(destination / TRAIN_FILE, lambda f: torch.save(train, f))
     write_atomic(destination / VAL_FILE, lambda f: torch.save(val, f))
     write_text_atomic(destination / META_FILE, json.dumps(meta, indent=2) + "\n")
+
+
+def data_fingerprint(train: Sequence[Sample], val: Sequence[Sample], meta: Dict[str, Any]) -> str:
+    """The identity of prepared data: sha256 over every token of every sample (train, then val, in order: the
+    rows, their count, the split), the tokenizer, the prompt style and the kind (instructions or preference pairs).
+    The source file's path is not part of it: the same rows prepared the same way from a copy of the file, or
+    into another folder, are the same data; one other token, row or split is other data."""
+    h = hashlib.sha256()
+    head = {"kind": meta.get("kind", "instructions"), "tokenizer": (meta.get("tokenizer") or {}).get("sha256"),
+            "prompt_style": meta.get("prompt_style"), "prompt_bos": meta.get("prompt_bos")}
+    h.update(json.dumps(head, sort_keys=True).encode())
+    for split, samples in (("train", train), ("val", val)):
+        h.update(f"\n{split} {len(samples)}".encode())
+        for sample in samples:
+            for key in sorted(k for k, v in sample.items() if isinstance(v, torch.Tensor)):
+                ids = sample[key].detach().to(torch.int64).contiguous()
+                h.update(f"\n{key} {ids.numel()}\n".encode())
+                h.update(ids.numpy().tobytes())
+    return "sha256:" + h.hexdigest()[:16]
+
+
+def describe_data(meta: Dict[str, Any]) -> str:
+    """"from 'rows.json', 40 samples, sha256:..." (what a refusal names of prepared data)."""
+    samples = (meta.get("counts") or {}).get("samples")
+    return f"from {meta.get('source')!r}, {samples} samples, {meta.get('fingerprint')}"
+
+
+def check_overwrite(destination: Path, meta: Dict[str, Any], overwrite: bool) -> None:
+    """Refuse (one LitError line naming both) to replace a complete prepared folder (its meta.json is there) that
+    holds other data than `meta` describes, unless `overwrite`. A folder without meta.json holds no complete
+    preparation (one that was killed, or only the cached download): written over."""
+    if overwrite or not (Path(destination) / META_FILE).is_file():
+        return
+    try:
+        old = json.loads((Path(destination) / META_FILE).read_text(encoding="utf-8"))
+        if not isinstance(old, dict):
+            raise ValueError("not an object")
+        if "fingerprint" not in old:  # prepared by an earlier version: its identity from its files
+            old["fingerprint"] = load_prepared(destination).meta["fingerprint"]
+    except (LitError, ValueError, UnicodeDecodeError, RecursionError, OSError):
+        old = {"source": "unreadable", "fingerprint": "unknown"}  # a damaged folder is not replaced silently either
+    if old.get("fingerprint") == meta["fingerprint"]:
+        return
+    raise LitError(
+        f"--destination_path {str(destination)!r} already holds other prepared data ({describe_data(old)}; this is"
+        f" {describe_data(meta)}): refusing to overwrite (a run that trained on it could no longer resume). Pass"
+        " --destination_path NEW_FOLDER, or --overwrite true to replace it"
+    )
+
+
+def prepared_record(meta: Dict[str, Any], data_dir: Path, packing: bool) -> Dict[str, Any]:
+    """What a run's checkpoints record of the prepared data it trains on (finetune.json's "prepared"): its
+    fingerprint, where it was, what it was prepared from, and how it was batched (--data.packing). A resumed run
+    must train on data with the same fingerprint (`lit_gpt.checkpoints.check_same_run`)."""
+    return {"fingerprint": meta.get("fingerprint"), "data_dir": str(data_dir), "source": meta.get("source"),
+            "samples": (meta.get("counts") or {}).get("samples"), "prompt_style": meta.get("prompt_style"),
+            "packing": bool(packing)}
 
 
 @dataclass
@@ -398,4 +463,6 @@ def load_prepared(data_dir: Path, checkpoint_dir: Optional[Path] = None) -> Prep
         except Exception as e:  # torch raises several types for corrupt files; all mean "prepare again"
             raise LitError(f"cannot read {str(path)!r} ({type(e).__name__}): {hint} {data_dir}") from None
         splits.append(_check_samples(samples, path))
+    if not isinstance(meta.get("fingerprint"), str):  # prepared by an earlier version: computed from the files
+        meta["fingerprint"] = data_fingerprint(splits[0], splits[1], meta)
     return PreparedData(splits[0], splits[1], meta)

@@ -595,8 +595,10 @@ def _write_json(path: Path, obj: Dict[str, Any]) -> None:
 def _write_safetensors(path: Path, state_dict: Dict[str, torch.Tensor]) -> None:
     from safetensors.torch import save_file
 
+    from lit_gpt.state import file_mode
+
     def write(tmp: Path) -> None:
         save_file(state_dict, str(tmp), metadata={"format": "pt"})
-        os.chmod(tmp, 0o644)  # safetensors creates the file owner-only; the other checkpoint files are 0644
+        os.chmod(tmp, file_mode())  # safetensors creates the file owner-only; the other files get the umask's
 
     _write_atomic(path, write)

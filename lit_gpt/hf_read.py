@@ -19,6 +19,14 @@ ROPE_SCALING_KEYS: Dict[str, Tuple[str, ...]] = {
     "longrope": ("short_factor", "long_factor", "original_max_seq_len"),
 }
 
+# the keys of config.json's rope scaling dict that each type reads (ROPE_SCALING_KEYS are ours, converted from these)
+_HF_SCALING_KEYS: Dict[str, Tuple[str, ...]] = {
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "linear": ("factor",),
+    "yarn": ("factor",),
+    "longrope": ("short_factor", "long_factor"),
+}
+
 
 def _scaling(hf: Dict[str, Any], scaling: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
     """An HF rope scaling dict -> ours ("type" plus the keys `ROPE_SCALING_KEYS` names); unknown types refused."""
@@ -27,6 +35,11 @@ def _scaling(hf: Dict[str, Any], scaling: Optional[Dict[str, Any]]) -> Optional[
     kind = scaling.get("rope_type", scaling.get("type"))
     if kind in (None, "default"):
         return None
+    # a type without the values it needs (a hand-edited or truncated config.json): named, not a KeyError
+    missing = [key for key in _HF_SCALING_KEYS.get(kind, ()) if scaling.get(key) is None]
+    if missing:
+        raise ValueError(f"rope scaling {kind!r} (rope_scaling / rope_parameters) lacks {', '.join(missing)}: the"
+                         " config.json is incomplete; download it again or add the value(s)")
     # Phi-3 keeps the pretraining length at the top level, and transformers gives that one priority
     old_ctx = hf.get("original_max_position_embeddings") or scaling.get("original_max_position_embeddings")
     old_ctx = old_ctx or hf.get("max_position_embeddings")

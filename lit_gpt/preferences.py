@@ -30,6 +30,7 @@ import torch
 from lit_gpt import data
 from lit_gpt.batches import IGNORE_INDEX, Sample
 from lit_gpt.cli import Flag, command
+from lit_gpt.prepare import OVERWRITE_HELP
 from lit_gpt.records import BadRow, BadRowError, Record, Row, check_text, read_csv_records, read_json_records
 from lit_gpt.utils import DEFAULT_CHECKPOINT_DIR, LitError
 
@@ -241,10 +242,12 @@ def prepare_preferences(
     val_split_fraction: float = 0.1,
     seed: int = 42,
     on_bad_rows: str = "skip",
+    overwrite: bool = False,
 ) -> Dict[str, Any]:
     """Read, tokenize, split and write the pairs of `data_file` into `destination`; returns meta. `prompt_style`
     None: the checkpoint's (its chat template for an instruct/chat model that has one, else raw). Every error is one
-    LitError line, and nothing is written."""
+    LitError line, and nothing is written. A destination that holds other prepared data is refused unless
+    `overwrite` (`lit_gpt.data.check_overwrite`)."""
     from lit_gpt.prompts import PromptStyle
 
     if data_file is None:
@@ -265,12 +268,13 @@ def prepare_preferences(
         return _tokenize_and_write(rows, list(bad), tokenizer, style, max_seq_length, source=source,
                                    destination=Path(destination), checkpoint_dir=checkpoint_dir,
                                    fingerprint=fingerprint, val_split_fraction=val_split_fraction, seed=seed,
-                                   on_bad_rows=on_bad_rows)
+                                   on_bad_rows=on_bad_rows, overwrite=overwrite)
 
 
 def _tokenize_and_write(rows: List[PreferenceRow], bad: List[BadRow], tokenizer: Any, style: Any,
                         max_seq_length: int, *, source: str, destination: Path, checkpoint_dir: Path,
-                        fingerprint: str, val_split_fraction: float, seed: int, on_bad_rows: str) -> Dict[str, Any]:
+                        fingerprint: str, val_split_fraction: float, seed: int, on_bad_rows: str,
+                        overwrite: bool = False) -> Dict[str, Any]:
     from tqdm import tqdm
 
     total = len(rows) + len(bad)
@@ -299,7 +303,7 @@ def _tokenize_and_write(rows: List[PreferenceRow], bad: List[BadRow], tokenizer:
         max_seq_length=max_seq_length, mask_inputs=True,  # the prompt is always masked: DPO scores the replies only
         seed=seed, val_split_fraction=val_split_fraction, split=(len(train), len(val)), truncated=truncated, bad=bad,
         lengths=lengths, extra={"kind": KIND, "counts": {"longest_prompt": max(prompts)}})
-    data.write_prepared(destination, train, val, meta)
+    data.write_prepared(destination, train, val, meta, overwrite)
     return meta
 
 
@@ -377,14 +381,17 @@ FLAGS: List[Flag] = [
          " checkpoint's chat template for instruct/chat models, else raw). Always masked in the labels."),
     Flag("on_bad_rows", Literal["skip", "error"], "skip",
          '"skip" bad rows (listed in the output and in meta.json) or stop with an "error".'),
+    Flag("overwrite", bool, False, OVERWRITE_HELP),
 ]
 
 
 def _run(*, data_file: Optional[Path], destination_path: Path, checkpoint_dir: Path, val_split_fraction: float,
-         seed: int, max_seq_length: Optional[int], prompt_style: Optional[str], on_bad_rows: str) -> None:
+         seed: int, max_seq_length: Optional[int], prompt_style: Optional[str], on_bad_rows: str,
+         overwrite: bool) -> None:
     meta = prepare_preferences(data_file, checkpoint_dir=checkpoint_dir, destination=destination_path,
                                prompt_style=prompt_style, max_seq_length=max_seq_length,
-                               val_split_fraction=val_split_fraction, seed=seed, on_bad_rows=on_bad_rows)
+                               val_split_fraction=val_split_fraction, seed=seed, on_bad_rows=on_bad_rows,
+                               overwrite=overwrite)
     print_summary(meta, destination_path)
 
 

@@ -28,6 +28,11 @@ from lit_gpt.records import (
 from lit_gpt.utils import DEFAULT_CHECKPOINT_DIR, LitError
 
 
+OVERWRITE_HELP = ("Replace prepared data of other rows already in --destination_path (without it that is refused;"
+                  " the same data prepared again is always written).")
+"""The help of --overwrite, the same on every prepare script (scripts/prepare_preferences.py too)."""
+
+
 @dataclass(frozen=True)
 class Dataset:
     """Where one dataset comes from and how its records become rows."""
@@ -144,6 +149,7 @@ def flags(dataset: Dataset) -> List[Flag]:
         Flag("prompt_style", str, "alpaca", f'{prompt} ("alpaca", "chat", "raw").'),
         Flag("on_bad_rows", Literal["skip", "error"], "skip",
              '"skip" bad rows (listed in the output and in meta.json) or stop with an "error".'),
+        Flag("overwrite", bool, False, OVERWRITE_HELP),
     ]
     return out
 
@@ -180,6 +186,7 @@ def _prepare(
     max_seq_length: Optional[int],
     prompt_style: str,
     on_bad_rows: str,
+    overwrite: bool = False,
     access_token: Optional[str] = None,
     include_multiturn_conversations: bool = False,
     instruction_key: Optional[str] = None,
@@ -214,6 +221,7 @@ def _prepare(
         val_split_fraction=val_split_fraction,
         seed=seed,
         on_bad_rows=on_bad_rows,
+        overwrite=overwrite,
     )
     data.print_summary(meta, destination_path)
 

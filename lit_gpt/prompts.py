@@ -5,13 +5,13 @@
 - `alpaca`: the Stanford Alpaca instruction format (what the Alpaca finetuning data uses).
 - `raw`: the text as is, for base models that simply continue it.
 
-`PromptStyle.from_checkpoint(checkpoint_dir)` picks `chat` for instruct/chat checkpoints that ship a template
-and `raw` otherwise; `PromptStyle.from_checkpoint(checkpoint_dir, "alpaca")` (the recipes' `--prompt_style`)
-overrides the choice.
+`PromptStyle.from_checkpoint(checkpoint_dir)` picks `chat` for checkpoints tuned to follow their template and `raw`
+otherwise, judged from the checkpoint's files only, never from its folder's name (`is_chat_model`);
+`PromptStyle.from_checkpoint(checkpoint_dir, "alpaca")` (the recipes' `--prompt_style`) overrides the choice.
+`describe_style` is the one stderr line the recipes print about the style they use.
 """
 
 import json
-import re
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Type, Union
@@ -24,12 +24,8 @@ History = Sequence[Tuple[str, str]]  # (role, content) pairs; role is "system", 
 # Strings that end an assistant turn in common chat templates. When the template writes one that is a single
 # token, generation stops on it too: a base model's EOS (e.g. SmolLM2's <|endoftext|>) is not its turn end.
 _END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>", "<|endoftext|>", "</s>", "<|eot|>")
-# Checkpoint names that mark a model tuned to follow a chat template.
-_CHAT_MODEL_RE = re.compile(r"instruct|chat|(^|[-_.])it($|[-_.])|sft|dpo|orpo|rlhf", re.IGNORECASE)
-# Families whose plain names are the chat models (Qwen3-0.6B, SmolLM3-3B, phi-4): their base checkpoints are the
-# ones that say so (Qwen3-0.6B-Base, SmolLM3-3B-Base).
-_CHAT_FAMILY_RE = re.compile(r"^(qwen3|smollm3|phi-4)($|[-_.])", re.IGNORECASE)
-_BASE_MODEL_RE = re.compile(r"(^|[-_.])base($|[-_.])", re.IGNORECASE)
+# A text no template writes: where it ends in a rendered assistant turn, the turn's end marker begins.
+_PROBE = "PROBE-REPLY-7f3a"
 
 
 class PromptStyle:
@@ -62,10 +58,10 @@ class PromptStyle:
 
     @classmethod
     def from_checkpoint(cls, checkpoint_dir: Union[str, Path], name: Optional[str] = None) -> "PromptStyle":
-        """`name` if given, else the chat template for instruct/chat checkpoints that have one, else raw."""
+        """`name` if given, else the chat template for checkpoints tuned to it (`is_chat_model`), else raw."""
         if name:
             return cls.from_name(name, checkpoint_dir)
-        if load_chat_template(checkpoint_dir) is not None and is_chat_model(checkpoint_dir):
+        if is_chat_model(checkpoint_dir):
             return ChatTemplate.from_checkpoint(checkpoint_dir)
         return Raw()
 
@@ -201,22 +197,45 @@ def load_chat_template(checkpoint_dir: Union[str, Path]) -> Optional[str]:
 
 
 def is_chat_model(checkpoint_dir: Union[str, Path]) -> bool:
-    """Whether the checkpoint is an instruct/chat model, judged by its name (folder, lit_config, config.json)."""
-    checkpoint_dir = Path(checkpoint_dir)
-    names = [checkpoint_dir.name]
-    for filename, key in (("lit_config.json", "name"), ("config.json", "_name_or_path")):
-        path = checkpoint_dir / filename
-        if path.is_file():
-            try:
-                value = json.loads(path.read_text(encoding="utf-8")).get(key)
-            except (json.JSONDecodeError, UnicodeDecodeError, AttributeError, RecursionError):
-                value = None
-            if isinstance(value, str):
-                names.append(Path(value).name)
-    return any(
-        _CHAT_MODEL_RE.search(name) or (_CHAT_FAMILY_RE.search(name) and not _BASE_MODEL_RE.search(name))
-        for name in names
-    )
+    """Whether the checkpoint is tuned to follow its chat template, judged from its files alone (a folder may have
+    any name): it has a template, and the template ends an assistant turn with a token the model stops on (its EOS
+    or generation_config.json's `eos_token_id`). Instruct models are trained to end their replies so (SmolLM2 and
+    Qwen2.5 Instruct stop on <|im_end|>, Llama 3 Instruct on <|eot_id|>, Gemma "-it" on <end_of_turn>); the base
+    checkpoints that ship the same template end documents, not turns (<|endoftext|>, <|end_of_text|>, <eos>)."""
+    return _turn_end(checkpoint_dir) is not None
+
+
+def _turn_end(checkpoint_dir: Union[str, Path]) -> Optional[str]:
+    """The stop token that the checkpoint's chat template writes after an assistant's reply, if any."""
+    template = load_chat_template(checkpoint_dir)
+    if template is None:
+        return None
+    try:
+        style = ChatTemplate(template, special_tokens_map(checkpoint_dir))
+        text = style.render([{"role": "user", "content": "Hi."}, {"role": "assistant", "content": _PROBE}],
+                            add_generation_prompt=False)
+        tokenizer = Tokenizer(checkpoint_dir)
+    except (LitError, TypeError, ValueError):  # a template that refuses the probe conversation, or no tokenizer
+        return None
+    if _PROBE not in text:
+        return None
+    after = text[text.index(_PROBE) + len(_PROBE):].lstrip()
+    stops = [tokenizer.id_to_token(i) for i in tokenizer.stop_ids]
+    return next((s for s in stops if s and after.startswith(s)), None)
+
+
+def describe_style(style: PromptStyle, checkpoint_dir: Union[str, Path], chosen: Optional[str],
+                   label: str = "Prompt style") -> str:
+    """The one line the generate/chat/serve recipes print (stderr) about the prompt style they use, and why."""
+    if chosen:
+        return f"{label}: {style.name} (--prompt_style {chosen})"
+    if isinstance(style, ChatTemplate):
+        return (f"{label}: chat (the checkpoint's chat template ends replies with {_turn_end(checkpoint_dir)}, a"
+                " token the model stops on; --prompt_style raw to continue text instead)")
+    if load_chat_template(checkpoint_dir) is not None:
+        return (f"{label}: raw (the checkpoint has a chat template, but its EOS / generation_config.json"
+                " eos_token_id do not end the template's turns: a base model; --prompt_style chat to use it)")
+    return f"{label}: raw (the checkpoint has no chat template; --prompt_style alpaca or chat to choose one)"
 
 
 def _compile(template: str) -> Any:

@@ -4,6 +4,7 @@ makes a checkpoint appear complete or not at all.
     state = rng_state(device)        # Python, NumPy, torch CPU, and the device's generator (CUDA or XLA)
     set_rng_state(state, device)
     commit_folder(tmp, directory)    # rename a complete temporary folder into place
+    os.chmod(path, file_mode())      # the umask's permissions, for a file a library created owner-only
 """
 
 import os
@@ -60,6 +61,21 @@ def set_rng_state(state: Mapping[str, Any], device: Optional[torch.device] = Non
 def as_tuple(x: Any) -> Any:
     # random.setstate wants tuples all the way down; a round trip through some formats gives lists back
     return tuple(as_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x
+
+
+def file_mode() -> int:
+    """The permissions a new file gets under this process's umask (0o666 & ~umask, e.g. 0o644): what `open()`
+    gives the files a recipe writes. Writers that create their file owner-only (safetensors' `save_file`,
+    `tempfile.mkstemp`) get these before the file is moved into place, so every file of a folder has the same."""
+    try:  # Linux says it without changing it
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return 0o666 & ~int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    umask = os.umask(0o022)  # elsewhere the only way to read it is to set it (and put it back at once)
+    os.umask(umask)
+    return 0o666 & ~umask
 
 
 def fsync_dir(path: Path) -> None:

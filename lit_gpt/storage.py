@@ -26,6 +26,7 @@ import shutil
 import sys
 import tempfile
 import typing
+import weakref
 from pathlib import Path, PurePath
 from typing import Any, Callable, Dict, FrozenSet, Iterable, Mapping, Optional, Sequence, Tuple, Union
 
@@ -135,11 +136,14 @@ class LogMirror:
     """Loggers write to local files (CSV appends, TensorBoard event files, W&B's offline folder), which object
     stores cannot take directly. For a URL `--out_dir` they write to a local folder that mirrors `out_dir/logs`:
     filled from the bucket when the run starts (so a resumed run on a fresh VM continues the version numbering)
-    and pushed to it after every checkpoint and at the end."""
+    and pushed to it after every checkpoint and at the end. A mirror it made itself in the system's temporary folder
+    is removed when the run ends (the mirror is dropped, or the process exits): the bucket holds the logs."""
 
     def __init__(self, remote: Path, local: Optional[Path] = None) -> None:
         self.remote = remote
         self.local = local or staging_dir("lit-gpt-logs-")
+        if local is None:  # at garbage collection or at exit, whichever comes first (weakref.finalize runs once)
+            weakref.finalize(self, shutil.rmtree, str(self.local), ignore_errors=True)
         download(remote, self.local)
         self._pushed: Dict[str, Tuple[int, int]] = self._state()  # what the bucket already holds
 

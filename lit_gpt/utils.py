@@ -263,7 +263,7 @@ def _open_unnamed(directory: Path) -> Optional[int]:
     if flag is None or not Path("/proc/self/fd").is_dir():
         return None
     try:
-        return os.open(directory, flag | os.O_WRONLY, 0o644)
+        return os.open(directory, flag | os.O_WRONLY, 0o666)  # less the umask, as open() creates a file
     except OSError:
         return None
 

@@ -33,7 +33,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Union
 import torch
 import torch.nn as nn
 
-from lit_gpt.state import fsync_dir
+from lit_gpt.state import file_mode, fsync_dir
 from lit_gpt.storage import is_url, location
 from lit_gpt.utils import (
     LitError, download_command, load_error_detail, remove_stale_temp_files, write_text_atomic,
@@ -166,6 +166,7 @@ def _save_file(tensors: Dict[str, torch.Tensor], path: Path, metadata: Dict[str,
         if m is None:
             raise
         raise OSError(int(m.group(2)), m.group(1), str(path)) from None
+    os.chmod(path, file_mode())  # safetensors creates it owner-only (0600); the files beside it have the umask's
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

@@ -40,7 +40,7 @@ FLAGS: List[Flag] = [
     Flag("max_queue", int, 64, "Requests that may wait for a free slot; past that they get HTTP 429."),
     Flag("prompt_style", Optional[str], None,
          'How chat messages become the prompt: "chat" (the checkpoint\'s chat template), "alpaca" or "raw"\n'
-         "(default: the checkpoint's template when it has one, else raw)."),
+         "(default: the checkpoint's template when the model stops on the token that ends its turns, else raw)."),
 ]
 
 

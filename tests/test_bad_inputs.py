@@ -227,6 +227,7 @@ def xla_env() -> Dict[str, str]:
             "XLA_FLAGS": "--xla_backend_optimization_level=0"}
 
 
+OFFLINE = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}  # the harness's tasks read local files only
 NESTED = "[" * 100_000 + "]" * 100_000  # deeper than the JSON parser's recursion limit
 
 CASES = [
@@ -369,9 +370,22 @@ CASES = [
     Case("alpaca-missing-local-file", lambda d, fx: py("scripts/prepare_alpaca.py", "--data_file", d / "a.json",
                                                        "--checkpoint_dir", fx.ckpt, "--destination_path", d / "o"),
          r"data file .*a\.json' not found"),
+    # a prepared folder is replaced only when asked (a run that trained on it could no longer resume)
+    Case("json-over-other-prepared-data", lambda d, fx: py(
+        "scripts/prepare_json.py", "--data_file", write(d / "new.json", json.dumps(_rows(8, 3))), "--checkpoint_dir",
+        fx.ckpt, "--destination_path", Path(shutil.copytree(fx.data, d / "o"))),
+         r"--destination_path '.*o' already holds other prepared data \(from '.*data\.json', 16 samples, sha256:\w{16};"
+         r" this is from '.*new\.json', 8 samples, sha256:\w{16}\): refusing to overwrite .*--overwrite true to replace"
+         r" it$"),
+    Case("preferences-over-instruction-data", lambda d, fx: py(
+        "scripts/prepare_preferences.py", "--data_file", write(d / "pairs.json", json.dumps(
+            [{"prompt": f"p{i}", "chosen": "yes", "rejected": "no"} for i in range(6)])), "--checkpoint_dir", fx.ckpt,
+        "--destination_path", Path(shutil.copytree(fx.data, d / "o"))),
+         r"--destination_path '.*o' already holds other prepared data \(from '.*data\.json', 16 samples.*--overwrite"
+         r" true to replace it$"),
     # --- sharded checkpoints ---------------------------------------------------------------------------------------
     Case("consolidate-flipped-bit", lambda d, fx: consolidate_damaged(d, fx),
-         r"sharded checkpoint file .*__0_0\.distcp' is damaged \(CRC32 .* recorded at save time\)"),
+         r"sharded checkpoint file .*__0_0\.distcp' is damaged \(CRC32C? .* recorded at save time\)"),
     Case("consolidate-interrupted-save", lambda d, fx: consolidate_interrupted(d, fx),
          r"incomplete checkpoint \(no lit_checkpoint\.json: its save was interrupted\)"),
     Case("consolidate-disk-full", lambda d, fx: py("xla/scripts/consolidate_checkpoint.py", "--checkpoint_dir",
@@ -508,7 +522,67 @@ CASES = [
                                                       "--accelerator", "cpu"), r"nope", owner="recipes"),
     Case("serve-port-in-use", lambda d, fx: serve(fx, "--port", str(busy_port())),
          r"could not listen on 127\.0\.0\.1:\d+ .*choose another --port", owner="recipes"),
+    # --- outputs checked before the work (nothing is loaded or measured first); one line with the right cause ------
+    Case("lm-eval-out-dir-is-a-file", lambda d, fx: lm_eval(d, fx, "--out_dir", write(d / "res", "x")),
+         r"--out_dir '.*res' is a file, not a folder: pass a folder for the results$", env=OFFLINE, owner="recipes"),
+    Case("lm-eval-out-dir-under-a-file", lambda d, fx: lm_eval(d, fx, "--out_dir", write(d / "res", "x") / "eval"),
+         r"cannot write --out_dir '.*res/eval': '.*res' is a file, not a folder", env=OFFLINE, owner="recipes"),
+    Case("lm-eval-task-data-missing", lambda d, fx: lm_eval(d, fx, tasks=harness_tasks(d, drop="lit_mc.jsonl")),
+         r"cannot load the data of task\(s\) 'lit_mc': .*lit_mc\.jsonl.*check dataset_path / dataset_kwargs",
+         env=OFFLINE, owner="recipes"),
+    Case("lm-eval-fewshot-beyond-the-data", lambda d, fx: lm_eval(d, fx, "--num_fewshot", "50"),
+         r"task 'lit_mc' has 10 example\(s\) to draw few-shot prompts from, fewer than 50 \+ 1 .*--num_fewshot 9 or"
+         r" less$", env=OFFLINE, owner="recipes"),
+    Case("lm-eval-task-yaml-syntax-error", lambda d, fx: lm_eval(d, fx, "--tasks", "lit_bad", tasks=harness_tasks(
+        d, add={"lit_bad.yaml": "task: lit_bad\ndataset_path: json\n  data_files: [oops\n"})),
+         r"task file '.*lit_bad\.yaml' is not valid YAML \(.* at line 3, column \d+\): fix it", env=OFFLINE,
+         owner="recipes"),
+    Case("perplexity-out-dir-under-a-file", lambda d, fx: py(
+        "eval/perplexity.py", "--data_path", write(d / "t.txt", "some text " * 30), "--checkpoint_dir", fx.ckpt,
+        "--accelerator", "cpu", "--out_dir", write(d / "res", "x") / "eval"),
+         r"cannot write --out_dir '.*res/eval': '.*res' is a file, not a folder", owner="recipes"),
+    Case("consolidate-output-under-a-file", lambda d, fx: py(
+        "xla/scripts/consolidate_checkpoint.py", "--checkpoint_dir", fx.sharded, "--output_dir",
+        write(d / "f", "x") / "c"),
+         r"cannot write --output_dir '.*f/c': '.*/f' is a file, not a folder"),
+    Case("lit-export-under-a-file", lambda d, fx: py("scripts/convert_lit_checkpoint.py", "--checkpoint_dir", fx.ckpt,
+                                                     "--output_dir", write(d / "f", "x") / "hf"),
+         r"cannot write --output_dir '.*f/hf': '.*/f' is a file, not a folder"),
+    Case("bench-results-file-is-a-folder", lambda d, fx: py(
+        "bench/eval_throughput.py", "--checkpoint_dir", fx.ckpt, "--requests", "4", "--max_context", "16",
+        "--results_file", Path((d / "res").mkdir() or d / "res")), r"--results_file '.*res' is a folder: pass a file"),
+    Case("serve-unresolvable-host", lambda d, fx: serve(fx, "--host", "no-such-host.invalid"),
+         r"--host 'no-such-host\.invalid' does not resolve to an address", owner="recipes"),
+    Case("hf-rope-scaling-without-factor", lambda d, fx: py("scripts/convert_hf_checkpoint.py", "--checkpoint_dir",
+                                                            write(
+        d / "hf" / "config.json", json.dumps({"model_type": "qwen3", "hidden_size": 16, "num_hidden_layers": 1,
+                                              "num_attention_heads": 2, "vocab_size": 64, "intermediate_size": 32,
+                                              "rope_scaling": {"rope_type": "linear"}})).parent),
+         r"rope scaling 'linear' \(rope_scaling / rope_parameters\) lacks factor: the config\.json is incomplete"),
+    Case("chat-system-prompt-not-utf8", lambda d, fx: generate("chat/base.py", fx, "--checkpoint_dir", fx.ckpt,
+                                                               "--system_prompt", b"caf\xe9 \xff"),
+         r"--system_prompt is not valid UTF-8 text \(byte 0xe9 at position 3\)", stdin=b"hi\n/exit\n"),
+    Case("finetune-wandb-without-credentials", lambda d, fx: finetune("lora", d, fx, "--logger_name", "wandb"),
+         r"--logger_name wandb logs online but no W&B credentials were found .*WANDB_MODE=offline",
+         env={"WANDB_MODE": "online", "WANDB_API_KEY": "", "NETRC": "/nonexistent/.netrc"}, owner="recipes"),
 ]
+
+
+def harness_tasks(d: Path, drop: Optional[str] = None, add: Optional[Dict[str, str]] = None) -> Path:
+    """tests/harness_tasks.py's local tasks in the case's folder, less the file `drop`, plus the files `add`."""
+    from harness_tasks import write_tasks
+
+    folder = write_tasks(d / "tasks")
+    if drop:
+        (folder / drop).unlink()
+    for name, text in (add or {}).items():
+        write(folder / name, text)
+    return folder
+
+
+def lm_eval(d: Path, fx: Fixtures, *args: Arg, tasks: Optional[Path] = None) -> List[Arg]:
+    return py("eval/lm_eval.py", "--tasks", "lit_mc", "--include_path", tasks or harness_tasks(d), "--checkpoint_dir",
+              fx.ckpt, "--accelerator", "cpu", "--limit", "2", *args)
 
 
 def serve(fx: Fixtures, *args: Arg) -> List[Arg]:
@@ -713,3 +787,21 @@ def test_child_processes_keep_the_parents_python_path(monkeypatch):
     assert python_path().split(os.pathsep) == [str(ROOT), "/opt/carried", "/opt/more"]
     monkeypatch.delenv("PYTHONPATH")
     assert python_path() == str(ROOT)
+
+
+def test_results_that_cannot_be_written_after_the_work_are_kept(tmp_path, monkeypatch):
+    """A write that fails after the work (the disk filled, the folder went away) loses nothing: the results go to a
+    temporary file, and the one error line says where."""
+    from lit_gpt.recipes import outputs
+    from lit_gpt.utils import LitError
+
+    def full_disk(path, text):
+        raise OSError(28, "No space left on device", str(path))
+
+    monkeypatch.setattr(outputs, "write_text_atomic", full_disk)
+    with pytest.raises(LitError) as e:
+        outputs.write_results(tmp_path / "eval" / "lm_eval.json", '{"acc": 0.75}')
+    kept = re.search(r"the results are kept in '([^']+)': copy them from there$", str(e.value))
+    assert kept and str(e.value).startswith(f"cannot write '{tmp_path / 'eval' / 'lm_eval.json'}': No space left"), e
+    assert Path(kept.group(1)).read_text() == '{"acc": 0.75}' and Path(kept.group(1)).name.startswith("lm_eval-")
+    assert not (tmp_path / "eval").exists()

@@ -302,7 +302,7 @@ SMOLLM3 = r"""{# ───── defaults ───── #}
 class Family:
     def __init__(self, name: str, template: str, special: Sequence[str], config: Dict[str, Any],
                  added: Sequence[str] = (), add_bos: Optional[str] = None, turn_end: str = "",
-                 jinja_file: bool = False) -> None:
+                 jinja_file: bool = False, generation_eos: Sequence[str] = ()) -> None:
         self.name = name  # also the checkpoint folder's name: an instruct model's
         self.template = template
         self.special = list(special)  # added tokens with special=True
@@ -311,6 +311,9 @@ class Family:
         self.add_bos = add_bos  # the BOS that tokenizer.json's post-processor adds, if any (Gemma's <bos>)
         self.turn_end = turn_end  # the token that ends an assistant turn: generation must stop on it
         self.jinja_file = jinja_file  # the template in chat_template.jinja instead of tokenizer_config.json
+        # the tokens whose ids generation_config.json's eos_token_id lists (as the Hub's file does: Gemma "-it" and
+        # Phi-3.5/4-mini stop on their turn end, which is not their tokenizer's EOS)
+        self.generation_eos = list(generation_eos)
 
 
 FAMILIES = {
@@ -322,20 +325,20 @@ FAMILIES = {
                turn_end="<|im_end|>"),
         Family("gemma-2-2b-it", GEMMA2, ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"],
                {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>", "unk_token": "<unk>"},
-               add_bos="<bos>", turn_end="<end_of_turn>"),
+               add_bos="<bos>", turn_end="<end_of_turn>", generation_eos=["<eos>", "<end_of_turn>"]),
         Family("gemma-3-1b-it", GEMMA3,
                ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>", "<start_of_image>"],
                {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>", "unk_token": "<unk>"},
-               add_bos="<bos>", turn_end="<end_of_turn>"),
+               add_bos="<bos>", turn_end="<end_of_turn>", generation_eos=["<eos>", "<end_of_turn>"]),
         Family("Phi-3.5-mini-instruct", PHI35_MINI,
                ["<unk>", "<s>", "</s>", "<|endoftext|>", "<|assistant|>", "<|end|>", "<|system|>", "<|user|>"],
                {"bos_token": "<s>", "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>", "unk_token": "<unk>"},
-               turn_end="<|end|>"),
+               turn_end="<|end|>", generation_eos=["<|end|>", "<|endoftext|>"]),
         Family("Phi-4-mini-instruct", PHI4_MINI,
                ["<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>", "<|tool|>", "<|/tool|>"],
                {"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>",
                 "unk_token": "<|endoftext|>"},
-               turn_end="<|end|>"),
+               turn_end="<|end|>", generation_eos=["<|end|>", "<|endoftext|>"]),
         Family("phi-4", PHI4, ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|im_sep|>"],
                {"bos_token": "<|endoftext|>", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
                 "unk_token": "<|endoftext|>"},
@@ -378,6 +381,9 @@ def write_checkpoint(directory: Path, family: Family, add_bos: Optional[str] = N
     else:
         config["chat_template"] = family.template
     (directory / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
+    if family.generation_eos:
+        eos_ids = [tokenizer.token_to_id(t) for t in family.generation_eos]
+        (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": eos_ids}), encoding="utf-8")
     # what generate/*.py check before they encode (`check_request`): a config and a weights file (never loaded here)
     Config(name=directory.name, block_size=4096, vocab_size=tokenizer.get_vocab_size(), n_layer=1, n_head=1,
            n_embd=8).save(directory)
@@ -449,15 +455,30 @@ def test_conversations_match_transformers(checkpoints, name):
         assert_same(checkpoints[name], conversation)
 
 
-def test_plain_family_names_are_chat_models(tmp_path):
-    # Qwen3, SmolLM3 and Phi-4 name their chat models without "Instruct": the recipes must default to the template
-    for name in ("Qwen3-0.6B", "Qwen3-30B-A3B", "Qwen3-4B-Thinking-2507", "SmolLM3-3B", "phi-4",
-                 "Phi-4-mini-reasoning"):
-        (tmp_path / name).mkdir()
-        assert is_chat_model(tmp_path / name), name
-    for name in ("Qwen3-0.6B-Base", "SmolLM3-3B-Base", "Qwen2.5-0.5B", "phi-2", "OLMo-2-1124-7B"):
-        (tmp_path / name).mkdir()
-        assert not is_chat_model(tmp_path / name), name
+# the EOS of each family's base checkpoint (a document's end)
+BASE_EOS = {"Qwen3-0.6B": "<|endoftext|>", "gemma-2-2b-it": "<eos>", "gemma-3-1b-it": "<eos>",
+            "Phi-3.5-mini-instruct": "<|endoftext|>", "Phi-4-mini-instruct": "<|endoftext|>", "phi-4": "<|endoftext|>",
+            "SmolLM3-3B": "<|end_of_text|>"}
+
+
+def test_chat_models_known_by_their_files_not_their_names(checkpoints, tmp_path):
+    """Every family's instruct checkpoint is a chat model under any folder name (Qwen3, SmolLM3 and phi-4 name theirs
+    without "Instruct"); the same files with a base model's EOS (a document end, not the template's turn end) and
+    no generation_config.json are not, whatever their name says."""
+    import shutil
+
+    for i, name in enumerate(FAMILIES):
+        renamed = Path(shutil.copytree(checkpoints[name], tmp_path / f"run-{i}" / "final"))
+        assert is_chat_model(checkpoints[name]) and is_chat_model(renamed), name
+        assert isinstance(PromptStyle.from_checkpoint(renamed), ChatTemplate), name
+        base_eos = BASE_EOS.get(name)
+        if base_eos is None:  # OLMo 2 ends turns with its EOS itself: its base model would be taken for chat
+            continue
+        base = Path(shutil.copytree(checkpoints[name], tmp_path / f"{name}-Instruct-chat"))
+        config = json.loads((base / "tokenizer_config.json").read_text())
+        (base / "tokenizer_config.json").write_text(json.dumps({**config, "eos_token": base_eos}))
+        (base / "generation_config.json").unlink(missing_ok=True)
+        assert not is_chat_model(base), (name, base_eos)
 
 
 def test_stop_tokens_include_the_turn_end(checkpoints):

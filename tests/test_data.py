@@ -422,8 +422,9 @@ def load_script(name):
 
 
 COMMON_FLAGS = {"checkpoint_dir": "checkpoints/HuggingFaceTB/SmolLM2-135M-Instruct", "data_file": None, "seed": 42,
-                "mask_inputs": True, "max_seq_length": None, "prompt_style": "alpaca", "on_bad_rows": "skip"}
-TAIL = ["val_split_fraction", "seed", "mask_inputs", "max_seq_length", "prompt_style", "on_bad_rows"]
+                "mask_inputs": True, "max_seq_length": None, "prompt_style": "alpaca", "on_bad_rows": "skip",
+                "overwrite": False}
+TAIL = ["val_split_fraction", "seed", "mask_inputs", "max_seq_length", "prompt_style", "on_bad_rows", "overwrite"]
 # the command lines the five scripts had before they shared one implementation: flags in --help order, and the
 # defaults that differ between them
 SCRIPT_FLAGS = {

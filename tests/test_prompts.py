@@ -2,6 +2,7 @@
 
 import functools
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -105,17 +106,21 @@ def test_template_sources(smollm2_dir, tmp_path):
 
 
 def test_automatic_choice_and_override(smollm2_dir, tmp_path):
-    base = copy_tokenizer(smollm2_dir, tmp_path / "SmolLM2-135M")  # same files, a base model's name
-    assert not is_chat_model(base) and is_chat_model(smollm2_dir)
+    # decided by the checkpoint's files, never by its folder's name: the instruct files under a base model's name
+    renamed = copy_tokenizer(smollm2_dir, tmp_path / "SmolLM2-135M")
+    assert is_chat_model(renamed) and is_chat_model(smollm2_dir)
+    assert isinstance(PromptStyle.from_checkpoint(renamed), ChatTemplate)
+    # a base model's files under an instruct model's name: its EOS <|endoftext|> does not end the template's turns
+    base = copy_tokenizer(smollm2_dir, tmp_path / "SmolLM2-135M-Instruct", eos_token="<|endoftext|>")
+    (base / "generation_config.json").write_text(json.dumps({"eos_token_id": 0}))
+    assert not is_chat_model(base)
     assert isinstance(PromptStyle.from_checkpoint(base), Raw)
     assert isinstance(PromptStyle.from_checkpoint(base, "chat"), ChatTemplate)
     assert isinstance(PromptStyle.from_checkpoint(smollm2_dir, "alpaca"), Alpaca)
     assert isinstance(PromptStyle.from_checkpoint(smollm2_dir, "raw"), Raw)
+    # folders without tokenizer files are no chat models, whatever they are called
     for name in ("gemma-2b-it", "Llama-2-7b-chat-hf", "Qwen2.5-0.5B-Instruct"):
         (tmp_path / name).mkdir()
-        assert is_chat_model(tmp_path / name), name
-    for name in ("Llama-2-7b-hf", "pythia-160m", "gemma-2b", "tiny-llama"):
-        (tmp_path / name).mkdir(exist_ok=True)
         assert not is_chat_model(tmp_path / name), name
 
     no_template = copy_tokenizer(smollm2_dir, tmp_path / "NoTemplate-Instruct", chat_template=None)
@@ -155,3 +160,77 @@ def test_alpaca():
 def test_raw():
     assert Raw().apply("The capital of France is") == "The capital of France is"
     assert Raw().apply(" more", [("user", "Once upon"), ("assistant", " a time")]) == "Once upon a time more"
+
+
+def _renamed_copy(src: Path, dst: Path) -> Path:
+    """The checkpoint under another folder name, as scripts/convert_hf_checkpoint.py names it (lit_config.json's
+    `name` is the folder's); the weights linked, not copied."""
+    dst.mkdir(parents=True)
+    for f in src.iterdir():
+        if f.suffix == ".safetensors":
+            (dst / f.name).symlink_to(f)
+        else:
+            shutil.copy(f, dst / f.name)
+    config = json.loads((dst / "lit_config.json").read_text())
+    (dst / "lit_config.json").write_text(json.dumps({**config, "name": dst.name}))
+    return dst
+
+
+def _generate(capsys, monkeypatch, checkpoint_dir: Path, *args: str):
+    import runpy
+    import sys
+
+    script = Path(__file__).resolve().parents[1] / "generate" / "base.py"
+    monkeypatch.setattr(sys, "argv", [str(script), "--checkpoint_dir", str(checkpoint_dir), "--temperature", "0",
+                                      "--accelerator", "cpu", "--precision", "32-true", "--compile", "none", *args])
+    runpy.run_path(str(script), run_name="__main__")
+    return capsys.readouterr()
+
+
+def test_a_renamed_instruct_checkpoint_encodes_the_same_request(smollm2_dir, tmp_path):
+    """What generate/*.py feed the model (the prompt with its template, the stop ids) is the same under any folder
+    name: the checkpoint's files decide, not `checkpoints/my-model`."""
+    from lit_gpt.recipes.generate import GenerationArgs, check_request
+
+    renamed = _renamed_copy(smollm2_dir, tmp_path / "checkpoints" / "my-model")
+    own, other = (check_request(GenerationArgs("What is the capital of France?", d)) for d in (smollm2_dir, renamed))
+    assert isinstance(other.style, ChatTemplate)
+    assert other.encoded.tolist() == own.encoded.tolist() and other.stop_ids == own.stop_ids == [2]
+
+
+@pytest.mark.slow  # loads the real SmolLM2 twice and generates: ~10 s
+def test_a_renamed_instruct_checkpoint_generates_the_same(smollm2_dir, tmp_path, capsys, monkeypatch):
+    """The folder's name decides nothing: the instruct model under `my-model` (lit_config.json saying so too) uses
+    its chat template and answers exactly as under its own name; the style is named on stderr."""
+    renamed = _renamed_copy(smollm2_dir, tmp_path / "checkpoints" / "my-model")
+    ask = ("--prompt", "What is the capital of France?", "--max_new_tokens", "8")
+    own = _generate(capsys, monkeypatch, smollm2_dir, *ask)
+    other = _generate(capsys, monkeypatch, renamed, *ask)
+    assert "Paris" in own.out and other.out == own.out, (own, other)
+    for run in (own, other):
+        assert "Prompt style: chat (the checkpoint's chat template ends replies with <|im_end|>" in run.err, run.err
+        assert re.search(r"Sample 1: [1-8] tokens", run.err), run.err
+
+
+def test_an_empty_sample_says_why(smollm2_dir, capsys):
+    """A sample of 0 tokens names the stop token the model began with, the prompt style, and the other style."""
+    import torch
+
+    from lit_gpt.generate import GenerationResult, compile_steps
+    from lit_gpt.recipes.generate import GenerationArgs, check_request, print_sample
+
+    class Fabric:
+        @staticmethod
+        def print(*args, **kwargs):
+            print(*args, **kwargs)
+
+    class CPU:
+        name = "cpu"
+
+    request = check_request(GenerationArgs("Hi", smollm2_dir, prompt_style="raw", max_new_tokens=4))
+    empty = GenerationResult(torch.tensor([], dtype=torch.long), 3, 0.1, None, 0.1, 0)
+    print_sample(Fabric(), request, empty, 0, compile_steps(None), CPU())
+    err = capsys.readouterr().err
+    assert "Sample 1: 0 tokens" in err
+    assert ("Sample 1 is empty: the model's first token was a stop token (<|im_end|>) with prompt style raw;"
+            " try --prompt_style chat") in err, err

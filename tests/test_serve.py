@@ -249,6 +249,15 @@ BAD = [
     Bad("chat-empty-messages", "chat", {"messages": []}, "messages", "at least 1 item"),
     Bad("chat-no-messages", "chat", {}, "messages", "Field required",
         raw={"model": "SmolLM2-135M-Instruct", "max_tokens": 2}),
+    # a seed no generator takes (OpenAI's is an int64): named, not an HTTP 500
+    Bad("seed-beyond-int64", "completion", {"seed": 2**70, "temperature": 0.5}, "seed",
+        "less than or equal to 9223372036854775807"),
+    # JSON's NaN is not a number: said so, not "should be less than or equal to 2"
+    Bad("nan-temperature", "chat", {}, "temperature", "finite number",
+        raw=b'{"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "hi"}], "temperature": NaN}'),
+    # 10 prompts x n 8 = 80 completions > 8 slots + 64 queued: it can never fit, so 400 (429 says "retry later")
+    Bad("more-completions-than-slots-and-queue", "completion", {"prompt": ["Say hi."] * 10, "n": 8}, "prompt",
+        "holds at most 72 at once (8 slots + --max_queue 64)"),
 ]
 
 

@@ -59,6 +59,7 @@ def _key(run: FinetuneRun, data: RunData, model: nn.Module) -> Dict[str, Any]:
     dtype = next((str(p.dtype) for p in model.parameters()), "")
     return {"base": (run.base or {}).get("fingerprint"), "data_dir": str(run.data.data_dir),
             "tokenizer": data.prepared.meta.get("tokenizer", {}).get("sha256"), "max_seq_length": data.max_seq_length,
+            "data": data.prepared.meta.get("fingerprint"),  # other pairs of the same counts get their own values
             "dtype": dtype, "train": len(data.prepared.train), "val": len(data.prepared.val)}
 
 

@@ -24,6 +24,7 @@ from lit_gpt.args import DataArgs, EvalArgs, TrainArgs
 from lit_gpt.fingerprint import base_record
 from lit_gpt.launch import check_launcher, launch, strategy_timeout
 from lit_gpt.config import Config, load_config  # noqa: F401  (the recipes import `load_config` from here)
+from lit_gpt.data import prepared_record
 from lit_gpt.runtime import FINAL_DIR, STEP_DIR, param_dtype, resolve_accelerator
 from lit_gpt.storage import location, log_folder
 from lit_gpt import training
@@ -64,6 +65,8 @@ class FinetuneRun:
     checkpoint and the final weights, compared on resume, generation and merging."""
     allow_other_base: bool = False
     """Resume although the base's fingerprint differs from the run's (one warning line instead of an error)."""
+    allow_other_data: bool = False
+    """Resume although --data.data_dir holds other prepared data than the run trained on (one warning line)."""
     objective: Optional[Objective] = None
     """What a step optimises (`lit_gpt.objectives`): None is supervised finetuning; DPO for the dpo recipes."""
 
@@ -199,6 +202,7 @@ def _logger(logs: Path, name: str, run_name: str) -> Any:
 
         from lightning.pytorch.loggers import WandbLogger
 
+        check_wandb_credentials()
         logs.mkdir(parents=True, exist_ok=True)
         return WandbLogger(save_dir=str(logs), project=os.environ.get("WANDB_PROJECT", "lit-gpt-xla"), name=run_name)
     if name == "csv":
@@ -210,6 +214,28 @@ def _logger(logs: Path, name: str, run_name: str) -> Any:
 
         return TensorBoardLogger(root_dir=logs, name="tensorboard")
     raise LitError(f"--logger_name must be 'csv', 'tensorboard' or 'wandb', got {name!r}")
+
+
+def check_wandb_credentials() -> None:
+    """W&B logging online needs an API key (WANDB_API_KEY, or the ~/.netrc entry `wandb login` writes): without one
+    wandb.init fails in the first step's logging with a traceback, so it is said here, before the run starts."""
+    import netrc
+    import os
+    from urllib.parse import urlparse
+
+    if os.environ.get("WANDB_MODE", "online").lower() in ("offline", "disabled", "dryrun"):
+        return
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname or "api.wandb.ai"
+    try:
+        if netrc.netrc(os.environ.get("NETRC") or None).authenticators(host):
+            return
+    except (OSError, netrc.NetrcParseError):
+        pass  # no .netrc (or an unreadable one): no credentials there
+    raise LitError("--logger_name wandb logs online but no W&B credentials were found (WANDB_API_KEY, or `wandb"
+                   " login`): set WANDB_API_KEY, run `wandb login`, or log offline with WANDB_MODE=offline (then"
+                   " `wandb sync`)")
 
 
 def load_base_weights(
@@ -370,11 +396,14 @@ def load_run_data(runtime: Runtime, run: FinetuneRun) -> RunData:
 
 def fit(fabric: L.Fabric, runtime: Runtime, model: nn.Module, raw_model: nn.Module, optimizer: Any, data: RunData,
         method: Method, run: FinetuneRun) -> Dict[str, Any]:
-    """The one training loop (`lit_gpt.training.fit`) with the run's arguments."""
+    """The one training loop (`lit_gpt.training.fit`) with the run's arguments, and the identity of the prepared data
+    it trains on (`lit_gpt.data.prepared_record`: every checkpoint records it, a resumed run must have the same)."""
+    prepared = prepared_record(data.prepared.meta, run.data.data_dir, run.data.packing)
+    run_config = {**run.run_config, "prepared": prepared}
     return training.fit(
         fabric, model, raw_model, optimizer, data, method, checkpoint_dir=run.checkpoint_dir, out_dir=run.out_dir,
-        train=run.train, eval=run.eval, resume=run.resume, run_config=run.run_config, runtime=runtime,
-        allow_other_base=run.allow_other_base,
+        train=run.train, eval=run.eval, resume=run.resume, run_config=run_config, runtime=runtime,
+        allow_other_base=run.allow_other_base, allow_other_data=run.allow_other_data,
     )
 
 
@@ -407,7 +436,8 @@ def finetune_command(
         )
         run = FinetuneRun(method, flags["checkpoint_dir"], flags["out_dir"], config, flags["data"], flags["train"],
                           flags["eval"], flags["resume"], flags["optimizer"], quantize=flags.get("quantize"),
-                          base=base_record(flags["checkpoint_dir"]), allow_other_base=flags["allow_other_base"])
+                          base=base_record(flags["checkpoint_dir"]), allow_other_base=flags["allow_other_base"],
+                          allow_other_data=flags["allow_other_data"])
         run = finish(flags, run) if finish is not None else run
         return launch(fabric, main, run, peer_timeout=flags["peer_timeout"])  # a wait for peers that ends
 

@@ -30,6 +30,8 @@ _RESUME_DOC = ('Continue from a checkpoint: a step directory, True (the newest c
 _TRAIN_DOC = "Optimisation and checkpointing (micro_batch_size is per device)."
 _ALLOW_OTHER_BASE_DOC = ("Resume although --checkpoint_dir holds other base weights than the run was started on (their\n"
                          "fingerprints differ): for experts who know the two bases are interchangeable.")
+_ALLOW_OTHER_DATA_DOC = ("Resume although --data.data_dir holds other prepared data than the run trained on (their\n"
+                         "fingerprints differ, e.g. it was prepared again from another file): the run continues on it.")
 _MOE_DOC = ("Mixture-of-experts models only (Mixtral, Qwen3-MoE, gpt-oss): the experts' capacity in training and the\n"
             "weight of the router's load-balancing loss (default: the checkpoint's).")
 _LOGGER_DOC = ('"csv", "tensorboard" or "wandb" (under out_dir/logs; W&B: project from WANDB_PROJECT,\n'
@@ -62,6 +64,7 @@ FINETUNE: List[Flag] = [
          "Seconds to wait for the other processes: to join at start-up, and at each collective (rank 0's\n"
          "checkpoint save makes the others wait at a barrier: keep it above your longest save)."),
     Flag("allow_other_base", bool, False, _ALLOW_OTHER_BASE_DOC),
+    Flag("allow_other_data", bool, False, _ALLOW_OTHER_DATA_DOC),
 ]
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -99,6 +102,7 @@ XLA_FINETUNE: List[Flag] = [
     Flag("accelerator", str, "auto",
          'The PJRT device: "auto" (the TPU when there is one, else the CPU), "tpu", "cpu" or "cuda".'),
     Flag("allow_other_base", bool, False, _ALLOW_OTHER_BASE_DOC),
+    Flag("allow_other_data", bool, False, _ALLOW_OTHER_DATA_DOC),
 ]
 
 # ---------------------------------------------------------------------------------------------------------------

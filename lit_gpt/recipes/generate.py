@@ -7,6 +7,7 @@ flags with one help text each, the typed object the flags become (`GenerationArg
     with loading(fabric, args.checkpoint_dir):                # "Loaded ... in ... s"
         model = quantize_weights(fabric, load_model(args.checkpoint_dir), args.quantize)
         model = prepare_for_device(fabric, model, steps)     # precision dtype, CPU layout, Fabric
+    print_style(fabric, request)                              # "Prompt style: chat (...)" on stderr
     runtime = Runtime(fabric)                                 # XLARuntime(fabric) on XLA
     runtime.seed(args.seed)
     for i in range(args.num_samples):
@@ -63,7 +64,8 @@ FLAG_HELP = {
     "precision": '"32-true", "bf16-true", "16-true" (default: bf16-true on GPUs that support it, else 32-true).',
     "prompt_style": (
         '"chat" (the checkpoint\'s chat template), "alpaca" or "raw": the style the model was finetuned with;'
-        " default: chat for instruct checkpoints with a template, else raw."
+        " default: chat when the checkpoint's template ends replies with a token the model stops on (an instruct"
+        " model, known by its files, not its folder's name), else raw. The style used is printed on stderr."
     ),
     "seed": "Seeds the sampling.",
     "compile": (
@@ -213,6 +215,14 @@ def check_request(args: GenerationArgs, device: Optional[torch.device] = None) -
     return Request(args, tokenizer, style, encoded, stop_ids)
 
 
+def print_style(fabric: Any, request: Request) -> None:
+    """The prompt style the request uses and why, in one stderr line (`lit_gpt.prompts.describe_style`)."""
+    from lit_gpt.prompts import describe_style
+
+    fabric.print(describe_style(request.style, request.args.checkpoint_dir, request.args.prompt_style),
+                 file=sys.stderr)
+
+
 @contextmanager
 def loading(fabric: Any, what: Path) -> Iterator[None]:
     """Time the loading and preparing of the model (printed to stderr as "Loaded <what> in <s> s")."""
@@ -267,6 +277,14 @@ def print_sample(fabric: Any, request: Request, result: GenerationResult, index:
         f" steady decode {speed}" + (f"; XLA compilations {result.compiles}" if xla else ""),
         file=sys.stderr,
     )
+    if not new_ids:
+        # an empty answer is never silent: the model's first token was one it stops on
+        stops = ", ".join(str(request.tokenizer.id_to_token(i)) for i in request.stop_ids)
+        other = "raw" if request.style.name == "chat" else "chat"
+        fabric.print(
+            f"Sample {index + 1} is empty: the model's first token was a stop token ({stops}) with prompt style"
+            f" {request.style.name}; try --prompt_style {other}", file=sys.stderr,
+        )
     if steps.mode is not None and index == 0:
         # what the first two steps took beyond two steady steps: the compilation (with a warm cache, loading it)
         first_steps = result.first_steps_seconds if result.first_steps_seconds is not None else result.seconds
@@ -371,6 +389,7 @@ def run(fabric: Any, args: GenerationArgs, load: Callable[[GenerationArgs], torc
         check_file(args.finetuned_path, *weights)
     with loading(fabric, args.finetuned_path or args.checkpoint_dir):
         model = prepare_for_device(fabric, quantize_weights(fabric, load(args), args.quantize), steps)
+    print_style(fabric, request)  # after loading: a bad weights file stays the run's only stderr line
     runtime = runtime or Runtime(fabric)
     runtime.seed(args.seed)
     results = []

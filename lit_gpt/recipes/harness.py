@@ -373,18 +373,93 @@ def resolve_tasks(tasks: str, include_path: Optional[Any] = None,
             raise LitError(f"--include_path {str(include_path)!r} is not a folder: pass the folder of your task YAMLs")
         manager = TaskManager(include_path=str(include_path), include_defaults=False)
         if set(manager.match_tasks(names)) >= set(names) or not include_defaults:
-            return _checked(manager, names)
+            return _checked(manager, names, include_path)
+        # a name missing from --include_path because its own file there does not parse: said now, before the
+        # harness's task files are indexed (which would only end in "unknown task")
+        missing = [n for n in names if n not in manager.match_tasks(names)]
+        broken = _broken_yaml(include_path, missing)
+        if broken is not None:
+            raise _yaml_error(broken, missing)
     manager = TaskManager(include_path=None if include_path is None else str(include_path),
                           include_defaults=include_defaults)
-    return _checked(manager, names)
+    return _checked(manager, names, include_path)
 
 
-def _checked(manager: Any, names: List[str]) -> Tuple[Any, List[str]]:
+def _checked(manager: Any, names: List[str], include_path: Optional[Any] = None) -> Tuple[Any, List[str]]:
     known = set(manager.all_tasks)
     unknown = [n for n in names if n not in known and not manager.match_tasks([n])]
     if unknown:
+        # the harness skips a task file it cannot parse (a log line): its task is then "unknown", the wrong cause
+        broken = _broken_yaml(include_path) if include_path is not None else None
+        if broken is not None:
+            raise _yaml_error(broken, unknown)
         raise LitError(f"unknown task{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}: {LIST_HINT}")
     return manager, [m for n in names for m in ([n] if n in known else manager.match_tasks([n]))]
+
+
+def _yaml_error(broken: Tuple[str, str], unknown: List[str]) -> LitError:
+    return LitError(f"task file {broken[0]!r} is not valid YAML ({broken[1]}): fix it (the harness skips it, so"
+                    f" {', '.join(map(repr, unknown))} {'is' if len(unknown) == 1 else 'are'} unknown)")
+
+
+def _broken_yaml(include_path: Any, names: Optional[List[str]] = None) -> Optional[Tuple[str, str]]:
+    """The first task file under `include_path` that is not valid YAML, and why (line and column); with `names`,
+    only a file named after one of them or whose text says `task: NAME`."""
+    import re
+    from pathlib import Path
+
+    import yaml
+
+    class Loader(yaml.SafeLoader):  # the harness's tags (!function ...) are not syntax errors
+        pass
+
+    Loader.add_multi_constructor("!", lambda loader, suffix, node: None)
+    for path in sorted(Path(include_path).rglob("*.yaml")):
+        try:
+            text = path.read_text(encoding="utf-8")
+            if names is not None and path.stem not in names and not any(
+                    re.search(rf"^task:\s*['\"]?{re.escape(n)}['\"]?\s*$", text, re.MULTILINE) for n in names):
+                continue
+            yaml.load(text, Loader=Loader)
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            return str(path), f"{getattr(e, 'problem', None) or e}{where}"
+        except (OSError, UnicodeDecodeError) as e:
+            return str(path), f"cannot read it: {e}"
+    return None
+
+
+def check_task_data(manager: Any, names: List[str], num_fewshot: Optional[int]) -> None:
+    """Every task's data loads and holds enough examples for its few-shot prompts: found before the model is
+    loaded (one LitError line), not as a traceback after it. The datasets library caches what is read here."""
+    from lm_eval.tasks import get_task_dict
+
+    try:
+        tasks = get_task_dict(names, manager)
+    except (OSError, ValueError) as e:  # a data file not found (FileNotFoundError), a dataset not cached offline
+        raise LitError(f"cannot load the data of task(s) {', '.join(map(repr, names))}: {str(e).splitlines()[0]}"
+                       " (check dataset_path / dataset_kwargs in the task's YAML)") from None
+
+    def leaves(d: Any) -> Iterator[Any]:
+        for value in d.values():
+            if isinstance(value, dict):
+                yield from leaves(value)
+            else:
+                yield value
+
+    for task in leaves(tasks):
+        shots = num_fewshot if num_fewshot is not None else getattr(task.config, "num_fewshot", None)
+        if not shots:
+            continue
+        docs = task.fewshot_docs()
+        available = len(docs) if docs is not None else 0
+        # the harness draws shots + 1 examples and drops the one being evaluated
+        if shots >= available:
+            name = getattr(task.config, "task", "?")
+            raise LitError(f"task {name!r} has {available} example(s) to draw few-shot prompts from, fewer than"
+                           f" {shots} + 1 (the one evaluated is left out): pass --num_fewshot {max(available - 1, 0)}"
+                           " or less")
 
 
 def list_tasks(include_path: Optional[Any] = None) -> str:
@@ -409,19 +484,12 @@ def evaluate(lm: LitLM, manager: Any, names: List[str], num_fewshot: Optional[in
     return results
 
 
-def write_results(results: Dict[str, Any], out_dir: Any) -> Any:
-    """`out_dir`/lm_eval.json (written whole, then renamed into place)."""
+def results_json(results: Dict[str, Any]) -> str:
+    """The harness's results dict as the JSON text of lm_eval.json (eval/lm_eval.py writes it with
+    `lit_gpt.recipes.outputs.write_results`: atomically, kept elsewhere if that fails)."""
     import json
-    import os
-    from pathlib import Path
 
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / RESULTS_FILE
-    tmp = out_dir / f".{RESULTS_FILE}.tmp"
-    tmp.write_text(json.dumps(results, indent=2, default=lm_utils.handle_non_serializable, ensure_ascii=False))
-    os.replace(tmp, path)
-    return path
+    return json.dumps(results, indent=2, default=lm_utils.handle_non_serializable, ensure_ascii=False)
 
 
 def results_table(results: Dict[str, Any]) -> str:

@@ -13,7 +13,8 @@ chunk that carries the finish reason (plus the separate usage chunk OpenAI sends
 Bad requests get HTTP 400 with OpenAI's error body ({"error": {"message", "type", "param", "code"}}) and change
 nothing else: an unknown model, malformed JSON, a value out of range, a prompt or `max_tokens` beyond the
 context, a parameter this server does not implement (logprobs, tools, penalties, ...; refused by name rather than
-ignored). More requests than free slots plus `--max_queue` get 429. A client that goes away frees its slot at the
+ignored), a request with more completions (prompts x n) than slots plus `--max_queue` can ever hold. More
+requests than free slots plus `--max_queue` get 429 (retry later). A client that goes away frees its slot at the
 next step.
 """
 
@@ -62,11 +63,11 @@ class _Common(BaseModel):
 
     model: str
     max_tokens: Optional[int] = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    temperature: float = Field(1.0, ge=0.0, le=2.0, allow_inf_nan=False)  # JSON's NaN: "not a finite number"
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     n: int = Field(1, ge=1)
     stop: Optional[Union[str, List[str]]] = None
-    seed: Optional[int] = None
+    seed: Optional[int] = Field(None, ge=-(2**63), le=2**63 - 1)  # OpenAI's int64; a torch generator takes it
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
 
@@ -231,6 +232,12 @@ def build_app(engine: Engine, model_name: str, style: Any) -> FastAPI:
 
         for index, job in enumerate(jobs):
             job.emit = emitter(index, job)
+        most = engine.slots + engine.max_queue
+        if len(jobs) > most:  # never fits, however long the client waits: a bad request, not "retry later"
+            raise APIError(400, f"this request asks for {len(jobs)} completions ({len(per_prompt)} prompt(s) x n"
+                                f" {body.n}) but this server holds at most {most} at once ({engine.slots} slots +"
+                                f" --max_queue {engine.max_queue}): send fewer prompts or a smaller n",
+                           "n" if len(per_prompt) == 1 else "prompt")
         try:
             engine.submit(jobs)
         except QueueFull as e:

@@ -26,6 +26,7 @@ def check_serve_args(host: str = "127.0.0.1", port: int = 8000, slots: int = 8, 
 
     if not 0 <= port <= 65535:
         raise LitError(f"--port must be between 0 and 65535, got {port}")
+    check_host(host)
     if slots < 1:
         raise LitError(f"--slots must be >= 1, got {slots}")
     if max_queue < 0:
@@ -36,12 +37,34 @@ def check_serve_args(host: str = "127.0.0.1", port: int = 8000, slots: int = 8, 
         raise LitError(f"--prompt_style must be one of {', '.join(PromptStyle.names())}, got {prompt_style!r}")
 
 
+def check_host(host: str) -> None:
+    """--host must name an address of this machine: a name that does not resolve, or an address another machine
+    has, is said so here (before any weights are read), not later as a port "in use"."""
+    import socket
+
+    # the family uvicorn binds with: IPv6 for an address with colons, else IPv4 ("localhost" is 127.0.0.1)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        address = socket.getaddrinfo(host, None, family, socket.SOCK_STREAM)[0][4]
+    except (socket.gaierror, UnicodeError) as e:
+        reason = e.strerror if isinstance(e, socket.gaierror) else str(e)
+        raise LitError(f"--host {host!r} does not resolve to an address ({reason}): pass an address of this machine,"
+                       " e.g. 127.0.0.1 (this machine only) or 0.0.0.0 (every interface)") from None
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((address[0], 0))  # any free port: only the address is in question here
+        except OSError as e:
+            resolved = "" if address[0] == host else f" ({address[0]})"
+            raise LitError(f"--host {host!r}{resolved} is not an address of this machine ({e.strerror}): pass one of"
+                           " its addresses, e.g. 127.0.0.1 or 0.0.0.0") from None
+
+
 def serve(loaded: Any, host: str = "127.0.0.1", port: int = 8000, model_name: Optional[str] = None, slots: int = 8,
           max_seq_length: Optional[int] = None, max_queue: int = 64, prompt_style: Optional[str] = None) -> None:
     """Serve `loaded` (recipes.evaluate.EvalModel) until Ctrl-C / SIGTERM, then drain and return."""
     import uvicorn
 
-    from lit_gpt.prompts import PromptStyle
+    from lit_gpt.prompts import PromptStyle, describe_style
     from lit_gpt.recipes.openai_api import build_app
     from lit_gpt.recipes.serving import Engine
 
@@ -52,6 +75,7 @@ def serve(loaded: Any, host: str = "127.0.0.1", port: int = 8000, model_name: Op
     if length > loaded.block_size:
         raise LitError(f"--max_seq_length {length} is beyond the model's context ({loaded.block_size})")
     style = PromptStyle.from_checkpoint(loaded.checkpoint_dir, prompt_style)
+    log(describe_style(style, loaded.checkpoint_dir, prompt_style, "Prompt style of /v1/chat/completions"))
     name = model_name or loaded.checkpoint_dir.name
     engine = Engine(loaded, slots=slots, max_seq_length=length, max_queue=max_queue, log=log)
     log(f"Warming up ({engine.runtime.name}: {slots} slots x {length} positions) ...")
@@ -80,8 +104,8 @@ def serve(loaded: Any, host: str = "127.0.0.1", port: int = 8000, model_name: Op
         while not server.started and thread.is_alive():
             time.sleep(0.02)
         if not server.started:
-            raise LitError(f"could not listen on {host}:{port} (in use, or not an address of this machine):"
-                           " choose another --port or --host")
+            raise LitError(f"could not listen on {host}:{port} (the port is in use, or needs privileges):"
+                           " choose another --port")
         bound = server.servers[0].sockets[0].getsockname()[1] if server.servers else port
         log(f"Serving {name!r} on http://{host}:{bound}/v1 (Ctrl-C to stop)")
         # until uvicorn is done: after a signal it waits for the open connections, which the engine finishes

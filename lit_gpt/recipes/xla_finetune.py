@@ -164,7 +164,8 @@ def xla_finetune_command(
         run = FinetuneRun(method, flags["checkpoint_dir"], flags["out_dir"], config, flags["data"], flags["train"],
                           flags["eval"], flags["resume"], flags["optimizer"], platform="xla",
                           options={"xla_metrics": flags["xla_metrics"]},
-                          base=base_record(flags["checkpoint_dir"]), allow_other_base=flags["allow_other_base"])
+                          base=base_record(flags["checkpoint_dir"]), allow_other_base=flags["allow_other_base"],
+                          allow_other_data=flags["allow_other_data"])
         run = finish(flags, run) if finish is not None else run
         return fabric.launch(main, run)
 

@@ -25,6 +25,7 @@ badly copied file is named). Weights already in `--output_dir` are replaced only
 import sys
 from typing import Optional, Union
 
+from lit_gpt.recipes.outputs import check_output_dir
 from lit_gpt.storage import location, takes_paths
 from lit_gpt.utils import LitError, run_cli
 from lit_gpt.weights import index_name, weights_name
@@ -59,6 +60,11 @@ def setup(
             f" gets lit_model.safetensors, or lit_model.<method>.safetensors and its .json), e.g. --output_dir"
             f" {folder!r}"
         )
+    if output_dir is not None and "://" not in str(output_dir):
+        # before the shards are read and checked (the whole checkpoint): a file, a folder under a file, read-only
+        if location(output_dir).is_file():
+            raise LitError(f"{str(output_dir)!r} is a file: pass the folder to write the weights into")
+        check_output_dir(output_dir, "--output_dir", "the weights")
     # (the default output, inside the checkpoint directory, is this checkpoint's own consolidation: replaced)
     if output_dir is not None and not overwrite and location(output_dir).is_dir():
         stem = output_stem(checkpoint_dir)
