@@ -45,6 +45,7 @@ import torch.nn as nn
 from lit_gpt.args import DataArgs, EvalArgs, TrainArgs
 from lit_gpt.checkpoints import resume_path, resume_run, run_files, step_dir
 from lit_gpt.interrupts import on_interrupt, resume_command
+from lit_gpt.heartbeat import Heartbeat
 from lit_gpt.manifest import MANIFEST
 from lit_gpt.data import IGNORE_INDEX, PreparedData, TrainBatches, val_batches
 from lit_gpt.losses import MoETerms, labelled_rows, token_mask, write_expert_load
@@ -339,7 +340,7 @@ def fit(
     resume: Union[bool, Literal["auto"], Path] = False,
     run_config: Optional[Dict[str, Any]] = None,
     runtime: Optional[Runtime] = None,
-    allow_other_base: bool = False,
+    allow_other_base: bool = False, allow_other_data: bool = False,  # resume on another base / other prepared data
 ) -> Dict[str, Any]:
     """Train for `train.max_steps` optimizer steps (or `train.epochs` epochs), validating every `eval.interval` steps
     and checkpointing every `train.save_interval` steps and at the last step; then export the last step's trained
@@ -388,7 +389,8 @@ def fit(
     last_saved: Optional[Path] = None
     resume_from = resume_path(runtime, resume, out_dir)
     if resume_from is not None:
-        train_state = resume_run(runtime, resume_from, model, optimizer, method, data, run_config, allow_other_base)
+        train_state = resume_run(runtime, resume_from, model, optimizer, method, data, run_config, allow_other_base,
+                                 allow_other_data)
         step = int(train_state["step"])
         last_saved = resume_from
         fabric.print(f"Resumed from {resume_from} at step {step} (epoch {data.train.epoch}, batch {data.train.index})")
@@ -425,6 +427,8 @@ def fit(
                dynamic_ncols=True, file=sys.stdout)
     model.train()
     first_step_of_run = True
+    heartbeat = Heartbeat(out_dir, fabric.global_rank)  # (step, time, host): a babysitter sees progress or a hang
+    heartbeat(step)
 
     def interrupted(signal_name: str) -> str:
         where = f"interrupted by {signal_name} at step {step} of {total_steps}"
@@ -501,6 +505,7 @@ def fit(
                 steady["steps"] += 1
             first_step_of_run = False
             bar.update(1)
+            heartbeat(step)
 
             if loss_value is not None:
                 summary["losses"][step] = loss_value

@@ -2,32 +2,75 @@
 `#!python` line, next to `scenario.json`. It keeps the TPU VMs and queued resources in `state.json` beside itself
 and records every call (its arguments) in `calls.jsonl`; nothing reaches the network.
 
-`create` fails with "no more capacity" as often as the scenario says; `ssh --worker=all --command CMD` runs CMD here
-with bash (the real recipe), and preempts the slice in the middle of a run: when a trigger file appears (a
-checkpoint's commit marker) it SIGKILLs the command, marks the node PREEMPTED (its queued resource SUSPENDED) and
-exits 255 like an ssh session whose VM vanished.
+`create` fails with "no more capacity" as often as the scenario says. `ssh --worker=all --command CMD` runs CMD here
+with bash once per worker (`scenario["workers"]`, default 1), all at once, each with a home folder of its own
+(`home/NODE/WORKER`, where the babysitter keeps its detached job) and `TPU_WORKER_ID` set; the output comes back
+line by line, the exit code is the first non-zero one. Every process started on a node carries the variable
+`FAKE_TPU_VM=<this folder>|<node>`, also those that detach themselves (setsid, nohup): deleting or preempting the
+node SIGKILLs them, as the VM's end does on Google Cloud (`kill_vm_processes`).
 
-Faults: `scenario["faults"]` maps a call ("tpu-vm describe", "queued-resources create", ...) to what goes wrong on
-it: after the first `skip` calls (default 0), for `times` calls (default: all), the call first does its real work
-when `act` is set (a creation that fails or hangs after the slice was made), then
+A node has a "VM" process of its own while it is READY (`__vm__`, started at creation), which preempts it in the
+middle of a run: when a trigger file appears (a checkpoint's commit marker) while a process of the node has
+`preempt_match` in its command line, it SIGKILLs the node's processes and marks the node PREEMPTED (its queued
+resource SUSPENDED); an ssh session whose workers it killed exits 255 like one whose VM vanished.
+
+Faults: `scenario["faults"]` maps a call ("tpu-vm describe", "queued-resources create", "tpu-vm ssh", ...) to what
+goes wrong on it: after the first `skip` calls (default 0), for `times` calls (default: all), the call first does its
+real work when `act` is set (a creation that fails or hangs after the slice was made), then
 - `hang`: sleeps far beyond any test's timeout, with a `sleep` child in its process group; both pids go to
   `hung.pids` (the babysitter must kill the whole group),
 - `stdout` (or `stdout_hex`, raw bytes): prints it and exits 0 (junk where JSON belongs),
-- `exit` with `stderr`: prints the message and exits with that code.
+- `exit` with `stderr`: prints the message and exits with that code (`exit: 255`: an ssh that cannot connect).
 `scenario["nodes"]` is the state the fake starts with (a slice that exists already).
 """
 
 import fcntl
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 STATE = HERE / "state.json"
+MARK = "FAKE_TPU_VM"
+VM_LIFETIME = 900  # seconds: a node's VM process never outlives a test run by much, even when nothing deletes it
+
+
+def vm_processes(prefix):
+    """The pids of this machine's processes whose environment holds `FAKE_TPU_VM=<prefix>...` (this one aside)."""
+    want = f"{MARK}={prefix}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            env = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(v.startswith(want) for v in env):
+            found.append(int(entry.name))
+    return found
+
+
+def kill_vm_processes(prefix):
+    """SIGKILL every process of a node (prefix `<folder>|<node>`), or of every node of a fake (`<folder>|`)."""
+    for pid in vm_processes(prefix):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def cmdline(pid):
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
 
 
 class Locked:
@@ -131,6 +174,7 @@ class Call:
                                      "waits": self.scenario.get("queue_waits", 0)}
             else:
                 s["nodes"][name] = {"state": "READY", "health": "HEALTHY", "tier": tier}
+                self.start_vm(name)
 
     def describe(self):
         with self.locked() as s:
@@ -144,6 +188,7 @@ class Call:
                     if qr["waits"] < 0:  # capacity came: the node exists
                         qr["state"] = "ACTIVE"
                         s["nodes"][qr["node"]] = {"state": "READY", "health": "HEALTHY", "tier": qr["tier"]}
+                        self.start_vm(qr["node"])
                 print(json.dumps({"name": name, "state": {"state": qr["state"]}}))
             else:
                 if name not in s["nodes"]:
@@ -155,9 +200,21 @@ class Call:
             if self.cmd[0] == "queued-resources":
                 if self.name not in s["queued"]:
                     self.fail(self.not_found)
-                s["nodes"].pop(s["queued"].pop(self.name)["node"], None)
+                node = s["queued"].pop(self.name)["node"]
+                s["nodes"].pop(node, None)
             elif s["nodes"].pop(self.name, None) is None:
                 self.fail(self.not_found)
+            else:
+                node = self.name
+        kill_vm_processes(f"{HERE}|{node}|")  # the VMs go, and every process on them
+
+    def start_vm(self, node):
+        """The node's VM process (`vm` below), in a session of its own: it watches for the preemption trigger."""
+        shutil.rmtree(HERE / "home" / node, ignore_errors=True)  # a new VM: its disks start empty
+        env = {**os.environ, MARK: f"{HERE}|{node}|vm"}
+        subprocess.Popen([sys.executable, "-S", str(Path(__file__).resolve()), "__vm__", node], env=env,
+                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                         start_new_session=True)
 
     def ssh(self):
         name = self.name
@@ -168,36 +225,84 @@ class Call:
             print(f"ssh: connect to host {name} port 22: Connection timed out", file=sys.stderr)
             sys.exit(255)
         command = self.flag("--command")
-        # the babysitter ends a session with SIGTERM: take the remote command down too, like a closed connection.
-        # SIGTERM stays blocked until the handler knows the command, so none can end this fake alone and leave the
+        # the babysitter ends a session with SIGTERM: take the remote commands down too, like a closed connection.
+        # SIGTERM stays blocked until the handler knows the commands, so none can end this fake alone and leave a
         # command (in a session of its own) running with the babysitter's output pipes
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
-        proc = subprocess.Popen(["bash", "-c", command], cwd=self.scenario["workdir"], start_new_session=True)
-        signal.signal(signal.SIGTERM, lambda *a: (os.killpg(proc.pid, signal.SIGKILL), sys.exit(143)))
+        procs = []
+        for worker in range(self.scenario.get("workers", 1)):
+            home = HERE / "home" / name / str(worker)
+            home.mkdir(parents=True, exist_ok=True)
+            env = {**os.environ, "HOME": str(home), "TPU_WORKER_ID": str(worker), MARK: f"{HERE}|{name}|{worker}"}
+            procs.append(subprocess.Popen(["bash", "-c", command], cwd=self.scenario["workdir"], env=env,
+                                          stdout=subprocess.PIPE, start_new_session=True,
+                                          # a worker's processes get signals as on a VM (SIGTERM unblocked)
+                                          preexec_fn=lambda: signal.pthread_sigmask(signal.SIG_UNBLOCK,
+                                                                                    {signal.SIGTERM})))
+
+        def end(*a):
+            for proc in procs:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            sys.exit(143)
+
+        signal.signal(signal.SIGTERM, end)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
-        watched = self.scenario.get("preempt_match", "") in command
-        while proc.poll() is None:
-            time.sleep(0.05)
-            with self.locked() as s:
-                triggers = s["preempt_when"]
-                if not (watched and triggers and happened(triggers[0])):
-                    continue
-                os.killpg(proc.pid, signal.SIGKILL)  # the VM is gone, and its processes with it
-                proc.wait()
-                if not self.scenario.get("preempt_repeat"):
-                    triggers.pop(0)
-                s["nodes"][name].update(state="PREEMPTED", health="")
-                for qr in s["queued"].values():
-                    if qr["node"] == name:
-                        qr["state"] = "SUSPENDED"
+        lock = threading.Lock()
+
+        def relay(proc):  # whole lines, as gcloud passes on each worker's output
+            for line in proc.stdout:
+                with lock:
+                    sys.stdout.buffer.write(line)
+                    sys.stdout.flush()
+
+        threads = [threading.Thread(target=relay, args=(p,), daemon=True) for p in procs]
+        for t in threads:
+            t.start()
+        codes = [p.wait() for p in procs]
+        for t in threads:
+            t.join()
+        with self.locked() as s:
+            gone = s["nodes"].get(name, {}).get("state") != "READY"
+        if gone:  # the VM process preempted the node while the command ran
             print(f"Connection to {name} closed by remote host.", file=sys.stderr)
             sys.exit(255)
-        sys.exit(proc.returncode)
+        sys.exit(next((c if c > 0 else 128 - c for c in codes if c), 0))
+
+
+def vm(node, scenario):
+    """A READY node's VM: preempts it when the scenario's next trigger has happened while a process of the node runs
+    `preempt_match`; ends when the node is not READY any more (deleted, preempted)."""
+    prefix = f"{HERE}|{node}|"
+    match = scenario.get("preempt_match", "")
+    deadline = time.monotonic() + VM_LIFETIME
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+        with Locked(scenario) as s:
+            if s["nodes"].get(node, {}).get("state") != "READY":
+                return
+            triggers = s["preempt_when"]
+            if not (triggers and happened(triggers[0])):
+                continue
+            if not any(match in cmdline(pid) for pid in vm_processes(prefix) if "__vm__" not in cmdline(pid)):
+                continue
+            kill_vm_processes(prefix)  # the VM is gone, and its processes with it (this one aside)
+            if not scenario.get("preempt_repeat"):
+                triggers.pop(0)
+            s["nodes"][node].update(state="PREEMPTED", health="")
+            for qr in s["queued"].values():
+                if qr["node"] == node:
+                    qr["state"] = "SUSPENDED"
+            return
 
 
 def main():
     scenario = json.loads((HERE / "scenario.json").read_text())
     argv = sys.argv[1:]
+    if argv[:1] == ["__vm__"]:
+        return vm(argv[1], scenario)
     with open(HERE / "calls.jsonl", "a") as f:
         f.write(json.dumps(argv) + "\n")
     if argv and argv[0] == "alpha":

@@ -14,6 +14,11 @@ to an uninterrupted run of the same command, which runs meanwhile. The others us
 a failure on a healthy slice, Ctrl-C and SIGTERM, a queued spot resource, and the fault table (bad arguments and a
 gcloud that fails, hangs, prints junk or leaves a slice half created; run in this process, for speed: the fake
 gcloud still runs as its own program), which checks the exit code, the one error line and what is left afterwards.
+
+The command runs detached on the fake's workers (processes on this machine, each worker with a home of its own);
+one test each: ssh that fails transiently twice, a job whose heartbeat stops (restarted, one line), a worker that
+exits non-zero (the others stopped), and a babysitter SIGKILLed mid-run whose job `--attach true` picks up. Every
+process a fake VM still runs ends with its test (`turn_off_the_vms`).
 """
 
 import importlib.util
@@ -50,6 +55,19 @@ TPU = ["--name", "my-tpu", "--zone", "us-central2-b", "--accelerator_type", "v4-
 DELETE = "compute tpus tpu-vm delete my-tpu --zone us-central2-b --quiet"  # after the gcloud's path
 
 
+FAKES: List["Fake"] = []  # the fakes of the running test: their VMs' processes end with it
+
+
+@pytest.fixture(autouse=True)
+def turn_off_the_vms():
+    """Every process a test's fake VMs still run (detached jobs, the VM watchers) ends with the test."""
+    from fake_gcloud import kill_vm_processes  # tests/fake_gcloud.py
+
+    yield
+    while FAKES:
+        kill_vm_processes(f"{FAKES.pop().dir.resolve()}|")
+
+
 class Fake:
     """A directory holding the fake gcloud, its scenario, state and call record."""
 
@@ -57,6 +75,7 @@ class Fake:
                  **scenario) -> None:
         self.dir = root / "bin"
         self.dir.mkdir(parents=True)
+        FAKES.append(self)
         gcloud = self.dir / "gcloud"
         # -S: no site-packages to scan at each start (the fake needs only the standard library)
         gcloud.write_text(f"{shebang or f'#!{sys.executable} -S'}\n" + FAKE_GCLOUD.read_text())
@@ -67,6 +86,10 @@ class Fake:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("PJRT_", "XLA_", "TPU_", "CPU_NUM"))}
         env.update(PATH=f"{self.dir}{os.pathsep}{env.get('PATH', '')}", **extra)
         return env
+
+    def home(self, worker: int = 0, node: str = "my-tpu") -> Path:
+        """A fake worker's home folder (the babysitter's detached job lives in ~/.lit-gpt-babysit)."""
+        return self.dir / "home" / node / str(worker)
 
     def state(self) -> dict:
         return json.loads((self.dir / "state.json").read_text())
@@ -178,6 +201,10 @@ def test_babysat_recipe_survives_a_failed_creation_and_two_preemptions_bit_exact
     assert fake.state()["nodes"]["my-tpu"]["state"] == "READY"  # kept: no --delete_on_success
     # the runs really were cut short and resumed
     assert proc.stdout.count("Resumed from") == 2, proc.stdout[-3000:]
+    # the training loop's heartbeat (lit_gpt/heartbeat.py): in the bucket, and on the worker for the babysitter
+    beat = json.loads((out / "logs" / "heartbeat" / "rank-00000.json").read_text())
+    assert beat["rank"] == 0 and beat["host"] and 0 <= beat["step"] <= 6
+    assert json.loads((fake.home() / ".lit-gpt-babysit" / "my-tpu" / "heartbeat.json").read_text())["step"] == 6
 
     ref = weights(bucket / "reference" / "final" / "lit_model.lora.safetensors")
     got = weights(out / "final" / "lit_model.lora.safetensors")
@@ -210,9 +237,9 @@ def test_a_command_failing_on_a_healthy_slice_stops_at_once_with_its_exit_code(t
     assert proc.stderr.count("running the command:") == 1
     assert [c[2:4] for c in fake.calls() if c[3] in ("create", "delete")] == [["tpu-vm", "create"]]
     assert fake.state()["nodes"]["my-tpu"]["state"] == "READY"
-    # --resume auto was appended to the command that ran
-    ssh = [c for c in fake.calls() if c[2:4] == ["tpu-vm", "ssh"]]
-    assert ssh[0][ssh[0].index("--command") + 1] == "python -c 'import sys; sys.exit(3)' --resume auto"
+    # --resume auto was appended to the command that ran (detached: the job's script on the worker holds it)
+    assert (fake.home() / ".lit-gpt-babysit" / "my-tpu" / "command.sh").read_text().strip() == \
+        "python -c 'import sys; sys.exit(3)' --resume auto"
 
 
 @pytest.mark.parametrize("sig, delete", [(signal.SIGINT, False), (signal.SIGINT, True), (signal.SIGTERM, False)],
@@ -376,7 +403,8 @@ FAULT_CASES = [
     # errors after the slice was made: the line names it and the command that deletes it, or it is deleted
     case("describe_junk_while_the_command_runs", run_sh="sleep 30; touch {tmp}/finished",
          line="printed 'Traceback (most recent call last): oops', not the JSON it should (2 tries): is {gcloud} the"
-         " Google Cloud CLI?; the slice my-tpu " + LEFT, creates=1, nodes=["my-tpu"],
+         " Google Cloud CLI?; the command goes on running on the workers (re-attach with --attach true); the slice"
+         " my-tpu " + LEFT, creates=1, nodes=["my-tpu"],
          **describe_fault(stdout="Traceback (most recent call last):\n  oops\n", skip=2)),
     case("describe_fails_while_the_command_runs_delete_on_error", "--delete_on_error", "true",
          run_sh="sleep 30; touch {tmp}/finished", line="UNAVAILABLE: try later (2 tries): run it by hand to see why;"
@@ -389,9 +417,19 @@ FAULT_CASES = [
     case("setup_script_runs_too_long", "--setup_timeout", "1", setup="sleep 30", line="the setup script ran longer"
          " than --setup_timeout 1 s on the slice my-tpu: ended it; make it finish sooner or raise --setup_timeout;"
          " the slice my-tpu " + LEFT, creates=1, nodes=["my-tpu"]),
+    case("ssh_never_connects", "--ssh_retries", "1", line="cannot reach the workers of the slice my-tpu over ssh"
+         " (starting the command): `gcloud compute tpus tpu-vm ssh my-tpu --zone us-central2-b --worker=all` failed"
+         " with exit code 255: ERROR: (gcloud.compute.tpus.tpu-vm.ssh) ssh: connect to host 10.130.0.7 port 22:"
+         " Connection timed out (2 tries, --ssh_retries 1)", creates=1, nodes=["my-tpu"],
+         faults={"tpu-vm ssh": {"exit": 255, "stderr": "ssh: connect to host 10.130.0.7 port 22: Connection timed"
+                                                     " out"}}),
+    case("attach_without_a_job", "--attach", "true", line="--attach: no job on the slice my-tpu (no worker has"
+         " ~/.lit-gpt-babysit/my-tpu): run the babysitter without --attach true to start it; the slice my-tpu " + LEFT,
+         nodes=["my-tpu"], nodes_at_start={"my-tpu": {"state": "READY", "health": "HEALTHY"}}),
     case("command_fails_delete_on_error", "--delete_on_error", "true", run_sh="exit 3", code=3,
-         line="the command failed with exit code 3 while the slice my-tpu is healthy (READY HEALTHY): not a"
-         " preemption, not retrying; the slice my-tpu was deleted (--delete_on_error)", creates=1, deletes=1),
+         line="the command failed with exit code 3 on worker 0 (the other workers' jobs were stopped) while the slice"
+         " my-tpu is healthy (READY HEALTHY): not a preemption, not retrying; each worker's log:"
+         " ~/.lit-gpt-babysit/my-tpu/log; the slice my-tpu was deleted (--delete_on_error)", creates=1, deletes=1),
 ]
 
 
@@ -460,3 +498,115 @@ def test_fault_table(row, tmp_path, babysit_main, monkeypatch, capfd):
     hung = (fake.dir / "hung.pids").read_text().split() if (fake.dir / "hung.pids").exists() else []
     assert len(hung) == 2 * row["hangs"] and not any(alive(int(pid)) for pid in hung), hung
     assert not (tmp_path / "finished").exists()  # a command stopped by an error does not go on
+
+
+# -- the detached job: transient ssh failures, a stalled job, a failing worker, a killed babysitter ------------------
+# quick limits for these: ssh retried after 0.05 s, 0.1 s, ...; the slice and the job polled every 0.2 s
+JOB = ["--create_retry_delay", "0", "--poll_interval", "0.2", "--preemption_grace", "0.5", "--gcloud_backoff", "0.05"]
+
+
+def pid_alive(path: Path) -> bool:
+    """Is the process whose pid a job wrote into `path` still running?"""
+    return alive(int(path.read_text()), wait=0.5)
+
+
+def test_ssh_failing_transiently_is_retried_with_backoff(tmp_path):
+    """ssh exits 255 twice (workers still booting): tried again, the command runs once and the run succeeds."""
+    refused = "ssh: connect to host 10.130.0.7 port 22: Connection refused"
+    fake = Fake(tmp_path, tmp_path, faults={"tpu-vm ssh": {"times": 2, "exit": 255, "stderr": refused}})
+    proc = fake.babysit(*TPU, *JOB, "--", script(tmp_path / "run.sh", f"echo run >> {tmp_path / 'runs.txt'}"),
+                        timeout=TIMEOUT)
+    assert proc.returncode == 0, proc.stderr
+    retries = re.findall(r"ssh to the workers of my-tpu \(starting the command\) failed with exit code 255: .*"
+                         r"Connection refused; trying again in (\S+) s \((\d)/6, --ssh_retries\)", proc.stderr)
+    assert retries == [("0.05", "1"), ("0.1", "2")], proc.stderr
+    assert (tmp_path / "runs.txt").read_text().splitlines() == ["run"]
+    assert "the command finished: exit code 0 on every worker" in proc.stderr
+    assert not [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+
+
+def test_a_stalled_job_is_restarted_from_the_newest_intact_step(tmp_path):
+    """The first run's heartbeat stops at step 3 while its process lives on (a hang): after --stall_timeout the
+    babysitter says so in one line, stops it and starts the command again, which resumes and finishes."""
+    fake = Fake(tmp_path, tmp_path)
+    body = f"""echo "args: $*"
+if [ ! -e {tmp_path}/first ]; then
+  touch {tmp_path}/first; echo $$ > {tmp_path}/hung.pid
+  for s in 1 2 3; do
+    echo "{{\\"step\\": $s, \\"time\\": 0, \\"host\\": \\"w0\\"}}" > "$LIT_GPT_HEARTBEAT"; sleep 0.1
+  done
+  echo "step 3: waiting in a collective"; sleep 60
+fi
+echo "{{\\"step\\": 4, \\"time\\": 0, \\"host\\": \\"w0\\"}}" > "$LIT_GPT_HEARTBEAT"; echo "resumed and finished"
+"""
+    proc = fake.babysit(*TPU, *JOB, "--stall_timeout", "1.5", "--", script(tmp_path / "run.sh", body), timeout=TIMEOUT)
+    assert proc.returncode == 0, proc.stderr
+    stalled = [line for line in proc.stderr.splitlines() if "] stalled" in line]
+    assert len(stalled) == 1, proc.stderr
+    assert re.search(r"stalled: worker 0 wrote no heartbeat for --stall_timeout 1.5 s \(last: step 3 on w0\): stopping"
+                     r" it and restarting the command on the slice my-tpu from the newest intact step \(--resume auto;"
+                     r" restart 1, --max_restarts 20\)$", stalled[0]), stalled[0]
+    assert "[worker 0] step 3: waiting in a collective" in proc.stderr  # its last log lines are shown
+    assert not pid_alive(tmp_path / "hung.pid")  # the hung job was stopped, not left beside the new one
+    assert proc.stdout.count("args: --resume auto") == 2 and "resumed and finished" in proc.stdout
+    assert sum(c[2:4] == ["tpu-vm", "create"] for c in fake.calls()) == 1  # the same slice: no recreation
+
+
+def test_a_worker_exiting_non_zero_stops_the_others(tmp_path):
+    """Worker 1 of 2 fails: worker 0's job (which would wait for it forever) is stopped, and the one error line
+    names the worker and its exit code."""
+    fake = Fake(tmp_path, tmp_path, workers=2)
+    body = f"""if [ "$TPU_WORKER_ID" = 1 ]; then sleep 0.3; echo "worker 1: CUDA-free but broken" >&2; exit 3; fi
+echo $$ > {tmp_path}/worker0.pid; sleep 60; touch {tmp_path}/finished"""
+    proc = fake.babysit(*TPU, *JOB, "--", script(tmp_path / "run.sh", body), timeout=TIMEOUT)
+    assert proc.returncode == 3, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and proc.stderr.strip().splitlines()[-1] == errors[0], proc.stderr
+    assert "the command failed with exit code 3 on worker 1 (the other workers' jobs were stopped) while the slice" \
+           " my-tpu is healthy (READY HEALTHY): not a preemption, not retrying" in errors[0]
+    assert "worker 1 failed with exit code 3: stopping the job on the other workers" in proc.stderr
+    assert "[worker 1] worker 1: CUDA-free but broken" in proc.stderr
+    assert not pid_alive(tmp_path / "worker0.pid") and not (tmp_path / "finished").exists()
+    assert (fake.home(1) / ".lit-gpt-babysit" / "my-tpu" / "exit").read_text().strip() == "3"
+    assert (fake.home(0) / ".lit-gpt-babysit" / "my-tpu" / "stopped").exists()
+
+
+def test_a_killed_babysitter_leaves_training_running_and_attach_picks_it_up(tmp_path):
+    """SIGKILL the babysitter mid-run: the detached job goes on; `--attach true` finds it running, watches it to
+    the end without creating, setting up or starting anything, and shows its log."""
+    fake = Fake(tmp_path, tmp_path)
+    release = tmp_path / "release"
+    body = f"""echo run >> {tmp_path}/runs.txt; echo $$ > {tmp_path}/job.pid
+while [ ! -e {release} ]; do echo tick; sleep 0.1; done; echo "the run is complete\""""
+    setup = tmp_path / "setup.sh"
+    setup.write_text(f"echo set up >> {tmp_path / 'setups.txt'}\n")
+    args = [sys.executable, str(BABYSIT), *TPU, *JOB, "--setup_script", str(setup), "--",
+            script(tmp_path / "run.sh", body)]
+    first = subprocess.Popen(args, cwd=REPO, env=fake.env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             stdin=subprocess.DEVNULL)
+    deadline = time.monotonic() + TIMEOUT
+    while not (tmp_path / "job.pid").exists() and first.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    first.kill()  # no handler runs: like a closed laptop or a killed terminal
+    first.wait(10)
+    assert pid_alive(tmp_path / "job.pid")  # training goes on without its babysitter
+    with open(tmp_path / "attach.out", "w") as out, open(tmp_path / "attach.err", "w") as err:
+        second = subprocess.Popen(args[:2] + ["--attach", "true"] + args[2:], cwd=REPO, env=fake.env(), stdout=out,
+                                  stderr=err, stdin=subprocess.DEVNULL)
+        try:  # the run ends once the new babysitter watches it
+            deadline = time.monotonic() + TIMEOUT
+            while "attached to the job" not in (tmp_path / "attach.err").read_text() and second.poll() is None \
+                    and time.monotonic() < deadline:
+                time.sleep(0.05)
+            release.touch()
+            second.wait(TIMEOUT)
+        finally:
+            second.kill()
+    proc = subprocess.CompletedProcess(second.args, second.returncode, (tmp_path / "attach.out").read_text(),
+                                       (tmp_path / "attach.err").read_text())
+    assert "attached to the job on the slice my-tpu (worker 0 running)" in proc.stderr, proc.stderr
+    assert "the command finished: exit code 0 on every worker" in proc.stderr
+    assert "tick" in proc.stdout and "the run is complete" in proc.stdout
+    assert (tmp_path / "runs.txt").read_text().splitlines() == ["run"]  # not started again
+    assert (tmp_path / "setups.txt").read_text().splitlines() == ["set up"]
+    assert sum(c[2:4] == ["tpu-vm", "create"] for c in fake.calls()) == 1

@@ -239,7 +239,7 @@ def manifest_cut(path: Path) -> None:
 # (storage, damage, file of step 4, the line's substring) -> --resume auto falls back to step 2 and ends equal
 DAMAGED = [
     ("local", truncate, "checkpoint.pth", r"step-000004 is damaged \(checkpoint\.pth has \d+ bytes, \d+ recorded"),
-    ("local", flip, "checkpoint.pth", r"step-000004 is damaged \(checkpoint\.pth has CRC32 \w+, \w+ recorded"),
+    ("local", flip, "checkpoint.pth", r"step-000004 is damaged \(checkpoint\.pth has CRC32C? \w+, \w+ recorded"),
     ("local", remove, "finetune.json", r"step-000004 is damaged \(finetune\.json is missing\)"),
     ("local", flip, "lit_config.json", r"step-000004 is damaged \(lit_config\.json has CRC32"),
     ("local", manifest_cut, "checkpoint.pth", r"step-000004 is incomplete \(lit_checkpoint\.json is unreadable"),

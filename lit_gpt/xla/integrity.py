@@ -1,8 +1,9 @@
 """What makes a sharded checkpoint directory trustworthy, and which one to resume from: its completion marker,
-the CRC32 of every file recorded at save time, the checks that refuse an incomplete or damaged directory in one
-line, and the choice of the newest complete checkpoint (agreed by every host for `--resume auto`).
+the CRC32C (CRC32 in earlier versions' markers) of every file recorded at save time, the checks that refuse an
+incomplete or damaged directory in one line, and the choice of the newest complete checkpoint (agreed by every
+host for `--resume auto`).
 
-    verify_files(path)                               sizes and CRC32s against the marker (streamed, 8 MiB blocks)
+    verify_files(path)                               sizes and CRC32Cs against the marker (lit_gpt.manifest)
     marker, md = check_complete(path)                marker readable, every host's files present and long enough
     latest_checkpoint(out_dir, "step-*")             newest complete checkpoint on this host
     agreed_latest_checkpoint(out_dir, "step-*")      the newest every host holds (communicates, if a group exists)

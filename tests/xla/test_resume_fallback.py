@@ -185,5 +185,5 @@ def test_two_hosts_fall_back_together_past_a_step_damaged_on_one(tmp_path, capfd
     assert answers[0].endswith("host0/step-000002") and answers[1].endswith("host1/step-000002"), dict(answers)
     err = capfd.readouterr().err
     assert re.search(r"warning: resuming from step-000002, the newest checkpoint every host holds: step-000004 is"
-                     r" missing on host 1 \(damaged: __1_\d+\.distcp has CRC32 \w+, \w+ recorded at save time\)", err), err
+                     r" missing on host 1 \(damaged: __1_\d+\.distcp has CRC32C? \w+, \w+ recorded at save time\)", err), err
     shutil.rmtree(tmp_path, ignore_errors=True)

@@ -5,17 +5,23 @@ slices: the babysitter").
         --version tpu-ubuntu2204-base --spot true --setup_script setup.sh -- \\
         "cd lit-gpt-xla && python xla/finetune/lora.py --out_dir gs://my-bucket/lora --train.save_interval 100"
 
-It creates the slice with `gcloud`, runs the setup script and the command (`--resume auto` appended) on every
-worker, and after a preemption deletes the slice, creates it again and reruns them, until the command exits 0. It
-checks everything before it creates anything; every `gcloud` call has a time limit and a failed or garbled state
-query is retried with backoff, then named in one `error:` line, which also names a slice that is left and the command
-that deletes it (or `--delete_on_error true` deletes it). Ctrl-C or SIGTERM deletes nothing unless
-`--delete_on_interrupt true`, and says the same.
+It creates the slice with `gcloud`, runs the setup script on every worker and starts the command there (`--resume
+auto` appended) detached from the ssh session (nohup + setsid, a pid file, a log and an exit-code file per worker),
+then watches the slice, every worker's job and its heartbeat (lit_gpt/heartbeat.py). After a preemption it deletes
+the slice, creates it again and reruns them; a job whose heartbeat stops for --stall_timeout (or that vanishes) is
+stopped and started again on the same slice; one worker that fails stops the others; until the command exits 0 on
+every worker. A killed babysitter leaves the job running: `--attach true` watches it again. It checks everything
+before it creates anything; every `gcloud` call has a time limit; a failed or garbled state query, and an ssh call
+that fails (exit 255, transient errors), is retried with backoff, then named in one `error:` line, which also names
+a slice that is left and the command that deletes it (or `--delete_on_error true` deletes it). Ctrl-C or SIGTERM
+deletes nothing unless `--delete_on_interrupt true`, and says the same; the job goes on.
 
 The gcloud calls themselves (time limits, retries, reading `describe`) and the checks of the names, the flags, the
-setup script and the gcloud program are in lit_gpt/xla/gcloud.py; here are the slice, the loop and the command line.
+setup script and the gcloud program, the slice's gcloud commands and the workers' job scripts are in
+lit_gpt/xla/gcloud.py; here are the loop and the command line.
 """
 
+import json
 import math
 import os
 import shlex
@@ -25,21 +31,17 @@ import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Dict, List, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from lit_gpt.utils import LitError, error_reason, run_cli
-from lit_gpt.xla.gcloud import (FATAL_CREATE_ERRORS, NODE_PENDING, NODE_UNHEALTHY, QUEUED_PENDING, Gcloud,
-                                check_bash, check_names, find_gcloud, last_line, log, not_found, parse_state,
-                                read_setup, short, split_create_flags)
+from lit_gpt.xla.gcloud import (FATAL_CREATE_ERRORS, JOB_ROOT, LOST, MISSING, PENDING, READY, Gcloud, Slice, Status,
+                                Worker, check_bash, check_names, collect_script, find_gcloud, last_line, launch_script,
+                                launched, log, not_found, out_dir_of, parse_workers, read_setup, short,
+                                split_create_flags, status_script, stop_script)
 
-# What `describe` reports, reduced to what the babysitter does about it.
-READY = "ready"  # usable: run on it
-PENDING = "pending"  # on its way to READY (queued, provisioning, creating): wait
-LOST = "lost"  # preempted, terminated, unhealthy, failed, being deleted: delete and create again
-MISSING = "missing"  # does not exist: create it
 # the numbers' ranges: (lowest, highest, whether the lowest itself is refused)
 RANGES = {"max_restarts": (0, math.inf, False), "create_attempts": (1, math.inf, False),
-          "gcloud_retries": (0, 10, False),
+          "gcloud_retries": (0, 10, False), "ssh_retries": (0, 20, False), "stall_timeout": (0, math.inf, False),
           **{k: (0, math.inf, False) for k in ("create_retry_delay", "preemption_grace", "gcloud_backoff")},
           **{k: (0, math.inf, True) for k in ("poll_interval", "gcloud_timeout", "create_timeout", "setup_timeout")}}
 
@@ -58,75 +60,33 @@ def with_resume_auto(command: str) -> str:
     return f"{command} --resume auto"
 
 
-class Status(NamedTuple):
-    kind: str  # READY, PENDING, LOST or MISSING
-    detail: str  # what gcloud said, for the log ("PREEMPTED", "queued WAITING_FOR_RESOURCES", ...)
+SSH_BACKOFF_CAP = 60.0  # seconds: the longest wait between two ssh tries (the backoff doubles up to it)
 
 
-class Slice:
-    """One TPU slice and the gcloud commands that manage it: a TPU VM node, or a queued resource owning one."""
+class SliceLost(Exception):
+    """The slice stopped being READY while the babysitter talked to its workers."""
 
-    def __init__(self, gcloud: Gcloud, name: str, zone: str, accelerator_type: str, version: str, spot: bool,
-                 preemptible: bool, queued: bool, best_effort: bool, queued_resource: Optional[str],
-                 project: Optional[str], create_flags: List[str]) -> None:
-        self.gcloud, self.name, self.zone = gcloud, name, zone
-        self.accelerator_type, self.version = accelerator_type, version
-        self.spot, self.preemptible, self.queued, self.best_effort = spot, preemptible, queued, best_effort
-        self.queued_resource = queued_resource or name
-        self.project, self.create_flags = project, create_flags
 
-    # -- commands --------------------------------------------------------------------------------------------
-    def _cmd(self, *args: str) -> List[str]:
-        return [self.gcloud.path, *args, *(["--project", self.project] if self.project else [])]
+def beat_text(heartbeat: str) -> str:
+    """A heartbeat file's text for a message: "last: step 3 on host-1", or what is there."""
+    try:
+        found = json.loads(heartbeat)
+        return f"last: step {found['step']} on {found.get('host', '?')}"
+    except (ValueError, TypeError, KeyError):
+        return f"last: {short(heartbeat, 80)}" if heartbeat else "none since the start"
 
-    def create_cmd(self) -> List[str]:
-        if self.queued:
-            # --best-effort exists only in the alpha track of queued-resources create
-            track = ["alpha"] if self.best_effort else []
-            tier = ["--spot"] if self.spot else ["--best-effort"] if self.best_effort else []
-            return self._cmd(*track, "compute", "tpus", "queued-resources", "create", self.queued_resource,
-                             "--node-id", self.name, "--zone", self.zone, "--accelerator-type", self.accelerator_type,
-                             "--runtime-version", self.version, *tier, *self.create_flags)
-        tier = ["--spot"] if self.spot else ["--preemptible"] if self.preemptible else []
-        return self._cmd("compute", "tpus", "tpu-vm", "create", self.name, "--zone", self.zone,
-                         "--accelerator-type", self.accelerator_type, "--version", self.version, *tier,
-                         *self.create_flags)
 
-    def delete_cmd(self) -> List[str]:
-        if self.queued:
-            # --force deletes the queued resource's node first; --quiet: no confirmation prompt
-            return self._cmd("compute", "tpus", "queued-resources", "delete", self.queued_resource, "--zone",
-                             self.zone, "--force", "--quiet")
-        return self._cmd("compute", "tpus", "tpu-vm", "delete", self.name, "--zone", self.zone, "--quiet")
+def shown_ssh(cmd: List[str], program: str = "gcloud") -> str:
+    """An ssh call for a message, without the script it carries (`--command ...` is left out)."""
+    i = cmd.index("--command")
+    return shlex.join([program, *cmd[1:i], *cmd[i + 2:]])
 
-    def ssh_cmd(self, command: str) -> List[str]:
-        return self._cmd("compute", "tpus", "tpu-vm", "ssh", self.name, "--zone", self.zone, "--worker=all",
-                         "--command", command)
 
-    # -- state -----------------------------------------------------------------------------------------------
-    def _describe(self, kind: str, name: str, retries: Optional[int]) -> Optional[Tuple[str, str]]:
-        return self.gcloud.query(self._cmd("compute", "tpus", kind, "describe", name, "--zone", self.zone, "--format",
-                                           "json"), lambda out: parse_state(out, kind == "queued-resources"), retries)
-
-    def status(self, retries: Optional[int] = None) -> Status:
-        if self.queued:
-            qr = self._describe("queued-resources", self.queued_resource, retries)
-            if qr is None:
-                return Status(MISSING, "no queued resource")
-            if qr[0] in QUEUED_PENDING:
-                return Status(PENDING, f"queued resource {qr[0]}")
-            if qr[0] != "ACTIVE":
-                return Status(LOST, f"queued resource {qr[0]}")
-        node = self._describe("tpu-vm", self.name, retries)
-        if node is None:
-            # an ACTIVE queued resource whose node is gone lost its slice
-            return Status(LOST if self.queued else MISSING, "no TPU VM")
-        state, health = node
-        if state == "READY" and health not in NODE_UNHEALTHY:
-            return Status(READY, "READY" + (f" {health}" if health else ""))
-        if state in NODE_PENDING:
-            return Status(PENDING, state)
-        return Status(LOST, f"{state} {health}".strip())
+def answered(out: str) -> str:
+    """A worker script's output, which must hold its `LITBS` line (else ValueError: tried again)."""
+    if "LITBS" not in out:
+        raise ValueError(out)
+    return out
 
 
 class Babysitter:
@@ -142,6 +102,10 @@ class Babysitter:
     delete_on_success: bool
     delete_on_interrupt: bool
     delete_on_error: bool
+    attach: bool
+    stall_timeout: float
+    ssh_retries: int
+    gcloud_backoff: float
 
     def __init__(self, tpu: Slice, setup: Optional[str], command: str, **settings: Any) -> None:
         self.tpu, self.setup, self.command = tpu, setup, command
@@ -152,6 +116,11 @@ class Babysitter:
         # delete call was made, or cut short, and no state query has answered since)
         self.exists: Optional[bool] = False
         self.undeletable = False  # deleting failed already: --delete_on_error does not try again
+        self.job = tpu.name  # the detached job's folder on each worker: ~/.lit-gpt-babysit/NAME
+        self.job_live = False  # a job was started (or found) and not seen to end: an error leaves it running
+        self.offset: Optional[int] = None  # how much of worker 0's log was shown
+        out_dir = out_dir_of(command)
+        self.log_url = out_dir.rstrip("/") if out_dir and out_dir.startswith("gs://") else ""
 
     def gcloud(self, cmd: List[str], what: str) -> Tuple[Optional[int], str, str]:
         """A create or delete call, logged, with its time limit."""
@@ -184,6 +153,8 @@ class Babysitter:
                 pass
         if self.exists is False:
             return message
+        if self.job_live and not self.delete_on_error:
+            message = f"{message}; the command goes on running on the workers (re-attach with --attach true)"
         if self.delete_on_error and not self.undeletable:
             log("stopping on an error: deleting the slice (--delete_on_error)")
             try:
@@ -274,8 +245,24 @@ class Babysitter:
                 pass
 
     def run_on_workers(self, command: str, what: str, shown: str, limit: float = math.inf) -> Optional[int]:
-        """Run a command on every worker, watching the slice meanwhile. Returns its exit code, or None when the
-        slice was lost while it ran (ssh to a vanished worker can hang for a long time instead of failing)."""
+        """Run a command (the setup script) on every worker in the foreground, watching the slice meanwhile, and
+        again when ssh itself failed (exit 255: workers still booting, a dropped connection; the setup script must
+        be safe to rerun), up to --ssh_retries times. Returns its exit code, or None when the slice was lost while
+        it ran (ssh to a vanished worker can hang for a long time instead of failing)."""
+        delay = self.gcloud_backoff
+        for attempt in range(self.ssh_retries + 1):
+            code = self._run_on_workers_once(command, what, shown, limit)
+            if code != 255 or attempt == self.ssh_retries:
+                return code
+            if self.observe().kind != READY:
+                return None
+            log(f"ssh to the workers of {self.tpu.name} failed (exit 255) while {what}; trying again in {delay:g} s"
+                f" ({attempt + 1}/{self.ssh_retries}, --ssh_retries)")
+            time.sleep(delay)
+            delay = min(delay * 2, SSH_BACKOFF_CAP)
+        return 255
+
+    def _run_on_workers_once(self, command: str, what: str, shown: str, limit: float) -> Optional[int]:
         cmd = self.tpu.ssh_cmd(command)
         log(f"{what}: {shlex.join(cmd[:-1])} {shlex.quote(short(shown, 200))}")
         end = time.monotonic() + limit
@@ -300,6 +287,141 @@ class Babysitter:
                 self.stop_running()
                 return None
 
+    # -- the detached job ------------------------------------------------------------------------------------
+    def ssh(self, script: str, what: str, parse: Callable[[str], Any]) -> Any:
+        """A short script on every worker (starting, reading or stopping the job: all safe to repeat), its output
+        parsed. ssh exit 255, a time-out, gcloud's transient errors (UNAVAILABLE, DEADLINE_EXCEEDED, a connection
+        reset) or garbled output are tried again up to --ssh_retries times, the wait doubling from --gcloud_backoff
+        up to 60 s, while the slice stays READY (else SliceLost); then one LitError line."""
+        cmd = self.tpu.ssh_cmd(script)
+        delay = self.gcloud_backoff
+        for attempt in range(self.ssh_retries + 1):
+            code, out, err = self.tpu.gcloud.once(cmd, self.tpu.gcloud.timeout)
+            if code == 0:
+                try:
+                    return parse(out)
+                except (ValueError, TypeError, IndexError, UnicodeDecodeError):
+                    problem = f"printed no status line ({short(last_line(out + chr(10) + err), 120)})"
+            elif code is None:
+                problem = f"timed out after {self.tpu.gcloud.timeout:g} s"
+            else:
+                problem = f"failed with exit code {code}: {short(last_line(err), 160)}"
+            if attempt == self.ssh_retries:
+                break
+            status = self.observe()
+            if status.kind != READY:
+                raise SliceLost(status.detail)
+            log(f"ssh to the workers of {self.tpu.name} ({what}) {problem}; trying again in {delay:g} s"
+                f" ({attempt + 1}/{self.ssh_retries}, --ssh_retries)")
+            time.sleep(delay)
+            delay = min(delay * 2, SSH_BACKOFF_CAP)
+        raise LitError(f"cannot reach the workers of the slice {self.tpu.name} over ssh ({what}): `{shown_ssh(cmd)}`"
+                       f" {problem} ({self.ssh_retries + 1} tries, --ssh_retries {self.ssh_retries}); check the"
+                       " slice's firewall and that `gcloud compute tpus tpu-vm ssh` works by hand")
+
+    def launch(self) -> None:
+        """Start the command detached on every worker (a worker whose job still runs keeps it)."""
+        log(f"running the command: detached on every worker ({shown_ssh(self.tpu.ssh_cmd(''), self.tpu.gcloud.path)}"
+            f" --command ...; each worker's log:"
+            f" ~/{JOB_ROOT}/{self.job}/log): {short(self.command, 200)}")
+        found = self.ssh(launch_script(self.job, self.command, self.log_url), "starting the command", launched)
+        self.job_live = True
+        size = found.get("0", next(iter(found.values())))[1]
+        # a new VM has an empty log; the same VM (a restart after a stall) goes on from what was shown
+        self.offset = size if self.offset is None else min(self.offset, size)
+        running = sorted(w for w, (how, _) in found.items() if how == "already-running")
+        if running:
+            log(f"worker(s) {', '.join(running)} still run the job: kept")
+
+    def workers(self) -> Dict[str, Worker]:
+        """Every worker's job state, heartbeat and worker 0's new log lines (shown on stdout)."""
+        found = self.ssh(status_script(self.job, self.offset or 0), "reading the job's state", parse_workers)
+        if "0" in found:
+            if self.offset is None:  # re-attached: the last lines only
+                self.offset = max(0, found["0"].log_size - 2000)
+                return self.workers()
+            if found["0"].log:
+                sys.stdout.buffer.write(found["0"].log)
+                sys.stdout.flush()
+                self.offset += len(found["0"].log)
+        return found
+
+    def collect(self) -> None:
+        """The workers' last log lines and stacks (py-spy where installed) on stderr, before the job is stopped."""
+        log("the workers' last log lines (and Python stacks, where py-spy is installed):")
+        try:
+            out = self.ssh(collect_script(self.job), "collecting the logs", answered)
+        except (LitError, SliceLost) as e:
+            log(f"could not collect them: {e}")
+            return
+        for line in out.splitlines():
+            if not line.startswith("LITBS"):
+                print(line, file=sys.stderr, flush=True)
+
+    def stop_job(self) -> None:
+        """Stop the job on every worker (its whole process group)."""
+        log(f"stopping the job on every worker of {self.tpu.name}")
+        try:
+            self.ssh(stop_script(self.job), "stopping the job", answered)
+        except SliceLost as e:  # the job went with the slice
+            log(f"the slice {self.tpu.name} is {e}: nothing left to stop")
+        self.job_live = False
+
+    def watch(self) -> Tuple[str, str, Any]:
+        """Watch the job until it ends or goes wrong: ("done", "", None), ("lost", slice state, None),
+        ("failed", worker, exit code), ("gone", workers, None): ended without an exit code, or ("stalled", worker,
+        last heartbeat): no new heartbeat for --stall_timeout s (counted from the start before the first one)."""
+        changed: Dict[str, Tuple[str, float]] = {}  # worker -> (heartbeat, when it last changed)
+        start = time.monotonic()
+        while True:
+            status = self.observe()
+            if status.kind != READY:
+                return "lost", status.detail, None
+            try:
+                found = self.workers()
+            except SliceLost as e:
+                return "lost", str(e), None
+            failed = [(w, x) for w, x in sorted(found.items()) if x.state == "exited" and x.detail != "0"]
+            if failed:
+                return "failed", failed[0][0], int(failed[0][1].detail)
+            gone = [w for w, x in sorted(found.items()) if x.state in ("vanished", "none", "stopped")]
+            if gone:
+                return "gone", ", ".join(gone), None
+            if all(x.state == "exited" for x in found.values()):
+                if found.get("0") and found["0"].log_size > (self.offset or 0):
+                    continue  # the rest of the log first
+                self.job_live = False
+                return "done", "", None
+            now = time.monotonic()
+            for w, x in sorted(found.items()):
+                if x.state != "running":
+                    continue
+                if changed.get(w, ("", start))[0] != x.heartbeat:
+                    changed[w] = (x.heartbeat, now)
+                quiet = now - changed.get(w, ("", start))[1]
+                if self.stall_timeout and quiet >= self.stall_timeout:
+                    return "stalled", w, x.heartbeat
+            time.sleep(self.poll_interval)
+
+    def attach_to_job(self) -> bool:
+        """--attach: is there a job on the slice to watch? (False: the slice is gone; run as usual.)"""
+        status = self.wait_until_usable()
+        if status.kind != READY:
+            log(f"--attach: the slice {self.tpu.name} is {status.detail}: its job went with it; bringing the slice"
+                " up again and starting the command (--resume auto)")
+            return False
+        try:
+            found = self.workers()
+        except SliceLost:
+            return False
+        if all(x.state == "none" for x in found.values()):
+            raise LitError(f"--attach: no job on the slice {self.tpu.name} (no worker has ~/{JOB_ROOT}/{self.job}):"
+                           " run the babysitter without --attach true to start it")
+        self.job_live = True
+        states = ", ".join(f"worker {w} {x.state}" for w, x in sorted(found.items()))
+        log(f"attached to the job on the slice {self.tpu.name} ({states})")
+        return True
+
     def lost_after_failure(self) -> Tuple[bool, str]:
         """Was a failure the slice's doing? The state can lag the connection drop, so a healthy-looking slice is
         asked again for up to --preemption_grace seconds before the failure counts as the command's own."""
@@ -315,34 +437,72 @@ class Babysitter:
     # -- the loop --------------------------------------------------------------------------------------------
     def run(self) -> int:
         restarts = 0
+        relaunch = self.attach and self.attach_to_job()  # True: the job runs (or ran) on a ready slice
+        watching = relaunch
         while True:
-            self.bring_up()
+            if not relaunch:
+                self.bring_up()
             code: Optional[int] = 0
             step = "the setup script"
-            if self.setup is not None:
+            if self.setup is not None and not relaunch:
                 code = self.run_on_workers(f"bash -ec {shlex.quote(self.setup)}", "running the setup script",
                                            "<setup script>", self.setup_timeout)
+            worker = ""
             if code == 0:
                 step = "the command"
-                code = self.run_on_workers(self.command, "running the command", self.command)
-            if code == 0:
-                log("the command finished: exit code 0")
-                if self.delete_on_success:
-                    self.delete()
+                try:
+                    if not watching:
+                        self.launch()
+                    outcome, worker, value = self.watch()
+                except SliceLost as e:
+                    outcome, worker, value = "lost", str(e), None
+                watching = relaunch = False
+                if outcome == "done":
+                    log("the command finished: exit code 0 on every worker")
+                    if self.delete_on_success:
+                        self.delete()
+                    else:
+                        log(f"the slice {self.tpu.name} is left running (pass --delete_on_success true to delete it)")
+                    return 0
+                if outcome in ("stalled", "gone"):
+                    restarts += 1
+                    if outcome == "stalled":
+                        why = (f"stalled: worker {worker} wrote no heartbeat for --stall_timeout"
+                               f" {self.stall_timeout:g} s ({beat_text(value)})")
+                    else:
+                        why = f"the job on worker(s) {worker} ended without an exit code (killed, or the VM restarted)"
+                    self.check_restarts(restarts, why)
+                    log(f"{why}: stopping it and restarting the command on the slice {self.tpu.name} from the newest"
+                        f" intact step (--resume auto; restart {restarts}, --max_restarts {self.max_restarts})")
+                    self.collect()
+                    self.stop_job()
+                    lost, detail = self.lost_after_failure()
+                    if not lost:
+                        relaunch = True
+                        continue
+                    restarts -= 1  # counted below as a preemption
+                    code = None
+                elif outcome == "failed":
+                    code = value
+                    log(f"worker {worker} failed with exit code {code}: stopping the job on the other workers")
+                    self.collect()
+                    self.stop_job()  # one failing worker stops the others (they would wait for it in a collective)
                 else:
-                    log(f"the slice {self.tpu.name} is left running (pass --delete_on_success true to delete it)")
-                return 0
+                    code = None
             lost, detail = (True, self.last_detail) if code is None else self.lost_after_failure()
             if not lost:
                 assert code is not None  # None: the slice was lost while the command ran
                 # not a preemption: rerunning would fail the same way. (A local signal death, code -N, exits 128+N
                 # like a shell would report it.)
                 code = code if code > 0 else 128 - code
-                message = self.failed(f"{step} failed with exit code {code} while the slice {self.tpu.name} is"
-                                      f" healthy ({detail}): not a preemption, not retrying")
+                where = f" on worker {worker} (the other workers' jobs were stopped)" if worker else ""
+                message = self.failed(f"{step} failed with exit code {code}{where} while the slice {self.tpu.name} is"
+                                      f" healthy ({detail}): not a preemption, not retrying" +
+                                      (f"; each worker's log: ~/{JOB_ROOT}/{self.job}/log" if worker else ""))
                 print(f"error: {message}", file=sys.stderr, flush=True)
                 return code
             restarts += 1
+            self.job_live = False
             ended = "was stopped" if code is None else f"ended with exit code {code}"
             log(f"preempted: the slice {self.tpu.name} is {detail} ({step} {ended}); lost {restarts} time(s),"
                 f" --max_restarts {self.max_restarts}")
@@ -353,6 +513,13 @@ class Babysitter:
                     " babysitter again to go on)"
                 )
             self.delete()
+
+    def check_restarts(self, restarts: int, why: str) -> None:
+        if restarts > self.max_restarts:
+            self.collect()
+            raise LitError(f"{why}, and the job was restarted {restarts - 1} times already (--max_restarts"
+                           f" {self.max_restarts}): giving up; see the workers' logs above (the"
+                           " checkpoints in the command's --out_dir are kept)")
 
     def interrupted(self) -> int:
         """Ctrl-C or SIGTERM: end the ssh session, delete the slice only with --delete_on_interrupt, and say what
@@ -365,6 +532,9 @@ class Babysitter:
                 return 130
             except (LitError, KeyboardInterrupt) as e:
                 log(f"the delete did not finish: {e or 'interrupted again'}")
+        if self.job_live and self.exists is not False:
+            log(f"interrupted: the command goes on running on the workers (detached); re-attach with the same"
+                " command line and --attach true")
         log(f"interrupted: {self.leftover()}" if self.exists is not False else "interrupted: no slice was created")
         return 130
 
@@ -402,7 +572,7 @@ def babysit(
     preemption_grace: float = 120.0, delete_on_success: bool = False, delete_on_interrupt: bool = False,
     delete_on_error: bool = False, gcloud: Optional[str] = None, gcloud_timeout: float = 300.0,
     create_timeout: float = 1800.0, gcloud_retries: int = 4, gcloud_backoff: float = 5.0,
-    setup_timeout: float = 3600.0,
+    setup_timeout: float = 3600.0, attach: bool = False, stall_timeout: float = 1800.0, ssh_retries: int = 6,
 ) -> None:
     """Run a training command on a preemptible TPU slice, recreating the slice after each preemption until the
     command succeeds. Give the command after `--`.
@@ -435,6 +605,13 @@ def babysit(
         gcloud_retries: how often a state query that failed, hung or printed junk is retried (at most 10).
         gcloud_backoff: seconds before the first retry of a state query, doubled for each further one.
         setup_timeout: seconds the setup script may run on the workers.
+        attach: watch the job a babysitter started earlier on the slice (its own process was killed, its terminal
+            closed, its connection lost: the job runs on, detached) instead of starting the command.
+        stall_timeout: seconds without a new heartbeat from a worker (the training loop writes one per step; before
+            the first, counted from the start) after which the job counts as hung: it is stopped and restarted from
+            the newest intact step. 0: not watched.
+        ssh_retries: how often an ssh to the workers that failed (exit 255, time-out, a transient gcloud error) is
+            tried again, the wait doubling from --gcloud_backoff up to 60 s (6: about 3 minutes).
     """
     flags = check_arguments(dict(locals()))
     setup = None if setup_script is None else read_setup(setup_script)
