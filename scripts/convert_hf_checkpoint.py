@@ -1,13 +1,18 @@
-"""Convert a downloaded Hugging Face checkpoint into `lit_model.safetensors` + `lit_config.json` (same folder).
+"""Convert a downloaded Hugging Face checkpoint into `lit_model.safetensors` + `lit_config.json` (same folder), or a
+PEFT LoRA adapter for a converted checkpoint into `lit_model.lora.safetensors` + `lit_model.lora.json`.
 
     python scripts/convert_hf_checkpoint.py --checkpoint_dir checkpoints/HuggingFaceTB/SmolLM2-135M-Instruct
+    python scripts/convert_hf_checkpoint.py --checkpoint_dir checkpoints/HuggingFaceTB/SmolLM2-135M-Instruct \\
+        --peft_path checkpoints/someone/smollm2-lora --out_dir out/imported
 """
 
+import sys
 from pathlib import Path
 from typing import Literal, Optional
 
 from lit_gpt.convert import convert_hf_checkpoint
-from lit_gpt.utils import run_cli
+from lit_gpt.peft_io import import_peft
+from lit_gpt.utils import LitError, run_cli
 
 
 def setup(
@@ -16,8 +21,10 @@ def setup(
     dtype: Optional[Literal["float32", "bfloat16", "float16"]] = None,
     max_shard_size: str = "5GB",
     overwrite: bool = False,
+    peft_path: Optional[Path] = None,
+    out_dir: Optional[Path] = None,
 ) -> None:
-    """Convert the HF weights in `checkpoint_dir`.
+    """Convert the HF weights in `checkpoint_dir`; with `--peft_path`, the LoRA adapter in that folder instead.
 
     Args:
         checkpoint_dir: folder with `config.json` and `*.safetensors` or `pytorch_model*.bin` files.
@@ -26,7 +33,20 @@ def setup(
         max_shard_size: largest weights file, e.g. 5GB or 500MB; above it the weights are written as
             `lit_model-0000k-of-0000n.safetensors` shards with a `lit_model.safetensors.index.json`.
         overwrite: replace existing lit weights / `lit_config.json` (without it that is refused).
+        peft_path: a PEFT LoRA adapter folder (`adapter_config.json` + `adapter_model.safetensors`) for the model in
+            `checkpoint_dir`, converted already: written as `lit_model.lora.safetensors` + `lit_model.lora.json`
+            (recording `checkpoint_dir`'s fingerprint) for generate/lora.py, the eval recipes and serve/base.py.
+        out_dir: where the imported LoRA weights go (with `--peft_path`; default: the adapter's folder).
     """
+    if peft_path is not None:
+        if model_name is not None or dtype is not None:
+            raise LitError("--peft_path imports the adapter for the converted model in --checkpoint_dir: leave out"
+                           " --model_name and --dtype")
+        path = import_peft(peft_path, checkpoint_dir, out_dir, overwrite=overwrite)
+        print(f"Saved the LoRA weights to {path}", file=sys.stderr)
+        return
+    if out_dir is not None:
+        raise LitError("--out_dir is for --peft_path; a checkpoint is converted in its own folder")
     convert_hf_checkpoint(checkpoint_dir, model_name=model_name, dtype=dtype, overwrite=overwrite,
                           max_shard_size=max_shard_size)
 

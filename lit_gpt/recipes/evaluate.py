@@ -189,8 +189,8 @@ def _load_eager(checkpoint_dir: Path, method: str, path: Optional[Path], precisi
             variant = _variant(method)
             model = load_variant_model(variant.GPT, variant.Config, checkpoint_dir, path,
                                        allow_other_base=allow_other_base)
-            if method == "lora":
-                variant.merge_lora_weights(model)
+            if method == "lora":  # folded in the precision's dtype (a bf16 base under 32-true: after the cast)
+                variant.merge_lora_weights(model, dtype=param_dtype(fabric.strategy.precision.precision))
         model = prepare_for_device(fabric, model, compile_steps(None))
     return fabric, model, fabric.strategy.precision.precision
 
@@ -269,6 +269,7 @@ def perplexity_request(data_path: Optional[Union[str, Path]], checkpoint_dir: Un
     stride against the model's context, the batch size, and where the results go."""
     from lit_gpt.config import load_config
     from lit_gpt.perplexity import all_windows, check_window, read_documents, tokenize
+    from lit_gpt.recipes.outputs import check_output_dir
     from lit_gpt.tokenizer import Tokenizer
 
     _, finetuned = check_eval_args(checkpoint_dir, lora_path, adapter_path, precision, accelerator)
@@ -282,8 +283,7 @@ def perplexity_request(data_path: Optional[Union[str, Path]], checkpoint_dir: Un
     tokens = tokenize(Tokenizer(checkpoint_dir), docs)
     windows = all_windows(tokens, window, stride)
     out = Path(out_dir) if out_dir is not None else default_out_dir(checkpoint_dir, finetuned)
-    if out.exists() and not out.is_dir():
-        raise LitError(f"--out_dir {str(out)!r} is a file: pass a folder for {PERPLEXITY_FILE}")
+    check_output_dir(out, "--out_dir")  # a file, a folder under a file, not writable: before the work
     return PerplexityRequest(Path(data_path), tokens, windows, window, stride, batch_size, out / PERPLEXITY_FILE)
 
 
@@ -295,7 +295,7 @@ def run_perplexity(loaded: EvalModel, request: PerplexityRequest) -> Any:
     from tqdm import tqdm
 
     from lit_gpt.perplexity import results_json, score
-    from lit_gpt.utils import write_text_atomic
+    from lit_gpt.recipes.outputs import write_results
 
     t0 = time.perf_counter()
     with tqdm(total=len(request.windows), desc="perplexity", unit="window", file=sys.stderr) as bar:
@@ -309,7 +309,7 @@ def run_perplexity(loaded: EvalModel, request: PerplexityRequest) -> Any:
                  stride=request.stride, batch_size=request.batch_size, precision=loaded.precision,
                  device=str(loaded.device), seconds=round(seconds, 3),
                  tokens_per_second=round(result.tokens_scored / seconds, 1) if seconds > 0 else None)
-    write_text_atomic(request.out_file, results_json(result, **about))
+    write_results(request.out_file, results_json(result, **about))  # if that fails: kept elsewhere, and named
     print(f"Wrote {request.out_file}" + (f" (XLA compilations: {result.compiles})" if loaded.runtime.name == "xla"
                                          else ""), file=sys.stderr)
     return result
