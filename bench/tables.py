@@ -427,6 +427,56 @@ def resources() -> str:
     return text
 
 
+def tpu_plan() -> str:
+    """The TPU plans (xla/scripts/plan.py --results_file bench/results/plan_*.json): the TPU compiler's own per-chip
+    figures for a recipe's step, compiled on a CPU host."""
+    plans = []
+    for path in sorted(RESULTS.glob("plan_*.json")):
+        r = json.loads(path.read_text(encoding="utf-8"))
+        r["_file"] = path.name
+        plans.append(r)
+    if not plans:
+        return "No plan result files yet (`python xla/scripts/plan.py ... --results_file bench/results/plan_NAME.json`).\n"
+    order = {"lora": 0, "full": 1}
+    plans.sort(key=lambda r: (r["model"], order.get(r["method"], 9), r["chips"], r["topology"]))
+    lines = ["| model | method | slice | peak HBM / chip | fits | largest micro batch (est.) | model FLOPs / token |"
+             " MFU bound | roofline step | plan: host RAM, time |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in plans:
+        pc, h = r["per_chip"], r.get("host", {})
+        gib = lambda b: f"{b / 2**30:.1f} GiB"  # noqa: E731
+        peak = f"{gib(pc['peak_bytes'])} of {gib(r['hbm_per_chip_bytes'])}" if "peak_bytes" in pc else "n/a"
+        fits = "yes" if r["fits"] else (f"no (over by {gib(r['over_by_bytes'])})" if "over_by_bytes" in r else "no")
+        roof = r.get("roofline")
+        ram = max(h.get("trace_process_max_rss_gib", 0), h.get("compile_process_max_rss_gib", 0))
+        largest = r.get("largest_micro_batch_estimate")
+        lines.append(f"| {r['model']} | {r['method']} | {r['topology']} | {peak} | {fits} |"
+                     f" {'n/a' if largest is None else largest} | {r['model_flops_per_token'] / 1e9:.1f} G | {_f(roof and 100 * roof['mfu_bound'], '.0f')}% |"
+                     f" {_f(roof and roof['step_s'] * 1e3, '.0f')} ms ({roof['bound'] if roof else 'n/a'}) |"
+                     f" {ram:.1f} GiB, {h.get('wall_s', 0) / 60:.0f} min |")
+    s = plans[0]["settings"]
+    v = plans[0].get("host", {}).get("versions", {})
+    text = (f"**Compiled** for each slice by libtpu's TPU compiler on a CPU-only host (`xla/scripts/plan.py`: the"
+            f" recipe's real step, traced on XLA:CPU devices, weights as placeholders). Step: micro batch"
+            f" {s['micro_batch_size']} x {s['max_seq_length']} tokens per chip, {s['precision']}, {s['optimizer']},"
+            f" LoRA r {plans[0].get('settings', {}).get('lora', {}).get('r', 8)} on query and value for the LoRA rows;"
+            " no activation checkpointing, no scan. Depth-truncated compiles (1 and 2 layers at the real width and"
+            " vocabulary) extrapolated per layer. Peak HBM per chip is the compiler's (weights, optimizer state,"
+            " gradients, activations and temporaries), against what libtpu lets a program use. The MFU bound is the"
+            " model FLOPs (forward + backward, 2 or 3 x the forward's) over the chip's peak, in the roofline step"
+            " time (the slower of the compiled FLOPs at peak and the compiled HBM bytes at full bandwidth): an upper"
+            " bound, not a prediction. The largest micro batch is an estimate from the same compile (temporaries"
+            " taken as proportional to the rows; 0: not one row fits this slice: a bigger slice, or activation"
+            " checkpointing, which these rows do not use).\n\n")
+    text += "\n".join(lines) + "\n"
+    files = ", ".join(f"`bench/results/{r['_file']}`" for r in plans)
+    dates = sorted({r.get("host", {}).get("date", "")[:10] for r in plans} - {""})
+    text += (f"\nFrom {files} (libtpu {v.get('libtpu')}, jax {v.get('jax')}, torch_xla {v.get('torch_xla')};"
+             f" {', '.join(dates)}; host RAM is the larger of the tracing and the compiling process's peak RSS,"
+             " on a 2-core machine shared with other jobs).\n")
+    return text
+
+
 _MOE_MODELS = ("Mixtral-8x7B-v0.1", "Qwen3-30B-A3B", "Qwen3-235B-A22B", "gpt-oss-20b", "gpt-oss-120b")
 # HBM per chip (GiB) of the accelerators the MoE estimate sizes for; 80% of it counted as usable
 _CHIPS = (("TPU v5e", 16), ("TPU v4", 32), ("H100", 80), ("TPU v5p", 95))
@@ -707,6 +757,7 @@ TABLES: Dict[str, Callable[[], str]] = {
     "quantize": quantize,
     "xla-scan": xla_scan,
     "resources": resources,
+    "tpu-plan": tpu_plan,
     "dpo-step": dpo_step,
 }
 
