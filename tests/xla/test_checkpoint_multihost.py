@@ -18,6 +18,8 @@ from lit_gpt.xla.checkpoint import latest_checkpoint, read_marker, verify_files
 from lit_gpt.xla.consolidation import consolidate
 
 NEEDS_XLA = False  # plain torch: runs without torch_xla
+# two hosts emulated by two processes each: multi-process runs are in the slow suite (tests/README.md)
+pytestmark = pytest.mark.slow
 WEIGHT = torch.arange(48, dtype=torch.float32).reshape(8, 6) / 10
 BIAS = torch.arange(8, dtype=torch.float32)
 

@@ -37,6 +37,7 @@ def test_fsdp_8_devices_matches_one_device(xla_workers):
     assert main["compiles_per_step"][2:] == [0, 0, 0], main["report"]
 
 
+@pytest.mark.slow  # reads the 8-device extra / 4-device reshard workers (tests/xla/conftest.py)
 def test_activation_checkpointing_on_a_two_slice_mesh(xla_workers):
     r = xla_workers.result("extra8", killed=True)["checkpointed"]
     one = xla_workers.result("ref1")["train"]
@@ -48,6 +49,7 @@ def test_activation_checkpointing_on_a_two_slice_mesh(xla_workers):
     assert r["shardings"]["transformer.wte.weight"].startswith("{devices=[4,1,2]")
 
 
+@pytest.mark.slow  # reads the 8-device extra / 4-device reshard workers (tests/xla/conftest.py)
 def test_frozen_adapter_training_sharded(xla_workers):
     r = xla_workers.result("extra8", killed=True)["adapter"]
     assert all(math.isfinite(x) for x in r["losses"])
@@ -67,6 +69,7 @@ def test_precision_bf16_true_casts_parameters_bf16_mixed_keeps_fp32(xla_workers)
     assert abs(true["loss"] - fp32_loss) < 0.05 and abs(mixed["loss"] - fp32_loss) < 0.05
 
 
+@pytest.mark.slow  # reads the 8-device extra / 4-device reshard workers (tests/xla/conftest.py)
 def test_staged_loader_host_memory(xla_workers):
     staged = xla_workers.result("train8")["memory"]
     naive = xla_workers.result("reshard")["memory"]
@@ -176,6 +179,7 @@ def test_save_on_8_consolidate_load_on_plain_cpu(xla_workers, tiny_config, tmp_p
     assert not any(k.startswith("_") or "._orig_module" in k for k in state)
 
 
+@pytest.mark.slow  # reads the 8-device extra / 4-device reshard workers (tests/xla/conftest.py)
 def test_reshard_8_to_4_and_resume(xla_workers):
     r = xla_workers.result("reshard")
     main = xla_workers.result("train8")["train"]
@@ -187,6 +191,7 @@ def test_reshard_8_to_4_and_resume(xla_workers):
         assert abs(a - b) < 1e-5, (r["losses_after"], main["losses"])
 
 
+@pytest.mark.slow  # reads the 8-device extra / 4-device reshard workers (tests/xla/conftest.py)
 def test_killed_save_leaves_previous_checkpoint_and_no_valid_partial(xla_workers):
     import lit_gpt.xla.checkpoint as ck
     from lit_gpt.xla.consolidation import consolidate
@@ -213,6 +218,7 @@ def test_killed_save_leaves_previous_checkpoint_and_no_valid_partial(xla_workers
     assert "adapter" in xla_workers.result("extra8", killed=True)
 
 
+@pytest.mark.slow  # reads the 8-device extra / 4-device reshard workers (tests/xla/conftest.py)
 def test_adapter_checkpoint_consolidates_to_finetuned_file(xla_workers):
     xla_workers.result("extra8", killed=True)
     from lit_gpt.peft import load_finetuned

@@ -144,6 +144,9 @@ def _cpu_reference(method: str, tiny_dir: Path, data_dir: Path, out_dir: Path) -
     return CLI(recipe.setup, args=argv)
 
 
+SOAK_TEST = "test_lora_with_dropout_survives_kills_bit_exactly_and_exports_its_own_step"
+
+
 def _selected(request) -> Tuple[set, bool]:
     """The device counts the selected tests of this module ask for, and whether the soak is selected: the default
     suite runs the 1-device jobs, `-m slow` the 8-device ones and the soak (tests/README.md)."""
@@ -152,7 +155,7 @@ def _selected(request) -> Tuple[set, bool]:
         if item.module is request.module:
             params = getattr(item, "callspec", None)
             devices.add(params.params["devices"] if params and "devices" in params.params else 8)
-            soak = soak or item.originalname == "test_lora_with_dropout_survives_kills_bit_exactly_and_exports_its_own_step"
+            soak = soak or item.originalname == SOAK_TEST
     return devices, soak
 
 
@@ -206,12 +209,15 @@ def runs(xla_env, tmp_path_factory, request):
 
 
 @pytest.fixture(scope="module")
-def generations(runs):
-    """Once the runs are done: each method's final weights (from each device count the tests ran) through the CPU
-    and the XLA generate recipe, all started at once."""
+def generations(runs, request):
+    """Once the runs are done: the final weights of each selected (method, devices) through the CPU and the XLA
+    generate recipe, all started at once."""
+    test = "test_final_weights_generate_the_same_on_cpu_and_xla"
+    selected = {(item.callspec.params["method"], item.callspec.params["devices"]) for item in request.session.items
+                if item.module is request.module and item.originalname == test}
     procs = {}
     for (method, (_, weights_file, (cpu_script, cpu_flag), (xla_script, xla_flag))), n in (
-            (m, n) for m in METHODS.items() for n in (1, 8) if f"{m[0]}{n}" in runs["seq"].done):
+            (m, n) for m in METHODS.items() for n in (1, 8) if (m[0], n) in selected):
         runs["seq"].result(f"{method}{n}")
         tiny_dir, final = runs["tiny_dir"], runs["tmp"] / f"{method}{n}" / "final"
         sampling = ["--prompt", _gen_prompt(), "--prompt_style", "raw", "--temperature", "0",
@@ -331,7 +337,13 @@ def test_epoch_driven_xla_runs_take_every_step_with_bounded_compilations(runs, m
         assert re.search(r"step 5: val loss [\d.]+ \| sample: ", out), out[-2000:]
 
 
-@pytest.mark.parametrize("method, devices", CASES)
+# LoRA's weights through xla/generate/lora.py in the default suite; the adapter's and full finetuning's through
+# xla/generate/adapter.py and base.py, and every 8-device run's, under -m slow
+GEN_CASES = [pytest.param(m, n, id=f"{m}-{n}", marks=[] if (m, n) == ("lora", 1) else [pytest.mark.slow])
+             for m in METHODS for n in (1, 8)]
+
+
+@pytest.mark.parametrize("method, devices", GEN_CASES)
 def test_final_weights_generate_the_same_on_cpu_and_xla(runs, generations, method, devices):
     results = {}
     for kind in ("cpu", "xla"):

@@ -59,7 +59,8 @@ for method, kwargs in methods.items():
 """
 
 
-METHODS, DTYPES, PRECISIONS = ("full", "lora", "adapter"), ("fp32", "bf16", "fp16"), ("32-true", "bf16-true", "bf16-mixed")
+METHODS, DTYPES = ("full", "lora", "adapter"), ("fp32", "bf16", "fp16")
+PRECISIONS = ("32-true", "bf16-true", "bf16-mixed")
 EVERY = [[m, d, p] for m in METHODS for d in DTYPES for p in PRECISIONS]
 # the default suite's covering subset: every method, every stored dtype and every precision once (a Latin square's
 # diagonal: the Hub's bf16 file under the CPU and XLA default 32-true, with LoRA); -m slow runs all 27
