@@ -510,6 +510,7 @@ def pid_alive(path: Path) -> bool:
     return alive(int(path.read_text()), wait=0.5)
 
 
+@pytest.mark.slow  # stand-in workers run a real detached job: 3-5 s each (tests/README.md)
 def test_ssh_failing_transiently_is_retried_with_backoff(tmp_path):
     """ssh exits 255 twice (workers still booting): tried again, the command runs once and the run succeeds."""
     refused = "ssh: connect to host 10.130.0.7 port 22: Connection refused"
@@ -525,6 +526,7 @@ def test_ssh_failing_transiently_is_retried_with_backoff(tmp_path):
     assert not [line for line in proc.stderr.splitlines() if line.startswith("error:")]
 
 
+@pytest.mark.slow  # stand-in workers run a real detached job: 3-5 s each (tests/README.md)
 def test_a_stalled_job_is_restarted_from_the_newest_intact_step(tmp_path):
     """The first run's heartbeat stops at step 3 while its process lives on (a hang): after --stall_timeout the
     babysitter says so in one line, stops it and starts the command again, which resumes and finishes."""
@@ -552,6 +554,7 @@ echo "{{\\"step\\": 4, \\"time\\": 0, \\"host\\": \\"w0\\"}}" > "$LIT_GPT_HEARTB
     assert sum(c[2:4] == ["tpu-vm", "create"] for c in fake.calls()) == 1  # the same slice: no recreation
 
 
+@pytest.mark.slow  # stand-in workers run a real detached job: 3-5 s each (tests/README.md)
 def test_a_worker_exiting_non_zero_stops_the_others(tmp_path):
     """Worker 1 of 2 fails: worker 0's job (which would wait for it forever) is stopped, and the one error line
     names the worker and its exit code."""
@@ -571,6 +574,7 @@ echo $$ > {tmp_path}/worker0.pid; sleep 60; touch {tmp_path}/finished"""
     assert (fake.home(0) / ".lit-gpt-babysit" / "my-tpu" / "stopped").exists()
 
 
+@pytest.mark.slow  # stand-in workers run a real detached job: 3-5 s each (tests/README.md)
 def test_a_killed_babysitter_leaves_training_running_and_attach_picks_it_up(tmp_path):
     """SIGKILL the babysitter mid-run: the detached job goes on; `--attach true` finds it running, watches it to
     the end without creating, setting up or starting anything, and shows its log."""

@@ -545,6 +545,7 @@ def bf16_dir(tiny_dir, tmp_path_factory):
     return out
 
 
+@pytest.mark.slow  # a real process killed, then resumed (~20 s); the default suite kills saves in-process above
 def test_epoch_run_on_a_bf16_checkpoint_killed_in_its_last_save_resumes_to_the_same_result(bf16_dir, data_dir, tmp_path,
                                                                                           monkeypatch, capfd):
     from fsspec.implementations.local import LocalFileSystem

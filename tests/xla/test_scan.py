@@ -107,9 +107,12 @@ def dropout_masks(fabric):
 fabric = lx.make_fabric()
 def main(fabric):
     out = {}
+    cases = json.loads(sys.argv[1])  # the cases the selected tests read
     for method in ("full", "lora", "adapter"):
-        out[method] = {"loop": run(fabric, method, False), "scan": run(fabric, method, True)}
-    out["lora_ac"] = {"loop": run(fabric, "lora", False, ac=True), "scan": run(fabric, "lora", True, ac=True)}
+        if method in cases:
+            out[method] = {"loop": run(fabric, method, False), "scan": run(fabric, method, True)}
+    if "lora_ac" in cases:
+        out["lora_ac"] = {"loop": run(fabric, "lora", False, ac=True), "scan": run(fabric, "lora", True, ac=True)}
     out["gemma3"] = {"loop": run(fabric, "gemma3", False, steps=2), "scan": run(fabric, "gemma3", True, steps=2),
                      "ignoring_kinds": gemma3_ignoring_layer_kinds(fabric)}
     out["masks"] = dropout_masks(fabric)
@@ -133,8 +136,12 @@ print("RESULT " + json.dumps(fabric.launch(main)))
 def results(xla_env, selected_devices, request):
     """The device counts the selected tests need (1; also 8 under -m slow) at once (each process mostly imports and
     compiles)."""
-    procs = {n: subprocess.Popen([sys.executable, "-c", WORKER], env=xla_env(n), text=True, stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, cwd=Path(__file__).resolve().parents[2])
+    params = [getattr(getattr(item, "callspec", None), "params", {}) for item in request.session.items
+              if item.module is request.module]
+    cases = sorted({p["case"] for p in params if "case" in p} | {"gemma3"})  # the layer-kind tests read Gemma 3's
+    repo = Path(__file__).resolve().parents[2]
+    procs = {n: subprocess.Popen([sys.executable, "-c", WORKER, json.dumps(cases)], env=xla_env(n), text=True,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=repo)
              for n in selected_devices(request)}
     out = {}
     for n, proc in procs.items():
@@ -144,8 +151,14 @@ def results(xla_env, selected_devices, request):
     return out
 
 
+# every method once in the default suite (LoRA with activation checkpointing, the adapter, Gemma 3's full
+# finetuning over two layer kinds); full and LoRA without checkpointing too under -m slow
+CASES = [pytest.param(c, marks=[pytest.mark.slow] if c in ("full", "lora") else [])
+         for c in ("full", "lora", "adapter", "lora_ac", "gemma3")]
+
+
 @pytest.mark.parametrize("devices", [1, 8])
-@pytest.mark.parametrize("case", ["full", "lora", "adapter", "lora_ac", "gemma3"])
+@pytest.mark.parametrize("case", CASES)
 def test_scan_trains_like_the_loop(results, devices, case):
     loop, scan = results[devices][case]["loop"], results[devices][case]["scan"]
     assert scan["losses"] == pytest.approx(loop["losses"], rel=1e-6, abs=1e-6)
