@@ -33,20 +33,24 @@ from filelock import FileLock  # noqa: E402
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "generation_config.json")
 HERE = Path(__file__).resolve().parent
-# pytest-xdist (on by default: pyproject.toml) hands each worker one group of tests at a time: a module, or "xla" for
-# every module of tests/xla that starts XLA processes (they run one module at a time: two 8-device XLA:CPU processes
-# side by side can starve a device thread past XLA's 10 s collective rendezvous, which aborts the run). A group's
-# module fixtures so run once. The longest groups start first (measured on 2 cores, 2026-11-28) so that the last
-# one to start is short and neither worker idles at the end; the rest keep their order.
-LONGEST_FIRST = ("xla", "test_docs.py", "test_babysit.py", "test_finetune.py", "test_serve.py", "test_dpo.py",
-                 "test_faults.py", "test_bad_inputs.py", "test_loop_contract.py", "test_lm_eval.py")
+# pytest-xdist (on by default: pyproject.toml) hands each worker one group of tests at a time: a module, so that its
+# module fixtures run once. XLA processes with 8 virtual devices run one at a time across the workers (two side by
+# side on 2 cores can starve a device thread past XLA's 10 s collective rendezvous, which aborts the run): they hold a
+# lock while they run (tests/xla/conftest.py `xla_env`), so the XLA modules' other work (1-device runs, CPU
+# references) goes on beside them. The longest modules start first (measured on 2 cores, 2026-11-28), XLA and
+# others alternating, so that the last one to start is short and neither worker idles at the end; the rest keep
+# their order.
+LONGEST_FIRST = ("test_docs.py", "xla/test_xla_finetune.py", "test_finetune.py", "xla/test_xla_moe.py", "test_faults.py",
+                 "xla/test_xla_families.py", "test_serve.py", "xla/test_xla_serve.py", "test_babysit.py",
+                 "xla/test_xla.py", "test_dpo.py", "xla/test_xla_dpo.py", "test_loop_contract.py", "xla/test_scan.py",
+                 "test_lm_eval.py", "xla/test_xla_generate.py", "test_bad_inputs.py", "xla/test_xla_precision.py",
+                 "test_moe_training.py", "xla/test_xla_lm_eval.py", "test_peft_interop.py",
+                 "xla/test_xla_perplexity.py", "test_generate_recipes.py", "xla/test_checkpoint_integrity.py",
+                 "xla/test_checkpoint_multihost.py", "xla/test_xla_packing.py")
 
 
 def _xdist_group(item) -> str:
-    path = Path(str(item.fspath)).resolve()
-    if path.parent == HERE / "xla" and getattr(item.module, "NEEDS_XLA", True):
-        return "xla"
-    return path.relative_to(HERE).as_posix()
+    return Path(str(item.fspath)).resolve().relative_to(HERE).as_posix()
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups

@@ -67,6 +67,10 @@ LINKED = ("bench", "chat", "eval", "finetune", "generate", "lit_gpt", "scripts",
           "requirements.txt", "requirements-test.txt", "README.md")
 STUBBED = ("pip", "pip3", "git", "gcloud", "sudo", "curl", "wget", "nvidia-smi", "huggingface-cli")
 BLOCK_TIMEOUT = 300
+# the pages whose commands take 20-30 s each on 2 cores run under -m slow (the suite's budget, tests/README.md): their
+# recipes' end-to-end runs are in the default suite through their own tests (tests/test_convert.py,
+# tests/test_peft_interop.py, tests/test_dpo.py, tests/test_lm_eval.py, tests/xla/)
+SLOW_PAGES = ("tutorials/convert.md", "xla/README.md", "tutorials/finetune_dpo.md", "tutorials/evaluate.md")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -365,7 +369,8 @@ if "pytest" in sys.modules:
             if page.name != "resources.md":
                 assert extract_blocks(page), f"{page.relative_to(ROOT)} has no bash block"
 
-    @pytest.mark.parametrize("page", PAGES, ids=[str(p.relative_to(ROOT)) for p in PAGES])
+    @pytest.mark.parametrize("page", [pytest.param(p, id=str(p.relative_to(ROOT)), marks=[pytest.mark.slow] if str(
+        p.relative_to(ROOT)) in SLOW_PAGES else []) for p in PAGES])
     def test_page_commands_run(page: Path, runner: DocsRunner, smollm2_dir: Path, tiny_dir: Path, request):
         blocks = extract_blocks(page)
         name = str(page.relative_to(ROOT))

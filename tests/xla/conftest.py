@@ -24,6 +24,19 @@ WORKER = HERE / "worker.py"
 TIMEOUT = 900
 
 HAS_XLA = importlib.util.find_spec("torch_xla") is not None
+ONE_AT_A_TIME = HERE / "one_at_a_time"
+MULTI_DEVICE_LOCK = None  # the run's lock file for 8-device processes (set below, once per worker)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _multi_device_lock(tmp_path_factory):
+    """The lock file that 8-device XLA processes hold while they run, in the folder every xdist worker of this run
+    shares (the parent of the workers' own temp folders), so that the XLA modules can run on several workers."""
+    global MULTI_DEVICE_LOCK
+    base = tmp_path_factory.getbasetemp()
+    MULTI_DEVICE_LOCK = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "xla-8-devices.lock"
+    yield
+    MULTI_DEVICE_LOCK = None
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m selects by marker
@@ -33,9 +46,10 @@ def pytest_collection_modifyitems(config, items):
         if Path(str(item.fspath)).resolve().parent != HERE or not getattr(item.module, "NEEDS_XLA", True):
             continue
         # the suite's budget (tests/README.md): end-to-end runs on 8 virtual devices run under -m slow; the default
-        # suite runs them on 1 device (and test_xla.py keeps one 8-device FSDP contract test by default)
+        # suite runs them on 1 device (and test_xla.py keeps one 8-device FSDP contract test by default), except in
+        # modules whose every run is slow (SLOW_DEVICES = (1, 8): features beside the recipes' own end-to-end runs)
         callspec = getattr(item, "callspec", None)
-        if callspec is not None and callspec.params.get("devices") == 8:
+        if callspec is not None and callspec.params.get("devices") in getattr(item.module, "SLOW_DEVICES", (8,)):
             item.add_marker(pytest.mark.slow)
         item.add_marker(pytest.mark.xla)
         if not HAS_XLA:
@@ -59,6 +73,11 @@ def xla_env(devices: int, **extra: str) -> Dict[str, str]:
     # --xla_backend_optimization_level=0: XLA:CPU compiles ~4x faster; the tests check graphs, not speed
     env.update(PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(devices), TF_CPP_MIN_LOG_LEVEL="2",
                XLA_FLAGS="--xla_backend_optimization_level=0", **extra)
+    if devices >= 8 and MULTI_DEVICE_LOCK is not None:
+        # one 8-device process at a time across the run's workers (tests/xla/one_at_a_time/sitecustomize.py); the
+        # wait for the lock counts in the caller's timeout, which the longest wait (~4 minutes) stays well within
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ONE_AT_A_TIME), env.get("PYTHONPATH", "")) if p)
+        env["LIT_GPT_TEST_XLA_LOCK"] = str(MULTI_DEVICE_LOCK)
     return env
 
 

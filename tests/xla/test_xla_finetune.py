@@ -148,15 +148,17 @@ SOAK_TEST = "test_lora_with_dropout_survives_kills_bit_exactly_and_exports_its_o
 
 
 def _selected(request) -> Tuple[set, bool]:
-    """The device counts the selected tests of this module ask for, and whether the soak is selected: the default
-    suite runs the 1-device jobs, `-m slow` the 8-device ones and the soak (tests/README.md)."""
-    devices, soak = set(), False
+    """The (method, device count) runs the selected tests of this module ask for, and whether the soak is selected:
+    the default suite runs LoRA on 1 device, `-m slow` every method on 1 and 8 devices and the soak
+    (tests/README.md)."""
+    runs, soak = set(), False
     for item in request.session.items:
         if item.module is request.module:
             params = getattr(item, "callspec", None)
-            devices.add(params.params["devices"] if params and "devices" in params.params else 8)
+            if params and "devices" in params.params:
+                runs.add((params.params["method"], params.params["devices"]))
             soak = soak or item.originalname == SOAK_TEST
-    return devices, soak
+    return runs, soak
 
 
 @pytest.fixture(scope="module")
@@ -186,11 +188,12 @@ def runs(xla_env, tmp_path_factory, request):
     # gs:// (DCP's fsspec writer and reader, the marker as the commit, no renames), in a folder that survives kills
     bucket = f"file://{soak}"
     rng = random.Random(0)
-    devices, with_soak = _selected(request)
+    selected, with_soak = _selected(request)
     jobs = []
     for method in METHODS:
-        for n in sorted(devices, reverse=True):
-            jobs.append((f"{method}{n}", cmd(method, tmp / f"{method}{n}"), None, n))
+        for n in (8, 1):
+            if (method, n) in selected:
+                jobs.append((f"{method}{n}", cmd(method, tmp / f"{method}{n}"), None, n))
     if with_soak:
         jobs += [
             ("dropout8", cmd("lora", tmp / "dropout8", args=SOAK), None, 8),
@@ -202,7 +205,8 @@ def runs(xla_env, tmp_path_factory, request):
     seq = Sequential(jobs, xla_env, tmp)
     cpu = {}
     for method in METHODS:
-        cpu[method] = (tmp / f"{method}_cpu", _cpu_reference(method, tiny_dir, data_dir, tmp / f"{method}_cpu"))
+        if any(m == method for m, _ in selected):
+            cpu[method] = (tmp / f"{method}_cpu", _cpu_reference(method, tiny_dir, data_dir, tmp / f"{method}_cpu"))
     yield {"tmp": tmp, "seq": seq, "tiny_dir": tiny_dir, "data_dir": data_dir, "env": xla_env, "cpu": cpu,
            "cmd": cmd}
     seq.stop()
@@ -280,7 +284,10 @@ def _weights(path: Path) -> Dict[str, torch.Tensor]:
 
 
 # every method on 1 device in the default suite; on 8 devices (FSDP over SPMD) under -m slow
-CASES = [pytest.param(m, n, id=f"{m}-{n}", marks=[pytest.mark.slow] if n == 8 else []) for m in METHODS for n in (1, 8)]
+# the default suite: LoRA on 1 device (the suite's budget, tests/README.md); -m slow: the adapter and full finetuning
+# on 1 device and every method on 8
+CASES = [pytest.param(m, n, id=f"{m}-{n}", marks=[] if (m, n) == ("lora", 1) else [pytest.mark.slow])
+         for m in METHODS for n in (1, 8)]
 
 
 @pytest.mark.parametrize("method, devices", CASES)

@@ -2,7 +2,10 @@
 experts, the real recipes against the CPU's. The tiny families are tests/words.py `MOE_FAMILIES` (Mixtral,
 Qwen3-MoE with a dense first layer, gpt-oss with sinks, biased clamped-SwiGLU experts and sliding windows).
 
-Default:
+The default suite runs the refusals only (the suite's budget, tests/README.md; the CPU's MoE training, parity and
+generation tests are in tests/test_moe_*.py); `-m slow` runs everything below, on 1 and on 8 devices (SLOW_DEVICES).
+
+The runs on 1 and 8 devices:
 * a probe (this file's `setup`, run as a worker job): four train steps of a directly driven model on different
   tokens (so different routing), cross-entropy plus the load-balancing loss: one compilation (the first step), no
   device->host transfer in any step and no op that falls back to the CPU (torch_xla's `aten::` counters: `nonzero`,
@@ -24,7 +27,7 @@ Default:
 * refusals (no XLA runtime needed): `--scan_layers true` on an MoE model, `--activation_checkpointing true` with a
   router aux loss coefficient > 0; `--scan_layers auto` keeps the loop for an MoE model of any depth.
 
-Slow (`-m slow`): every family x LoRA / adapter / full on the three backends, and resume on XLA for each.
+The matrix: every family x LoRA / adapter / full on the three backends, and resume on XLA for each.
 """
 
 import json
@@ -41,6 +44,7 @@ from test_xla_families import (  # the families' helpers: same workers, same CPU
 from words import GEN_PROMPT, MOE_FAMILIES, WORDS, family_checkpoints
 
 FAMILIES = list(MOE_FAMILIES)
+SLOW_DEVICES = (1, 8)  # every XLA run of this module is slow (tests/xla/conftest.py)
 STEPS = 4  # two per padded length
 GEN_TOKENS = 12
 GEN_PROMPTS = {"a": "red green blue cat dog sun", "b": "moon tree river stone bird fish red green blue cat"}

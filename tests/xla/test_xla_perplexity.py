@@ -2,7 +2,9 @@
 model and base + LoRA file), and one compiled forward graph for all windows: the short windows and the last, partial
 batch are padded to the one shape (window, batch rounded up to the devices); a second pass compiles nothing.
 
-Every XLA run is its own process (the runtime reads PJRT_DEVICE / CPU_NUM_DEVICES once); both start together."""
+Every XLA run is its own process (the runtime reads PJRT_DEVICE / CPU_NUM_DEVICES once); both start together. Slow on
+1 device too (SLOW_DEVICES; the suite's budget, tests/README.md): the default suite's XLA evaluation run is
+tests/xla/test_xla_lm_eval.py's (the same loading of the model for evaluation: lit_gpt.recipes.evaluate)."""
 
 import json
 import shutil
@@ -16,6 +18,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[2]
 TIMEOUT = 900
+SLOW_DEVICES = (1, 8)  # tests/xla/conftest.py
 WINDOW, STRIDE, BATCH = 40, 15, 4
 REL = 1e-4
 

@@ -9,6 +9,7 @@ its 8 virtual devices take about a second per step. The loop's batch on 8 device
 tests/xla/test_xla_lm_eval.py (batched generation, two graphs per bucket)."""
 
 import asyncio
+import os
 import re
 from typing import Any, Dict, List, Tuple
 
@@ -67,8 +68,15 @@ def run_load(url: str, model: str, concurrent: bool) -> List[Tuple[str, str]]:
 
 
 def xla_vars(xla_env: Any, devices: int) -> Dict[str, str]:
-    """The XLA:CPU variables of the suite's XLA environment (PJRT_DEVICE, CPU_NUM_DEVICES, flags)."""
-    return {k: v for k, v in xla_env(devices).items() if k.startswith(("PJRT_", "CPU_NUM", "XLA_", "TF_CPP"))}
+    """The XLA:CPU variables of the suite's XLA environment (PJRT_DEVICE, CPU_NUM_DEVICES, flags), and for 8 devices
+    the lock that keeps such processes one at a time (tests/xla/conftest.py `xla_env`)."""
+    from child_env import python_path
+
+    env = xla_env(devices)
+    found = {k: v for k, v in env.items() if k.startswith(("PJRT_", "CPU_NUM", "XLA_", "TF_CPP", "LIT_GPT_TEST_XLA"))}
+    if "LIT_GPT_TEST_XLA_LOCK" in env:
+        found["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"].split(os.pathsep)[0], python_path()])
+    return found
 
 
 @pytest.fixture(scope="module")
