@@ -22,6 +22,9 @@ real work when `act` is set (a creation that fails or hangs after the slice was 
 - `stdout` (or `stdout_hex`, raw bytes): prints it and exits 0 (junk where JSON belongs),
 - `exit` with `stderr`: prints the message and exits with that code (`exit: 255`: an ssh that cannot connect).
 `scenario["nodes"]` is the state the fake starts with (a slice that exists already).
+
+`storage cp [-q] FILE gs://BUCKET/PATH` copies a local file into `buckets/BUCKET/PATH` beside this file (what the
+workers' job wrapper does with each worker's log when the command's --out_dir is a bucket).
 """
 
 import fcntl
@@ -298,6 +301,15 @@ def vm(node, scenario):
             return
 
 
+def storage_cp(args):
+    """`gcloud storage cp FILE gs://BUCKET/PATH` into the fake's `buckets` folder."""
+    if len(args) != 2 or not args[1].startswith("gs://") or not Path(args[0]).is_file():
+        sys.exit(f"fake gcloud: unexpected storage cp {args}")
+    dest = HERE / "buckets" / args[1][len("gs://"):]
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(args[0], dest)
+
+
 def main():
     scenario = json.loads((HERE / "scenario.json").read_text())
     argv = sys.argv[1:]
@@ -305,6 +317,8 @@ def main():
         return vm(argv[1], scenario)
     with open(HERE / "calls.jsonl", "a") as f:
         f.write(json.dumps(argv) + "\n")
+    if argv[:2] == ["storage", "cp"]:
+        return storage_cp([a for a in argv[2:] if a not in ("-q", "--quiet")])
     if argv and argv[0] == "alpha":
         argv = argv[1:]
     if argv[:2] != ["compute", "tpus"] or len(argv) < 5:

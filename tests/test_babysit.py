@@ -18,7 +18,9 @@ gcloud still runs as its own program), which checks the exit code, the one error
 The command runs detached on the fake's workers (processes on this machine, each worker with a home of its own);
 one test each: ssh that fails transiently twice, a job whose heartbeat stops (restarted, one line), a worker that
 exits non-zero (the others stopped), and a babysitter SIGKILLed mid-run whose job `--attach true` picks up. Every
-process a fake VM still runs ends with its test (`turn_off_the_vms`).
+process a fake VM still runs ends with its test (`turn_off_the_vms`). The workers' scripts also run directly: what a
+stall shows (a stand-in `py-spy` on PATH gives the stacks; without one, the logs and a line saying so) and each
+worker's log copied to a gs:// --out_dir (the fake's `storage cp` writes into its `buckets` folder).
 """
 
 import importlib.util
@@ -511,15 +513,21 @@ def pid_alive(path: Path) -> bool:
 
 
 @pytest.mark.slow  # stand-in workers run a real detached job: 3-5 s each (tests/README.md)
-def test_ssh_failing_transiently_is_retried_with_backoff(tmp_path):
-    """ssh exits 255 twice (workers still booting): tried again, the command runs once and the run succeeds."""
-    refused = "ssh: connect to host 10.130.0.7 port 22: Connection refused"
-    fake = Fake(tmp_path, tmp_path, faults={"tpu-vm ssh": {"times": 2, "exit": 255, "stderr": refused}})
+@pytest.mark.parametrize("code, message", [
+    (255, "ssh: connect to host 10.130.0.7 port 22: Connection refused"),  # workers still booting
+    (1, "UNAVAILABLE: The service is currently unavailable."),  # gcloud's transient errors
+    (1, "DEADLINE_EXCEEDED: Deadline expired before operation could complete."),
+    (255, "Connection reset by 10.130.0.7 port 22"),
+], ids=["exit_255", "unavailable", "deadline_exceeded", "connection_reset"])
+def test_ssh_failing_transiently_is_retried_with_backoff(tmp_path, code, message):
+    """ssh fails twice (exit 255 while the workers boot, gcloud's UNAVAILABLE / DEADLINE_EXCEEDED, a reset
+    connection): tried again, the command runs once and the run succeeds."""
+    fake = Fake(tmp_path, tmp_path, faults={"tpu-vm ssh": {"times": 2, "exit": code, "stderr": message}})
     proc = fake.babysit(*TPU, *JOB, "--", script(tmp_path / "run.sh", f"echo run >> {tmp_path / 'runs.txt'}"),
                         timeout=TIMEOUT)
     assert proc.returncode == 0, proc.stderr
-    retries = re.findall(r"ssh to the workers of my-tpu \(starting the command\) failed with exit code 255: .*"
-                         r"Connection refused; trying again in (\S+) s \((\d)/6, --ssh_retries\)", proc.stderr)
+    retries = re.findall(rf"ssh to the workers of my-tpu \(starting the command\) failed with exit code {code}: .*"
+                         rf"{re.escape(message)}; trying again in (\S+) s \((\d)/6, --ssh_retries\)", proc.stderr)
     assert retries == [("0.05", "1"), ("0.1", "2")], proc.stderr
     assert (tmp_path / "runs.txt").read_text().splitlines() == ["run"]
     assert "the command finished: exit code 0 on every worker" in proc.stderr
@@ -614,3 +622,99 @@ while [ ! -e {release} ]; do echo tick; sleep 0.1; done; echo "the run is comple
     assert (tmp_path / "runs.txt").read_text().splitlines() == ["run"]  # not started again
     assert (tmp_path / "setups.txt").read_text().splitlines() == ["set up"]
     assert sum(c[2:4] == ["tpu-vm", "create"] for c in fake.calls()) == 1
+
+
+# -- what a stall shows (py-spy stacks, or the logs) and each worker's log in a bucket --out_dir: the workers' scripts
+# run directly with bash here (fast), a stand-in `py-spy` and the fake gcloud's `storage cp` on PATH ---------------
+def worker_job(home: Path, job: str = "my-tpu") -> Path:
+    """A worker's job folder (~/.lit-gpt-babysit/JOB) with a 30-line log."""
+    folder = home / ".lit-gpt-babysit" / job
+    folder.mkdir(parents=True)
+    (folder / "worker").write_text("0\n")
+    (folder / "log").write_text("".join(f"step {i}\n" for i in range(30)))
+    return folder
+
+
+def on_worker(script_text: str, home: Path, path: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HOME": str(home), "TPU_WORKER_ID": "0", "PATH": path}
+    return subprocess.run(["bash", "-c", script_text], env=env, cwd=cwd, capture_output=True, text=True, timeout=60)
+
+
+def path_without_py_spy(*first: Path) -> str:
+    """PATH with `first` in front and no folder that holds a real py-spy (whether this machine has one or not)."""
+    folders = [d for d in os.environ["PATH"].split(os.pathsep) if d and not (Path(d) / "py-spy").exists()]
+    return os.pathsep.join([*map(str, first), *folders])
+
+
+def test_a_stall_shows_the_py_spy_stacks_of_the_jobs_python_processes_where_installed(tmp_path):
+    from lit_gpt.xla.gcloud import collect_script
+
+    folder = worker_job(tmp_path / "home")
+    spy = tmp_path / "bin" / "py-spy"
+    spy.parent.mkdir()
+    spy.write_text('#!/bin/sh\necho "py-spy $*"\necho \'Thread 7 (idle): "MainThread"\'\n'
+                   'echo "    all_reduce (torch_xla/core/xla_model.py:588)"\n')
+    spy.chmod(0o755)
+    # the hung job: a Python process leading its own process group, as `nohup setsid` starts it
+    job = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    try:
+        (folder / "pid").write_text(f"{job.pid}\n")
+        proc = on_worker(collect_script("my-tpu"), tmp_path / "home", path_without_py_spy(spy.parent), tmp_path)
+    finally:
+        job.kill()
+        job.wait()
+    lines = proc.stdout.splitlines()
+    assert lines[0] == "LITBS 0 collected", proc.stdout
+    assert lines[1:21] == [f"[worker 0] step {i}" for i in range(10, 30)]  # the last 20 log lines
+    assert lines[21:] == [f"[worker 0 stack] py-spy dump --pid {job.pid}",
+                          '[worker 0 stack] Thread 7 (idle): "MainThread"',
+                          "[worker 0 stack]     all_reduce (torch_xla/core/xla_model.py:588)"], proc.stdout
+
+
+def test_without_py_spy_a_stall_shows_the_logs_and_says_how_to_get_stacks(tmp_path):
+    from lit_gpt.xla.gcloud import collect_script
+
+    (worker_job(tmp_path / "home") / "pid").write_text(f"{os.getpid()}\n")
+    proc = on_worker(collect_script("my-tpu"), tmp_path / "home", path_without_py_spy(), tmp_path)
+    lines = proc.stdout.splitlines()
+    assert lines[1:21] == [f"[worker 0] step {i}" for i in range(10, 30)], proc.stdout
+    assert lines[21:] == ["[worker 0] no Python stacks: py-spy is not installed on this worker (add pip install py-spy"
+                          " to the setup script)"], proc.stdout
+
+
+def test_each_workers_log_is_copied_to_a_bucket_out_dir(tmp_path):
+    """The detached job's wrapper copies the worker's log to OUT_DIR/logs/babysit/worker-N.log (here at its end; every
+    minute while it runs) with `gcloud storage cp`, and nothing is copied for a local --out_dir."""
+    from lit_gpt.xla.gcloud import launch_script
+
+    fake = Fake(tmp_path, tmp_path)
+    path = f"{fake.dir}{os.pathsep}{os.environ['PATH']}"
+    for job, url in (("to-bucket", "gs://my-lit-bucket/runs/lora"), ("local", "")):
+        home = tmp_path / "home"
+        proc = on_worker(launch_script(job, "echo training; echo 'a warning' >&2", url), home, path, tmp_path)
+        assert re.fullmatch(r"LITBS 0 launched \d+ 0\n", proc.stdout), proc.stdout + proc.stderr
+        done = home / ".lit-gpt-babysit" / job / "exit"
+        deadline = time.monotonic() + 30
+        while not done.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert done.read_text().strip() == "0"
+    log = home / ".lit-gpt-babysit" / "to-bucket" / "log"
+    assert "training\na warning\n" in log.read_text()
+    copied = fake.dir / "buckets" / "my-lit-bucket" / "runs" / "lora" / "logs" / "babysit" / "worker-0.log"
+    assert copied.read_text() == log.read_text()
+    assert [c for c in fake.calls() if c[:1] == ["storage"]] == [
+        ["storage", "cp", "-q", str(log), "gs://my-lit-bucket/runs/lora/logs/babysit/worker-0.log"]]
+
+
+@pytest.mark.slow  # stand-in workers run a real detached job: 3-5 s (tests/README.md)
+def test_a_bucket_out_dir_gets_every_workers_log_through_the_babysitter(tmp_path):
+    """The babysitter passes the command's gs:// --out_dir to the workers' jobs: each of 2 workers' logs lands in the
+    bucket's logs/babysit/ folder."""
+    fake = Fake(tmp_path, tmp_path, workers=2)
+    body = 'echo "worker $TPU_WORKER_ID trained"'
+    proc = fake.babysit(*TPU, *JOB, "--", script(tmp_path / "run.sh", body) + " --out_dir gs://my-lit-bucket/runs/x",
+                        timeout=TIMEOUT)
+    assert proc.returncode == 0, proc.stderr
+    folder = fake.dir / "buckets" / "my-lit-bucket" / "runs" / "x" / "logs" / "babysit"
+    for w in (0, 1):
+        assert f"worker {w} trained\n" in (folder / f"worker-{w}.log").read_text()

@@ -2,7 +2,9 @@
 versions still verified, and a damaged file named with the algorithm that found it."""
 
 import json
+import re
 import zlib
+from pathlib import Path
 
 import google_crc32c
 
@@ -49,3 +51,29 @@ def test_an_old_crc32_manifest_still_verifies_and_finds_damage(tmp_path):
     (step / "checkpoint.pth").write_bytes(b"Weights" * 1000)  # same size, other bytes
     problem = step_problem(step, "checkpoint.pth")
     assert problem.kind == "damaged" and problem.difference.startswith("CRC32 "), problem
+
+
+def test_the_docs_state_the_speed_and_a_7b_and_70b_cost_that_follow_from_it():
+    """xla/README.md, "Verifying checkpoints at scale": the measured GB/s are stated, and every time in the 7B/70B
+    table is its step size (12 bytes per parameter) over the stated speed and host count, to the table's rounding.
+    The CRC32C in use is google-crc32c's C extension (the CPU's instruction), not its pure-Python fallback."""
+    assert google_crc32c.implementation == "c"
+    readme = (Path(__file__).resolve().parents[1] / "xla" / "README.md").read_text()
+    section = readme.split("### Verifying checkpoints at scale", 1)[1].split("\n## ", 1)[0]
+    assert re.search(r"CRC32C [\d.]+-[\d.]+\s+GB/s, zlib's CRC32 [\d.]+-[\d.]+ GB/s", section)
+    header = next(line for line in section.splitlines() if line.startswith("| Model |"))
+    assert re.findall(r"\(([\d.]+) GB/s\)", header) == ["0.7", "6"] and "8 hosts" in header and "64 hosts" in header
+    speeds_hosts = [(0.7, 1), (6.0, 1), (6.0, 8), (6.0, 64)]
+    table = [line for line in section.splitlines() if re.match(r"\| \d+B \|", line)]
+    rows = {cells[0]: cells[1:] for cells in ([c.strip() for c in line.strip("|").split("|")] for line in table)}
+    assert set(rows) == {"7B", "70B"}
+    for model, (size, *times) in rows.items():
+        gigabytes = float(size.strip("~ GB"))
+        assert gigabytes == int(model[:-1]) * 12
+        for text, (speed, hosts) in zip(times, speeds_hosts):
+            if text == "-":
+                continue
+            value, unit = re.fullmatch(r"~([\d.]+) (s|min)", text).groups()
+            stated = float(value) * (60 if unit == "min" else 1)
+            expected = gigabytes / speed / hosts
+            assert abs(stated - expected) <= max(0.3 * expected, 0.5), (model, text, expected)

@@ -30,6 +30,10 @@ Sharded checkpoints (lit_gpt.xla.checkpoint; fabric.save(dir, state) / fabric.lo
                                                          lit_model.safetensors (+ index), streamed shard by shard
                                                          (CLI: xla/scripts/consolidate_checkpoint.py)
 
+Hosts (lit_gpt.xla.hosts)
+    check_hosts_agree(run, data)                         every host: the same arguments, data, base weights and
+                                                         resume point, or the same one error line on each
+
 Diagnostics (lit_gpt.xla.diagnostics; per-step compile counts and host-memory sampling for benchmarks and tests
 are in bench/instruments.py)
     sync()                                               torch_xla.sync(): end the lazy graph here
@@ -60,6 +64,7 @@ _EXPORTS = {
     "verify_files": "checkpoint",
     "consolidate": "consolidation",
     "is_complete": "checkpoint",
+    "check_hosts_agree": "hosts",
     "sync": "diagnostics",
     "compile_count": "diagnostics",
     "metrics_report": "diagnostics",

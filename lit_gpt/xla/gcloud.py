@@ -338,7 +338,8 @@ upload() { [ -z "$dest" ] || gcloud storage cp -q "$d/log" "$dest" > /dev/null 2
 if [ -n "$dest" ]; then (while sleep 60; do upload; done) & up=$!; fi
 bash "$d/command.sh" >> "$d/log" 2>&1 < /dev/null
 code=$?
-if [ -n "$dest" ]; then kill "$up" 2>/dev/null; upload; fi
+# the copying loop and its `sleep` (which would otherwise outlive the job by up to a minute), then the last copy
+if [ -n "$dest" ]; then kill "$up" $(pgrep -P "$up") 2>/dev/null; upload; fi
 echo "$code" > "$d/exit.tmp" && mv "$d/exit.tmp" "$d/exit"
 """
 
@@ -398,11 +399,15 @@ echo "LITBS $w stopped"
 
 
 def collect_script(job: str, lines: int = 20) -> str:
-    """Each worker's last log lines and, where py-spy is installed, the Python stacks of its job, prefixed with
-    `[worker W]`: what the babysitter shows before it stops a stalled or failed job."""
+    """Each worker's last log lines and, where py-spy is installed, the Python stacks of its job's Python processes
+    (`[worker W stack]`), prefixed with `[worker W]`: what the babysitter shows before it stops a stalled or failed
+    job. Without py-spy the log lines are all there is, and one line says so and how to get stacks next time."""
     return _PRELUDE.format(root=JOB_ROOT, job=job) + f"""echo "LITBS $w collected"
 tail -n {int(lines)} "$d/log" 2>/dev/null | sed "s/^/[worker $w] /"
-if command -v py-spy > /dev/null && [ -f "$d/pid" ]; then
+if ! command -v py-spy > /dev/null; then
+  echo "[worker $w] no Python stacks: py-spy is not installed on this worker" \
+    "(add pip install py-spy to the setup script)"
+elif [ -f "$d/pid" ]; then
   for p in $(pgrep -g "$(cat "$d/pid")" python); do
     (py-spy dump --pid "$p" 2>&1 || sudo -n py-spy dump --pid "$p" 2>&1) | sed "s/^/[worker $w stack] /"
   done

@@ -26,6 +26,7 @@ from lit_gpt.recipes.flags import LORA
 from lit_gpt.recipes.xla_finetune import fit, load_model, xla_finetune_command
 from lit_gpt.training import Method
 from lit_gpt.utils import run_cli
+from lit_gpt.xla.hosts import check_hosts_agree
 from lit_gpt.xla.runtime import XLARuntime
 
 
@@ -33,6 +34,7 @@ def main(fabric, run: FinetuneRun) -> dict:
     fabric.seed_everything(run.train.seed)
     runtime = XLARuntime(fabric)  # the one training loop, with XLA's placement, graph cuts and checkpoints
     data = load_run_data(runtime, run)  # preference pairs
+    check_hosts_agree(run, data)  # every host: the same arguments, data, base weights and resume point
 
     # the method: LoRA on the frozen base (only the LoRA matrices train and are saved), or every weight
     if run.method == "lora":
