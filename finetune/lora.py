@@ -15,9 +15,15 @@ three linear layers; `--lora_mlp` adapts the dense MLP layers only, and the rout
 load-balancing loss joins the objective with the checkpoint's `router_aux_loss_coef` (`--moe.router_aux_loss_coef`
 sets another; it is logged as `aux_loss`, the per-expert load beside the metrics in `expert_load.csv`).
 
+`--lora_init_from FILE` starts the LoRA matrices from a LoRA file instead of afresh: a run's
+`lit_model.lora.safetensors`, or a Hugging Face PEFT adapter imported with `scripts/convert_hf_checkpoint.py
+--peft_path` (tutorials/convert.md), so a community LoRA trains further here. Its base and r, alpha and adapted
+layers must be the run's (one error line says which flags to pass).
+
 Only the LoRA matrices are saved (`lit_model.lora.safetensors`, with the LoRA settings needed to rebuild the model
 in `lit_model.lora.json`; see `lit_gpt.weights`). `scripts/merge_lora.py` folds them into a standalone checkpoint.
-The flags are every CPU/CUDA finetune recipe's (`lit_gpt.recipes.flags.FINETUNE`) plus the LoRA settings and `--quantize`.
+The flags are every CPU/CUDA finetune recipe's (`lit_gpt.recipes.flags.FINETUNE`) plus the LoRA settings,
+`--lora_init_from` and `--quantize`.
 """
 
 from functools import partial
@@ -30,8 +36,9 @@ from lit_gpt import lora
 from lit_gpt.args import TrainArgs
 from lit_gpt.peft import finetuned_filter, finetuned_metadata
 from lit_gpt.quantize import check_quantize, quantize_model
-from lit_gpt.recipes.finetune import FinetuneRun, build_optimizer, finetune_command, fit, load_run_data, setup_model
-from lit_gpt.recipes.flags import LORA, QLORA
+from lit_gpt.recipes.finetune import (FinetuneRun, build_optimizer, finetune_command, fit, load_run_data,
+                                      lora_init_from, setup_model)
+from lit_gpt.recipes.flags import LORA, LORA_INIT, QLORA
 from lit_gpt.runtime import Runtime, resolve_accelerator
 from lit_gpt.training import Method
 from lit_gpt.utils import LitError, run_cli
@@ -44,12 +51,14 @@ def main(fabric: L.Fabric, run: FinetuneRun) -> dict:
     runtime = Runtime(fabric)  # CPU / CUDA (the XLA recipes pass XLARuntime to the same loop)
     data = load_run_data(runtime, run)  # checked before any weights are read
 
-    # the method: LoRA layers on the frozen base model; only the LoRA matrices train and are saved. QLoRA: the
-    # frozen base weights become 4-bit ones, layer by layer, as they move to the GPU
+    # the method: LoRA layers on the frozen base model (starting afresh, or from --lora_init_from); only the LoRA
+    # matrices train and are saved. QLoRA: the frozen base weights become 4-bit ones, layer by layer, as they move
+    # to the GPU
     model, raw_model = setup_model(
         fabric, lambda: lora.GPT(run.config), run.checkpoint_dir, own_filter=lora.lora_filter,
         mark_trainable=lora.mark_only_lora_as_trainable,
         quantize=partial(quantize_model, mode=run.quantize, device=fabric.device) if run.quantize else None,
+        init_from=run.init_from,
     )
     method = Method(name="lora", save_filter=finetuned_filter(raw_model), metadata=finetuned_metadata(raw_model))
 
@@ -71,8 +80,8 @@ def check_qlora(flags: Dict[str, Any]) -> None:
 
 
 setup = finetune_command(
-    "lora", main, lora.Config, "Finetune a model with LoRA on prepared instruction data.", own=LORA, tail=QLORA,
-    check=check_qlora, out_dir="out/lora/alpaca",
+    "lora", main, lora.Config, "Finetune a model with LoRA on prepared instruction data.", own=LORA,
+    tail=[*LORA_INIT, *QLORA], check=check_qlora, finish=lora_init_from, out_dir="out/lora/alpaca",
     train=TrainArgs(global_batch_size=16, micro_batch_size=1, learning_rate=3e-4),
 )
 

@@ -232,6 +232,40 @@ def check_finetuned_base(finetuned_path: PathLike, checkpoint_dir: PathLike, all
     return check_base(recorded, checkpoint_dir, allow_other_base, f"the {method} weights file {str(path)!r}")
 
 
+# settings a run may change from the weights it starts from: dropout acts in training only, the update is the same
+_TRAINING_ONLY = ("lora_dropout",)
+
+
+def check_init_from(path: PathLike, config: Config, checkpoint_dir: PathLike, allow_other_base: bool,
+                    method: str, flag: str) -> Path:
+    """The finetuned-weights file a run starts its method's parameters from (`flag`, e.g. --lora_init_from: a run's
+    `lit_model.lora.safetensors`, its folder, or a PEFT adapter imported by `lit_gpt.peft_io.import_peft`), checked
+    before anything loads: it must record the base in `checkpoint_dir` (`check_finetuned_base`; `allow_other_base`:
+    a warning line) and the run's variant settings (`config`: r, alpha, the adapted layers), each refusal one line."""
+    path = Path(path)
+    if path.is_dir():
+        if not (path / finetuned_file_name(method)).exists() and (path / "adapter_config.json").is_file():
+            raise LitError(f"{flag} {str(path)!r} is a PEFT adapter folder: import it first with python"
+                           f" scripts/convert_hf_checkpoint.py --checkpoint_dir {checkpoint_dir} --peft_path {path},"
+                           f" then pass {str(path / finetuned_file_name(method))!r}")
+        path = path / finetuned_file_name(method)
+    _, recorded = load_finetuned(path, method)
+    check_finetuned_base(path, checkpoint_dir, allow_other_base, method)
+    defaults = {f.name: f.default for f in fields(config)}
+    wanted = variant_fields(config)
+    differ = {k: recorded.get(k, defaults[k]) for k in wanted
+              if k not in _TRAINING_ONLY and recorded.get(k, defaults[k]) != wanted[k]}
+    if differ:
+        def cli(v: Any) -> str:
+            return str(v).lower() if isinstance(v, bool) else str(v)
+
+        theirs = " ".join(f"--{k} {cli(v)}" for k, v in differ.items())
+        ours = ", ".join(f"--{k} {cli(wanted[k])}" for k in differ)
+        raise LitError(f"{flag} {str(path)!r} holds a {method} of other settings than this run's ({ours}): pass"
+                       f" {theirs} to continue it")
+    return path
+
+
 def _load_part(model: nn.Module, state: Dict[str, torch.Tensor], path: Path, allowed_missing: Optional[set]) -> None:
     state = state.get("model", state)
     try:

@@ -12,13 +12,15 @@ How a block is run:
   run by a fork server (tests/fork_server.py) that has torch, Lightning and lit_gpt imported already (a recipe costs
   its own work, not 5 s of imports). The server adds the flags of `CHEAP_FLAGS` that the command does not set itself
   (fewer steps, fewer new tokens): the script paths and every flag the page writes are used as written.
-* `pip`, `git`, `gcloud`, `sudo`, `curl`, `wget` and `nvidia-smi` are stubs that fail: a block that needs them must be
-  marked. A marked block starts with the line `<!-- docs-test: parse-only (REASON) -->` right before its fence, and
-  the page says why in its text; REASON is one of `PARSE_ONLY_REASONS`. Its `python SCRIPT.py ...` commands are
-  then only parsed (`--print_config`: unknown or renamed flags and bad values fail, nothing runs), and the page
-  must also hold a runnable block (the offline stand-in the reader can use). One exception: a `curl` whose every
-  URL is on this machine (127.0.0.1, localhost, [::1]: a server the block started itself) and whose options are
-  plain request options runs the real curl (`CURL_STUB`); that is not the network.
+* `pip`, `git`, `gcloud`, `sudo`, `curl`, `wget`, `nvidia-smi`, `huggingface-cli` and `hf` are stubs that fail: a
+  block that needs them must be marked. A marked block starts with the line `<!-- docs-test: parse-only (REASON) -->`
+  right before its fence, and the page says why in its text; REASON is one of `PARSE_ONLY_REASONS`. Its `python
+  SCRIPT.py ...` commands are then only parsed (`--print_config`: unknown or renamed flags and bad values fail,
+  nothing runs), and so are its commands of other tools (`OTHER_TOOLS`: `vllm serve` against vLLM's flags, `hf` by the
+  installed CLI's own parser, `check_other_tool`), and the page must also hold a runnable block (the offline stand-in
+  the reader can use). One exception: a `curl` whose every URL is on this machine (127.0.0.1, localhost, [::1]: a
+  server the block started itself) and whose options are plain request options runs the real curl (`CURL_STUB`); that
+  is not the network.
 * A `python SCRIPT.py` started in the background (`python serve/base.py ... &`, later `kill -INT $!`) gets the
   shell's signals as a real python would: the shim forwards SIGINT, SIGTERM and SIGHUP to the fork server's child
   (which writes its pid for that, `child_setup`), and a signal that bash ignores in background jobs (SIGINT) starts
@@ -65,7 +67,7 @@ CHEAP_FLAGS: Dict[str, List[str]] = {
 LINKED = ("bench", "chat", "eval", "finetune", "generate", "lit_gpt", "scripts", "serve", "tests", "tutorials", "xla",
           "pyproject.toml",
           "requirements.txt", "requirements-test.txt", "README.md")
-STUBBED = ("pip", "pip3", "git", "gcloud", "sudo", "curl", "wget", "nvidia-smi", "huggingface-cli")
+STUBBED = ("pip", "pip3", "git", "gcloud", "sudo", "curl", "wget", "nvidia-smi", "huggingface-cli", "hf")
 BLOCK_TIMEOUT = 300
 # the pages whose commands take 20-30 s each on 2 cores run under -m slow (the suite's budget, tests/README.md): their
 # recipes' end-to-end runs are in the default suite through their own tests (tests/test_convert.py,
@@ -118,11 +120,8 @@ def extract_blocks(page: Path) -> List[Block]:
     return blocks
 
 
-def python_commands(code: str) -> List[List[str]]:
-    """The `python SCRIPT.py ARGS` commands of a bash block (arguments up to the next shell operator or line end),
-    shell-split, also inside quoted strings such as `gcloud ... ssh --command "cd x && python y.py ..."`.
-
-    Environment assignments before `python` are dropped; `$VAR` stays literal (a string to the parser)."""
+def _shell_tokens(code: str) -> List[str]:
+    """A bash block's words and shell operators (newlines included), comments left out, lines joined at `\\`."""
     lexer = shlex.shlex(code.replace("\\\n", " "), posix=True, punctuation_chars="();<>|&\n")
     lexer.whitespace = " \t\r"
     lexer.whitespace_split = True
@@ -132,6 +131,96 @@ def python_commands(code: str) -> List[List[str]]:
         comment = (comment or token.startswith("#")) and token != "\n"
         if not comment:
             tokens.append(token)
+    return tokens
+
+
+# The flags of `vllm serve MODEL ...` that the pages may use (vLLM needs a GPU: it is not installed here), from vLLM's
+# source (github.com/vllm-project/vllm; each config dataclass field `a_b` is the flag `--a-b` there):
+# vllm/engine/arg_utils.py EngineArgs (enable_lora: a switch; max_model_len, dtype), vllm/config/lora.py LoRAConfig
+# (max_lora_rank: one of its `MaxLoRARanks`; max_loras; max_cpu_loras), vllm/entrypoints/openai/cli_args.py
+# (BaseFrontendArgs.lora_modules: `NAME=PATH ...` with LoRAParserAction; FrontendArgs host, port).
+# Value: None for a switch, a set of allowed values, a type, or "NAME=PATH..." for one or more such pairs.
+VLLM_SERVE_FLAGS: Dict[str, object] = {
+    "--enable-lora": None, "--max-lora-rank": {"1", "8", "16", "32", "64", "128", "256", "320", "512"},
+    "--max-loras": int, "--max-cpu-loras": int, "--lora-modules": "NAME=PATH...", "--max-model-len": int,
+    "--dtype": {"auto", "half", "float16", "bfloat16", "float", "float32"}, "--host": str, "--port": int,
+}
+OTHER_TOOLS = (("vllm", "serve"), ("hf",))
+
+
+def other_tool_commands(code: str) -> List[List[str]]:
+    """The `vllm serve ...` and `hf ...` commands of a bash block (program words first, up to the next shell
+    operator or line end)."""
+    tokens, commands = _shell_tokens(code), []
+    for i in range(len(tokens)):
+        for program in OTHER_TOOLS:
+            if tuple(tokens[i : i + len(program)]) == program and (i == 0 or set(tokens[i - 1]) <= set("();|&\n")):
+                j = i + len(program)
+                while j < len(tokens) and not set(tokens[j]) <= set("();<>|&{}\n"):
+                    j += 1
+                commands.append(tokens[i:j])
+    return commands
+
+
+def check_other_tool(argv: List[str]) -> Optional[str]:
+    """Why a parse-only block's `vllm serve` or `hf` command would not parse (None: it parses). `hf` is parsed by
+    the installed huggingface_hub CLI's own (click) parser, without running; `vllm serve` against
+    `VLLM_SERVE_FLAGS`."""
+    if argv[0] == "hf":
+        import click
+        from huggingface_hub.cli.hf import app
+
+        try:
+            ctx = click.Context(app, info_name="hf")
+            name, command, rest = app.resolve_command(ctx, argv[1:])
+            command.make_context(name, rest, parent=ctx)  # parses and checks the arguments; runs nothing
+        except click.UsageError as e:
+            return e.format_message().splitlines()[0]
+        return None
+    args, positional, i = argv[2:], [], 0
+    while i < len(args):
+        flag, _, inline = args[i].partition("=")
+        i += 1
+        if not flag.startswith("--"):
+            positional.append(flag)
+            continue
+        if flag not in VLLM_SERVE_FLAGS:
+            return f"vllm serve has no flag {flag} (the flags checked: VLLM_SERVE_FLAGS)"
+        kind = VLLM_SERVE_FLAGS[flag]
+        if kind is None:
+            continue
+        values = [inline] if inline else []
+        while not values or kind == "NAME=PATH...":  # one value, or every pair up to the next flag
+            if i >= len(args) or args[i].startswith("--"):
+                break
+            values.append(args[i])
+            i += 1
+        if not values:
+            return f"vllm serve {flag} needs a value"
+        for v in values:
+            ok = (re.fullmatch(r"[^=\s]+=\S+", v) if kind == "NAME=PATH..." else v in kind if isinstance(kind, set)
+                  else _parses(kind, v))
+            if not ok:
+                return f"vllm serve {flag} {v}: not a valid value"
+    if len(positional) != 1:
+        return f"vllm serve takes one model, got {positional}"
+    return None
+
+
+def _parses(kind: type, value: str) -> bool:
+    try:
+        kind(value)
+        return True
+    except ValueError:
+        return False
+
+
+def python_commands(code: str) -> List[List[str]]:
+    """The `python SCRIPT.py ARGS` commands of a bash block (arguments up to the next shell operator or line end),
+    shell-split, also inside quoted strings such as `gcloud ... ssh --command "cd x && python y.py ..."`.
+
+    Environment assignments before `python` are dropped; `$VAR` stays literal (a string to the parser)."""
+    tokens = _shell_tokens(code)
     commands = []
     i = 0
     while i < len(tokens):
@@ -387,6 +476,9 @@ if "pytest" in sys.modules:
                     assert (ROOT / argv[0]).is_file(), f"{block.where}: {argv[0]} does not exist"
                     code, output = runner.parse(argv, work)
                     assert code == 0, f"{block.where}: `python {shlex.join(argv)}` does not parse:\n{output[-3000:]}"
+                for argv in other_tool_commands(block.code):
+                    problem = check_other_tool(argv)
+                    assert problem is None, f"{block.where}: `{shlex.join(argv)}` does not parse: {problem}"
                 continue
             t0 = time.perf_counter()
             proc = runner.run(block, work)
@@ -428,6 +520,32 @@ if "pytest" in sys.modules:
         assert code != 0 and "micro_batchsize" in output
         code, _ = runner.parse(["finetune/lora.py", "--train.micro_batch_size", "4"], ROOT)
         assert code == 0
+
+    def test_other_tools_flags_are_checked():
+        """`vllm serve` and `hf` commands of parse-only blocks: found in a block, and a misspelt flag, a bad value
+        or a missing model fails, where the spelling the pages use passes."""
+        code = ("vllm serve org/m --enable-lora --max-lora-rank 16 \\\n    --lora-modules a=out/x b=out/y\n"
+                "curl http://localhost:8000/v1/models && hf download org/a --local-dir checkpoints/org/a # hf x\n")
+        assert other_tool_commands(code) == [
+            ["vllm", "serve", "org/m", "--enable-lora", "--max-lora-rank", "16", "--lora-modules", "a=out/x",
+             "b=out/y"],
+            ["hf", "download", "org/a", "--local-dir", "checkpoints/org/a"],
+        ]
+        for argv in other_tool_commands(code):
+            assert check_other_tool(argv) is None, argv
+        for bad, why in (
+            ("vllm serve org/m --enable-loras", "no flag --enable-loras"),
+            ("vllm serve org/m --enable-lora --max_lora_rank 16", "no flag --max_lora_rank"),
+            ("vllm serve org/m --enable-lora --max-lora-rank 12", "--max-lora-rank 12: not a valid value"),
+            ("vllm serve org/m --lora-modules out/x", "--lora-modules out/x: not a valid value"),
+            ("vllm serve org/m --max-loras", "--max-loras needs a value"),
+            ("vllm serve --enable-lora", "one model"),
+            ("hf download org/a --local_dir x", "No such option"),
+            ("hf downlaod org/a", "No such command"),
+        ):
+            (argv,) = other_tool_commands(bad)
+            problem = check_other_tool(argv)
+            assert problem is not None and why in problem, (bad, problem)
 
     # (block, exit status, in stdout, in stderr); {url}: a server of this test on 127.0.0.1, {port}: its port
     STUB_CASES = [

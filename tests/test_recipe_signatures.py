@@ -68,6 +68,8 @@ OWN: Dict[Tuple[str, str], str] = {
                                                     "xla/finetune/adapter.py")
        for s in ("adapter_prompt_length", "adapter_start_layer")},
     ("finetune/lora.py", "quantize"): QLORA,
+    **{(f"{d}finetune/lora.py", "lora_init_from"): "the LoRA weights a LoRA run starts from (a run's, or an imported"
+       " PEFT adapter): LoRA's own" for d in ("", "xla/")},
     # DPO (finetune/dpo.py, xla/finetune/dpo.py): LoRA or full finetuning on preference pairs
     **{(f"{d}finetune/dpo.py", "out_dir"): OUT_DIR for d in ("", "xla/")},
     **{(f"{d}finetune/dpo.py", "train"): "DPO's own hyperparameters (a smaller learning rate, as TRL and the"

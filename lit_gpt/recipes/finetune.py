@@ -12,7 +12,7 @@ the one training loop, `lit_gpt.training.fit`:
 """
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Dict, Literal, Optional, Sequence, Tuple, Type, Union
 
@@ -69,6 +69,8 @@ class FinetuneRun:
     """Resume although --data.data_dir holds other prepared data than the run trained on (one warning line)."""
     objective: Optional[Objective] = None
     """What a step optimises (`lit_gpt.objectives`): None is supervised finetuning; DPO for the dpo recipes."""
+    init_from: Optional[Path] = None
+    """The method's weights to start from instead of its initialisation (--lora_init_from, `lora_init_from`)."""
 
     @property
     def run_config(self) -> Dict[str, Any]:
@@ -239,14 +241,15 @@ def check_wandb_credentials() -> None:
 
 
 def load_base_weights(
-    model: nn.Module, checkpoint_dir: Path, own_filter: Optional[Callable[[str, Any], bool]], assign: bool
+    model: nn.Module, checkpoint_dir: Path, own_filter: Optional[Callable[[str, Any], bool]], assign: bool,
+    init_from: Optional[Path] = None,
 ) -> None:
     """Load the base `lit_model.pth` into `model` (not yet set up by Fabric). Only the method's own parameters
     may be missing from it. With `assign` (CPU), the parameters become the memory-mapped tensors of the file
-    instead of copies of them: the frozen weights then exist once in memory."""
+    instead of copies of them: the frozen weights then exist once in memory. `init_from`: the method's own
+    weights to start from (`with_init`)."""
     path = check_checkpoint_dir(checkpoint_dir)
-    state = load_weights(path)
-    state = state.get("model", state) if isinstance(state.get("model"), dict) else state
+    state = with_init(load_weights(path), init_from)
     try:
         result = model.load_state_dict(state, strict=False, assign=assign)
     except RuntimeError as e:
@@ -261,6 +264,28 @@ def load_base_weights(
             " does not match the model config, or it is not a complete base checkpoint"
         )
     _initialize_unloaded(model, set(result.missing_keys))
+
+
+def with_init(state: Dict[str, Any], init_from: Optional[Path]) -> Dict[str, Any]:
+    """The base `state` (a whole checkpoint's, unwrapped) plus the method's own weights in `init_from` (a finetuned
+    weights file, already checked by `lora_init_from`). Those are copies: they become trained parameters (with
+    `assign`, the very tensors given), which must own their memory rather than share a file's mapping."""
+    state = state.get("model", state) if isinstance(state.get("model"), dict) else state
+    if init_from is None:
+        return state
+    return {**state, **{k: v.clone() for k, v in load_weights(init_from).items()}}
+
+
+def lora_init_from(flags: Dict[str, Any], run: FinetuneRun) -> FinetuneRun:
+    """The LoRA recipes' `finish`: --lora_init_from, checked against the run's base and LoRA settings before
+    anything loads (`lit_gpt.peft.check_init_from`, one line each), becomes `run.init_from`."""
+    if flags["lora_init_from"] is None:
+        return run
+    from lit_gpt.peft import check_init_from
+
+    path = check_init_from(flags["lora_init_from"], run.config, run.checkpoint_dir, run.allow_other_base, "lora",
+                           "--lora_init_from")
+    return replace(run, init_from=path)
 
 
 def _initialize_unloaded(model: nn.Module, missing: set) -> None:
@@ -281,9 +306,11 @@ def setup_model(
     own_filter: Optional[Callable[[str, Any], bool]] = None,
     mark_trainable: Optional[Callable[[nn.Module], None]] = None,
     quantize: Optional[Callable[[nn.Module], Any]] = None,
+    init_from: Optional[Path] = None,
 ) -> Tuple[nn.Module, nn.Module]:
     """Build the model, load the base weights, freeze what the method does not train (`mark_trainable`), and set
-    it up with Fabric. `own_filter` names the method's own parameters, the only ones the base checkpoint lacks.
+    it up with Fabric. `own_filter` names the method's own parameters, the only ones the base checkpoint lacks;
+    `init_from` holds values to start them from (--lora_init_from), else they start from their initialisation.
     `quantize` (QLoRA) quantizes the frozen base weights in place, moving them to the device as it goes.
     Returns (the Fabric-wrapped model, the plain module)."""
     dtype = param_dtype(str(fabric.strategy.precision.precision))
@@ -298,7 +325,8 @@ def setup_model(
         if mark_trainable is not None:
             mark_trainable(model)
         wrapped = fabric.setup_module(model)
-        _load_into_sharded(wrapped, load_weights(check_checkpoint_dir(checkpoint_dir)), strict=own_filter is None)
+        state = with_init(load_weights(check_checkpoint_dir(checkpoint_dir)), init_from)
+        _load_into_sharded(wrapped, state, strict=own_filter is None)
         return wrapped, model
     # no random init of weights that the checkpoint overwrites: faster, and on the CPU (where the weights are
     # assigned from the memory-mapped file) the never-touched empty tensors never take memory
@@ -312,7 +340,8 @@ def setup_model(
 
         with _EmptyInit(enabled=True):
             model = build()
-    load_base_weights(model, checkpoint_dir, own_filter, assign=fabric.device.type == "cpu" or quantize is not None)
+    load_base_weights(model, checkpoint_dir, own_filter, assign=fabric.device.type == "cpu" or quantize is not None,
+                      init_from=init_from)
     cast_floating(model, dtype)
     if mark_trainable is not None:
         mark_trainable(model)

@@ -123,6 +123,12 @@ LORA: List[Flag] = [
          "Update the experts' linear layers (a rank-r pair per expert; mixture-of-experts models only)."),
     Flag("lora_head", bool, False, "Update the output head."),
 ]
+LORA_INIT: List[Flag] = [  # finetune/lora.py and xla/finetune/lora.py (not in LORA: DPO does not take it)
+    Flag("lora_init_from", Optional[Path], None,
+         "Start the LoRA matrices from this lit_model.lora.safetensors (a LoRA run's, or a PEFT adapter\n"
+         "imported with scripts/convert_hf_checkpoint.py --peft_path) instead of afresh (B zero): it must\n"
+         "record this --checkpoint_dir's base and this run's r, alpha and adapted layers."),
+]
 ADAPTER: List[Flag] = [
     Flag("adapter_prompt_length", int, 10, "Learned prompt vectors per adapted layer."),
     Flag("adapter_start_layer", int, 2, "The first layer that gets an adapter."),

@@ -109,15 +109,17 @@ def check_moe(config: Config, scan_layers: Union[bool, str], activation_checkpoi
 
 
 def load_model(fabric: Any, build: Callable[[], nn.Module], checkpoint_dir: Path,
-               own_filter: Optional[Callable[[str, Any], bool]] = None) -> nn.Module:
+               own_filter: Optional[Callable[[str, Any], bool]] = None, init_from: Optional[Path] = None) -> nn.Module:
     """`build()` (a GPT or a PEFT variant) with the base checkpoint loaded block by block onto the devices
     (`lit_gpt.xla.load_staged`). Only the variant's own parameters (`own_filter`) may be missing from the
-    checkpoint; they are initialised by their modules, like on the CPU/GPU."""
+    checkpoint; they are initialised by their modules, like on the CPU/GPU, or taken from `init_from`
+    (--lora_init_from, checked by `lit_gpt.recipes.finetune.lora_init_from`), a file staged after the base."""
     from lit_gpt.weights import check_checkpoint_dir
     from lit_gpt.xla.loader import load_staged
 
     allow = (lambda name: bool(own_filter(name, None))) if own_filter is not None else None
-    return load_staged(build, check_checkpoint_dir(checkpoint_dir), fabric, allow_missing=allow)
+    files = [check_checkpoint_dir(checkpoint_dir)] + ([init_from] if init_from is not None else [])
+    return load_staged(build, files, fabric, allow_missing=allow)
 
 
 

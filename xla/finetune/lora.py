@@ -9,18 +9,22 @@ The base weights stay frozen; low-rank updates of the chosen linear layers train
 xla/finetune/adapter.py and full.py; the loop (lit_gpt/training.py, set up by lit_gpt/recipes/xla_finetune.py) writes sharded
 checkpoints to out_dir/step-XXXXXX/ (`--resume auto` continues from the newest complete one) and, at the end,
 out_dir/final/lit_model.lora.safetensors: the same file finetune/lora.py writes, loadable on any machine.
+`--lora_init_from FILE` starts the LoRA matrices from a LoRA file (a run's, or a PEFT adapter imported with
+scripts/convert_hf_checkpoint.py --peft_path), as in finetune/lora.py.
 See xla/README.md for TPU VMs.
-The flags are every XLA finetune recipe's (`lit_gpt.recipes.flags.XLA_FINETUNE`) plus the method's own (`LORA`).
+The flags are every XLA finetune recipe's (`lit_gpt.recipes.flags.XLA_FINETUNE`) plus the method's own (`LORA`,
+`LORA_INIT`).
 """
 
 from lit_gpt import lora
 from lit_gpt.args import TrainArgs
 from lit_gpt.peft import finetuned_filter, finetuned_metadata
-from lit_gpt.recipes.finetune import FinetuneRun, build_optimizer, load_run_data
-from lit_gpt.recipes.flags import LORA
+from lit_gpt.recipes.finetune import FinetuneRun, build_optimizer, load_run_data, lora_init_from
+from lit_gpt.recipes.flags import LORA, LORA_INIT
 from lit_gpt.recipes.xla_finetune import fit, load_model, xla_finetune_command
 from lit_gpt.training import Method
 from lit_gpt.utils import run_cli
+from lit_gpt.xla.hosts import check_hosts_agree
 from lit_gpt.xla.runtime import XLARuntime
 
 
@@ -28,9 +32,12 @@ def main(fabric, run: FinetuneRun) -> dict:
     fabric.seed_everything(run.train.seed)
     runtime = XLARuntime(fabric)  # the one training loop, with XLA's placement, graph cuts and checkpoints
     data = load_run_data(runtime, run)
+    check_hosts_agree(run, data)  # every host: the same arguments, data, base weights and resume point
 
-    # the method: LoRA layers on the frozen base model; only the LoRA matrices train and are saved
-    model = load_model(fabric, lambda: lora.GPT(run.config), run.checkpoint_dir, own_filter=lora.lora_filter)
+    # the method: LoRA layers on the frozen base model (starting afresh, or from --lora_init_from); only the LoRA
+    # matrices train and are saved
+    model = load_model(fabric, lambda: lora.GPT(run.config), run.checkpoint_dir, own_filter=lora.lora_filter,
+                       init_from=run.init_from)
     lora.mark_only_lora_as_trainable(model)
     method = Method(name="lora", save_filter=finetuned_filter(model), metadata=finetuned_metadata(model))
 
@@ -40,7 +47,7 @@ def main(fabric, run: FinetuneRun) -> dict:
 
 setup = xla_finetune_command(
     "lora", main, lora.Config, "Finetune a model with LoRA on prepared instruction data, on XLA devices.",
-    own=LORA, out_dir="out/xla/lora/alpaca",
+    own=LORA, tail=LORA_INIT, finish=lora_init_from, out_dir="out/xla/lora/alpaca",
     train=TrainArgs(global_batch_size=16, micro_batch_size=1, learning_rate=3e-4),
 )
 
