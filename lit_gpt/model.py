@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from lit_gpt.config import Config
 from lit_gpt.attention import sink_attention, softcap, softcapped_attention  # noqa: F401 (softcap: re-exported)
 from lit_gpt.kv_cache import KVCache, cache_mask  # noqa: F401 (KVCache: re-exported)
-from lit_gpt.packing import SegmentIds, document_mask
+from lit_gpt.packing import DocumentSpans, SegmentIds, document_attention, document_mask, document_spans
 from lit_gpt.utils import LitError
 from lit_gpt.moe import ExpertLinear, MoE
 
@@ -52,9 +52,12 @@ class GPT(nn.Module):
         # `blocks(h, x, cos, sin) -> x` in place of the block loop when there is no KV cache (training, scoring):
         # lit_gpt.xla.scan sets it to run all blocks as one scanned layer (compile time flat in depth)
         self.block_runner: Optional[Callable[..., torch.Tensor]] = None
-        # `attend(q, k, v, segments, scale)` for packed rows instead of a dense (T, T) document mask: a kernel that
-        # takes document ids (torch_xla's flash attention on TPUs: lit_gpt.xla.flash installs it there)
+        # `attend(q, k, v, segments, scale, **layer)` for packed rows instead of a dense (T, T) document mask: a
+        # kernel that takes document ids (on XLA lit_gpt.xla.flash installs one: the TPU's flash kernel, or blockwise)
         self.segment_attention: Optional[Callable[..., torch.Tensor]] = None
+        # packed rows without such a kernel: "documents" attends one document at a time on eager backends (no (T, T)
+        # mask); "mask" is the dense document mask everywhere (the old path; bench/long_context.py compares them)
+        self.packed_attention = "documents"
         # built here, explicitly, on the device the model is created on (free on the meta device): `forward`
         # never builds tables itself, which on a tracing backend would fold the computation into the first graph
         self.reset_rope_cache()
@@ -242,12 +245,16 @@ class GPT(nn.Module):
             for window in dict.fromkeys(block.attn.sliding_window for block in self.transformer.h):  # in layer order
                 masks[window] = cache_mask(input_pos, visible, window)
         elif segments is not None:
-            kernel = self.segment_attention
+            kernel = self.segment_attention if self.packed_attention != "mask" else None
+            every_layer = getattr(kernel, "any_layer", False)
+            # per-document spans need a host read: eager backends only (a tracing one would bake them in its graph)
+            spans = document_spans(segments) if self.packed_attention == "documents" and not every_layer and \
+                idx.device.type != "xla" else None
             for window in dict.fromkeys(block.attn.sliding_window for block in self.transformer.h):
-                # the kernel does plain causal attention within documents; other layers get the dense mask
-                masks[window] = SegmentIds(segments, kernel) if kernel is not None and window is None and not (
-                    self.config.attention_sinks or self.config.attention_logit_softcapping
-                ) else document_mask(segments, positions, window)
+                # a kernel of plain causal attention takes those layers; others go by document or get the dense mask
+                masks[window] = SegmentIds(segments, kernel, window) if kernel is not None and (every_layer or (
+                    window is None and not (self.config.attention_sinks or self.config.attention_logit_softcapping))
+                ) else DocumentSpans(spans, window) if spans is not None else document_mask(segments, positions, window)
 
         x = self.transformer.wte(idx)
         if self.config.scale_embeddings:
@@ -400,7 +407,10 @@ class CausalSelfAttention(nn.Module):
         copying `forward`."""
         scale = self.scale
         if isinstance(mask, SegmentIds):  # packed rows through a kernel that takes document ids
-            return mask.attend(q, k, v, mask.segments, scale)
+            layer = dict(window=mask.window, softcapping=self.config.attention_logit_softcapping, sinks=self.sinks)
+            return mask.attend(q, k, v, mask.segments, scale, **{n: x for n, x in layer.items() if x is not None})
+        if isinstance(mask, DocumentSpans):  # packed rows one document at a time (eager backends)
+            return document_attention(q, k, v, mask, scale, self.config.attention_logit_softcapping, self.sinks)
         if self.sinks is not None:
             return sink_attention(q, k, v, mask, scale, self.sinks)
         if self.config.attention_logit_softcapping is not None:

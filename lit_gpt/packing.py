@@ -19,10 +19,13 @@ An epoch is still one pass over the samples: each is in exactly one row.
 """
 
 import bisect
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence
+import itertools
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
+import torch.nn.functional as F
 
+from lit_gpt.attention import sink_attention, softcapped_attention
 from lit_gpt.batches import IGNORE_INDEX, Sample
 from lit_gpt.utils import LitError
 
@@ -85,11 +88,13 @@ def collate_packed(rows: Sequence[Sequence[Sample]], max_seq_length: int, pad_mu
 
 class SegmentIds(NamedTuple):
     """Packed rows' document ids handed to the attention instead of a dense mask, with the kernel that takes them
-    (`GPT.segment_attention`: torch_xla's flash attention on TPUs, lit_gpt.xla.flash): `attend(q, k, v, segments,
-    scale)` -> (B, n_head, T, head_size), causal within each document."""
+    (`GPT.segment_attention`: lit_gpt.xla.flash's, on XLA): `attend(q, k, v, segments, scale, **layer)` -> (B,
+    n_head, T, head_size), causal within each document. `layer`: the layer's `window`, `softcapping` and `sinks`
+    where it has them, for a kernel that takes every layer (`attend.any_layer`); plain causal layers pass none."""
 
     segments: torch.Tensor
     attend: Callable[..., torch.Tensor]
+    window: Optional[int] = None
 
 
 def document_mask(segments: torch.Tensor, positions: torch.Tensor, window: Optional[int] = None) -> torch.Tensor:
@@ -104,6 +109,71 @@ def document_mask(segments: torch.Tensor, positions: torch.Tensor, window: Optio
     if window is not None:
         mask = mask & (idx.unsqueeze(-1) - idx < window)
     return mask.unsqueeze(1)
+
+
+class DocumentSpans(NamedTuple):
+    """Packed rows' documents as host-side spans, handed to the attention instead of a dense mask on eager backends
+    (`document_attention`): per row, the (start, end) of each run of equal segment ids (the padding run at the end
+    of a row is one more "document", as `document_mask` lets padding see padding), and the layer's sliding window."""
+
+    spans: Tuple[Tuple[Tuple[int, int], ...], ...]
+    window: Optional[int] = None
+
+
+def document_spans(segments: torch.Tensor) -> Tuple[Tuple[Tuple[int, int], ...], ...]:
+    """Per row of `segments` (B, T), the (start, end) of each run of equal ids: one host read per forward (not per
+    layer), which is why only eager backends take this path (a tracing one would bake the spans into its graph)."""
+    out = []
+    for row in segments.cpu():
+        counts = torch.unique_consecutive(row, return_counts=True)[1].tolist()
+        ends = list(itertools.accumulate(counts))
+        out.append(tuple(zip([0] + ends[:-1], ends)))
+    return tuple(out)
+
+
+def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: DocumentSpans, scale: float,
+                       softcapping: Optional[float] = None, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Attention of packed rows one document at a time: q (B, n_head, T, hs), k/v (B, n_query_groups, T, hs) ->
+    (B, n_head, T, hs), equal to SDPA with `document_mask` (the same scores, minus the ones it masks) without its
+    (B, 1, T, T) mask. A document of n tokens attends causally within itself: SDPA's causal kernel (memory O(n)),
+    or with soft-capped scores or attention sinks the eager computations of `lit_gpt.attention` (O(n^2) per
+    document, as unpacked). A sliding-window layer cuts a document longer than its window into chunks of `window`
+    positions, each chunk's queries over its own and the previous chunk's keys: a (window, 2 window) mask per
+    chunk, O(n window) in all."""
+    gqa = k.size(1) != q.size(1)
+    W = docs.window
+
+    def attend(qs: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+        if sinks is not None:
+            return sink_attention(qs, ks, vs, mask, scale, sinks)
+        if softcapping is not None:
+            return softcapped_attention(qs, ks, vs, mask, scale, softcapping)
+        if mask is None:
+            return F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=gqa)
+
+    rows = []
+    # `split` into views (not slices): its backward concatenates the pieces' gradients once, where each slice's
+    # backward would write a zero tensor of the whole row (time O(documents x T) per layer)
+    for qr, kr, vr, spans in zip(q.split(1), k.split(1), v.split(1), docs.spans):
+        sizes = [end - start for start, end in spans]
+        parts = []
+        for qd, kd, vd in zip(qr.split(sizes, 2), kr.split(sizes, 2), vr.split(sizes, 2)):
+            n = qd.size(2)
+            if W is None or n <= W:
+                parts.append(attend(qd, kd, vd, None))
+                continue
+            # chunks of the window's size: chunk i's queries see the keys of chunks i - 1 and i within the window
+            qc, kc, vc = qd.split(W, 2), kd.split(W, 2), vd.split(W, 2)
+            parts.append(attend(qc[0], kc[0], vc[0], None))
+            for i in range(1, len(qc)):
+                m = qc[i].size(2)
+                # query t of chunk i is key W + t of the pair of chunks: it sees keys W + t - (W - 1) .. W + t
+                diff = torch.arange(W, W + m, device=q.device).unsqueeze(-1) - torch.arange(W + m, device=q.device)
+                parts.append(attend(qc[i], torch.cat((kc[i - 1], kc[i]), 2), torch.cat((vc[i - 1], vc[i]), 2),
+                                    (diff >= 0) & (diff < W)))
+        rows.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=2))
+    return rows[0] if len(rows) == 1 else torch.cat(rows, dim=0)
 
 
 def useful_fraction(batches: Sequence[Dict[str, Any]]) -> float:

@@ -208,7 +208,9 @@ def test_a_segment_id_kernel_replaces_the_dense_mask_where_installed():
     """The TPU path (lit_gpt.xla.flash, torch_xla's flash attention with segment ids) cannot run here; its plumbing
     can: a kernel of the same signature, computed densely, installed as `segment_attention`, gives the unpacked
     step's loss and gradients, receives the segment ids (causal, GQA repeated to equal heads), and layers the
-    kernel cannot do (sliding windows) keep the dense mask."""
+    kernel cannot do (sliding windows) go to the blockwise path (lit_gpt.xla.flash.blockwise_segment_attention).
+    Without a kernel (the eager CPU) the tests above run `GPT.packed_attention = "documents"`, one document at a
+    time (tests/test_packed_attention.py compares it with the old dense mask)."""
     import torch.nn.functional as F
 
     from lit_gpt.xla.flash import segment_attention

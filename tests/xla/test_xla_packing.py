@@ -8,7 +8,9 @@
   the train step's graphs are those of one padded length (the accumulating micro-batch, the first optimizer step
   that creates AdamW's state, the steady step), all compiled in the first two steps, and validation one graph.
 
-The TPU's flash-attention path with segment ids (lit_gpt/xla/flash.py) is not run: XLA:CPU takes the dense mask.
+The TPU's flash-attention path with segment ids (lit_gpt/xla/flash.py) is not run. The worker's model has no
+`segment_attention` (the dense mask on XLA); the recipe's strategy installs the blockwise path (one block at 128
+positions), whose one-graph step at several blocks is tests/test_packed_attention.py's XLA test.
 """
 
 import json
