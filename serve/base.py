@@ -9,7 +9,8 @@ weights, on the CPU, a GPU or XLA (a TPU), with continuous batching.
 Then any OpenAI client talks to it: `OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="none")`;
 `curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' -d '{"model": ..., "messages":
 [{"role": "user", "content": "Hi"}]}'`. Endpoints: POST /v1/chat/completions, POST /v1/completions (both with
-`stream`), GET /v1/models, GET /health; see lit_gpt/recipes/openai_api.py.
+`stream`; completions also `logprobs`, `echo`, token-id prompts), GET /v1/models, GET /health, GET /metrics
+(Prometheus); see lit_gpt/recipes/openai_api.py.
 
 Concurrent requests share one batched KV cache of `--slots` rows of `--max_seq_length` positions: a request joins
 at the next decode step in a free slot and leaves when it ends, and each step decodes a token for every request in

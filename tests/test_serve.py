@@ -1,7 +1,8 @@
 """serve/base.py as users run it: a real server process (`--port 0`, the CPU, the real SmolLM2 in fp32) driven with the
 real `openai` client. Load (32 concurrent clients, streaming and not, chat and completions, each answer equal to the
 same request sent alone), throughput under continuous batching, a client that goes away mid-stream, bad requests,
-the queue bound, Ctrl-C, `n` / `seed` / `stop`.
+the queue bound, Ctrl-C, `n` / `seed` / `stop`, scores (`logprobs`, `echo`: equal to a direct forward; slow: lm-eval's
+`local-completions` equal to eval/lm_eval.py's model), `GET /metrics` read with prometheus_client's parser.
 
 The servers this module's selected tests need are started at once, when the module starts (they import and load in
 parallel), and killed when it ends (tests/serve_client.py)."""
@@ -216,6 +217,48 @@ def test_models_and_health(server):
         "status": "ok", "model": "SmolLM2-135M-Instruct", "slots": 8, "waiting": 0, "free_slots": 8}, health
 
 
+
+def scrape(server: ServerProcess) -> Dict[str, float]:
+    """GET /metrics parsed with prometheus_client's own parser: sample name{labels} -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    response = httpx.get(server.url.rsplit("/v1", 1)[0] + "/metrics", timeout=30, trust_env=False)
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain"), response
+    out = {}
+    for family in text_string_to_metric_families(response.text):
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()) if k != "le")
+            le = sample.labels.get("le")
+            out[sample.name + (f"{{{labels}}}" if labels else "") + (f"[le={le}]" if le else "")] = sample.value
+    return out
+
+
+def test_metrics(server, tokenizer):
+    """GET /metrics (Prometheus' text format): a greedy request of 6 tokens adds one request, its prompt and 6
+    generated tokens, one time to first token and 5 inter-token latencies; idle, nothing is queued or in use."""
+    client = server.client()
+    before = scrape(server)
+    ask = story("fox", max_tokens=6)
+    answer = call(client, server.model, ask)
+    after = scrape(server)
+
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    assert answer.usage[1] == 6
+    assert delta("lit_gpt_requests_total{endpoint=completions}") == 1
+    assert delta("lit_gpt_completions_finished_total{finish_reason=length}") == 1
+    assert delta("lit_gpt_prompt_tokens_total") == answer.usage[0] == len(tokenizer.encode(ask.text))
+    assert delta("lit_gpt_generation_tokens_total") == 6
+    assert delta("lit_gpt_time_to_first_token_seconds_count") == 1
+    assert delta("lit_gpt_inter_token_latency_seconds_count") == 5
+    assert delta("lit_gpt_inter_token_latency_seconds_sum") > 0
+    ttft = "lit_gpt_time_to_first_token_seconds"
+    assert after[f"{ttft}_bucket[le=+Inf]"] == after[f"{ttft}_count"]
+    assert (after["lit_gpt_queue_depth"], after["lit_gpt_kv_cache_slots_in_use"],
+            after["lit_gpt_kv_cache_positions_in_use"]) == (0, 0, 0)
+    assert (after["lit_gpt_kv_cache_slots"], after["lit_gpt_kv_cache_positions"]) == (8, 8 * 256)
+
 # ---------------------------------------------------------------------------------------------- bad requests
 @dataclass
 class Bad:
@@ -236,7 +279,8 @@ BAD = [
         "exceeds this server's context of 256 tokens", "context_length_exceeded"),
     Bad("chat-max-tokens-over-context", "chat", {"max_tokens": 250}, "max_tokens", "set max_tokens <=",
         "context_length_exceeded"),
-    Bad("max-tokens-zero", "completion", {"max_tokens": 0}, "max_tokens", "greater than or equal to 1"),
+    Bad("max-tokens-zero", "completion", {"max_tokens": 0}, "max_tokens", "max_tokens=0 generates nothing"),
+    Bad("chat-max-tokens-zero", "chat", {"max_tokens": 0}, "max_tokens", "greater than or equal to 1"),
     Bad("negative-temperature", "chat", {"temperature": -0.5}, "temperature", "greater than or equal to 0"),
     Bad("prompt-over-context", "completion", {"prompt": LONG_PROMPT}, "prompt", "context is 256",
         "context_length_exceeded"),
@@ -244,7 +288,10 @@ BAD = [
         "messages", "context is 256", "context_length_exceeded"),
     Bad("n-zero", "completion", {"n": 0}, "n", "greater than or equal to 1"),
     Bad("n-over-slots", "completion", {"n": 9}, "n", "more than the server's 8 slots"),
-    Bad("logprobs", "completion", {"logprobs": 2}, "logprobs", "logprobs is not supported", "unsupported_parameter"),
+    Bad("logprobs-over-20", "completion", {"logprobs": 21}, "logprobs", "less than or equal to 20"),
+    Bad("logprobs-streamed", "completion", {"logprobs": 1, "stream": True}, "logprobs", "with stream is not supported",
+        "unsupported_parameter", raw={"model": "SmolLM2-135M-Instruct", "prompt": "Hi", "logprobs": 1, "stream": True}),
+    Bad("token-id-beyond-vocab", "completion", {"prompt": [1, 49152]}, "prompt", "49152 is not in the model's vocab"),
     Bad("chat-logprobs", "chat", {"logprobs": True}, "logprobs", "not supported", "unsupported_parameter"),
     Bad("chat-empty-messages", "chat", {"messages": []}, "messages", "at least 1 item"),
     Bad("chat-no-messages", "chat", {}, "messages", "Field required",
@@ -334,6 +381,81 @@ def test_n_and_seed(server):
     chat = Ask("chat", "Tell me a story about a cat.", 8)
     a, b = (call(client, server.model, chat, **sampled) for _ in range(2))
     assert len(a.texts) == 2 and a == b, (a, b)
+
+
+
+# ---------------------------------------------------------------------------------------------- scores (logprobs, echo)
+@pytest.fixture(scope="module")
+def direct(smollm2_dir):
+    """The served checkpoint in this process: `direct(ids)` -> the (T, vocab) float32 log-probabilities of one
+    forward over `ids` (no KV cache), and their tolerance against another correct float32 evaluation."""
+    import torch
+
+    from lit_gpt.loading import load_model
+    from tolerance import logits_tolerance
+
+    model = load_model(smollm2_dir)
+
+    def forward(ids: List[int]) -> Tuple[Any, float]:
+        with torch.inference_mode():
+            logits = model(torch.tensor([ids]))
+        # a log-softmax moves each value by at most the logit error twice (the value and the normaliser)
+        return torch.log_softmax(logits[0].float(), -1), 2 * logits_tolerance(model.config, logits)
+
+    return forward
+
+
+def test_logprobs_and_echo_equal_a_direct_forward(server, tokenizer, direct):
+    """/v1/completions with `logprobs` and `echo` (what lm-eval's local-completions sends): every prompt and generated
+    token's log-probability and its top alternatives equal one forward of the model over prompt + completion (within
+    float32's tolerance; the prompt's first token has none), the token texts add up to the choice's text at their
+    offsets; `max_tokens: 0` scores the prompt alone, token-id prompts (a list, a list of lists) score the same."""
+    client = server.client()
+    text = "The capital of France is"
+    r = client.completions.create(model=server.model, prompt=text, max_tokens=4, logprobs=3, echo=True, temperature=0)
+    choice = r.choices[0]
+    lp = choice.logprobs
+    prompt_ids = tokenizer.encode(text).tolist()
+    P = len(prompt_ids)
+    assert r.usage.prompt_tokens == P and r.usage.completion_tokens == 4
+    assert choice.text.startswith(text) and len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == P + 4
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert "".join(lp.tokens) == choice.text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    ids = list(prompt_ids)
+    for _ in range(4):  # the greedy continuation, from the direct forward (re-encoding the text may merge tokens)
+        ids.append(int(direct(ids)[0][-1].argmax()))
+    assert choice.text == text + tokenizer.decode(ids[P:], skip_special_tokens=True)
+    logp, tol = direct(ids)
+    expected = [float(logp[t - 1, ids[t]]) for t in range(1, len(ids))]
+    got = lp.token_logprobs[1:]
+    assert max(abs(a - b) for a, b in zip(got, expected)) <= tol, (got, expected, tol)
+    # a real error is far beyond the tolerance: the scores of the right tokens one position off
+    shifted = [float(logp[t, ids[t]]) for t in range(1, len(ids))]
+    assert max(abs(a - b) for a, b in zip(got, shifted)) > 100 * tol
+    for t in range(1, len(ids)):
+        top = logp[t - 1].topk(3)
+        assert len(lp.top_logprobs[t]) == 3
+        assert sorted(lp.top_logprobs[t].values(), reverse=True) == pytest.approx(top.values.tolist(), abs=tol)
+        assert set(lp.top_logprobs[t]) == {tokenizer.decode([i]) for i in top.indices.tolist()}
+    # greedy: each generated token is its position's most likely one
+    assert all(lp.token_logprobs[t] == max(lp.top_logprobs[t].values()) for t in range(P, P + 4))
+
+    # max_tokens 0: the prompt scored, nothing generated; as token ids, one prompt or several, the same scores
+    for prompt in (text, prompt_ids, [prompt_ids, prompt_ids[:3]]):
+        r0 = client.completions.create(model=server.model, prompt=prompt, max_tokens=0, logprobs=0, echo=True,
+                                       temperature=0)
+        c0 = r0.choices[0]
+        assert (c0.text, c0.finish_reason, r0.usage.completion_tokens) == (text, "length", 0)
+        assert c0.logprobs.token_logprobs == pytest.approx(lp.token_logprobs[:P], abs=tol)
+        assert c0.logprobs.top_logprobs[1:] == [{}] * (P - 1)
+        if len(r0.choices) == 2:
+            assert r0.choices[1].logprobs.token_logprobs == pytest.approx(lp.token_logprobs[:3], abs=tol)
+    # logprobs without echo: the generated tokens only, the prompt not returned
+    r1 = client.completions.create(model=server.model, prompt=text, max_tokens=4, logprobs=1, temperature=0)
+    assert r1.choices[0].text == choice.text[len(text):]
+    assert r1.choices[0].logprobs.token_logprobs == pytest.approx(lp.token_logprobs[P:], abs=tol)
+    assert r1.choices[0].logprobs.text_offset[0] == 0
 
 
 # ---------------------------------------------------------------------------------------------- load
@@ -505,6 +627,49 @@ def test_ctrl_c_drains(one_slot, tokenizer):
     assert "SIGINT: finishing the requests in flight" in log and re.search(r"Stopped after \d+ requests\.", log), log
     assert "Traceback" not in log, log
 
+
+
+@pytest.mark.slow  # the harness twice on the real SmolLM2 (the served one and eval/lm_eval.py's model): ~30 s
+def test_lm_eval_local_completions_equal_the_eval_recipe(server, smollm2_dir, tmp_path, monkeypatch):
+    """lm-eval's own `local-completions` model pointed at the server (token-id prompts, `logprobs` + `echo` for the
+    log-likelihoods, `stop` for the generations) scores the local multiple-choice and generation tasks as
+    eval/lm_eval.py's model (lit_gpt.recipes.harness.LitLM) does on the same checkpoint: the same accuracies and exact
+    match, every log-likelihood within 1e-4 relative with the same greedy flag, every generated text the same."""
+    from harness_tasks import write_tasks
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    from lit_gpt.recipes.evaluate import load_eval_model
+    from lit_gpt.recipes.harness import LitLM
+
+    for k in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"):
+        monkeypatch.setenv(k, "1")
+    manager = TaskManager(include_path=str(write_tasks(tmp_path / "tasks")), include_defaults=False)
+    tasks = ["lit_mc", "lit_gen"]
+
+    def run(model: Any, model_args: Any = None) -> Dict[str, Any]:
+        return simple_evaluate(model=model, model_args=model_args, tasks=tasks, task_manager=manager,
+                               bootstrap_iters=0, log_samples=True)
+
+    served = run("local-completions", {"base_url": server.url + "/completions", "model": server.model,
+                                       "tokenizer_backend": "huggingface", "tokenizer": str(smollm2_dir),
+                                       "batch_size": 4, "max_length": 256, "max_retries": 1})
+    loaded = load_eval_model(smollm2_dir, accelerator="cpu")
+    ours = run(LitLM(loaded.model, loaded.tokenizer, loaded.runtime, batch_size=4, progress=False))
+    for task in tasks:
+        a, b = served["results"][task], ours["results"][task]
+        for metric in ("acc,none", "acc_norm,none", "exact_match,none"):
+            if metric in b:
+                assert a[metric] == b[metric], (task, metric, a[metric], b[metric])
+        for sa, sb in zip(served["samples"][task], ours["samples"][task], strict=True):
+            assert sa["doc_id"] == sb["doc_id"]
+            for ra, rb in zip(sa["resps"], sb["resps"], strict=True):
+                if task == "lit_gen":
+                    assert ra == rb, (ra, rb)
+                else:  # (log-likelihood, is greedy)
+                    assert ra[0][0] == pytest.approx(rb[0][0], rel=1e-4) and ra[0][1] == rb[0][1], (task, ra, rb)
+    assert ours["results"]["lit_mc"]["acc,none"] >= 0.5  # a real model's scores, not a constant
+    assert any(s["resps"][0][0].strip() for s in ours["samples"]["lit_gen"])  # some non-empty generations
 
 # ---------------------------------------------------------------------------------------------- finetuned weights
 @pytest.mark.slow  # its own server process: ~10 s

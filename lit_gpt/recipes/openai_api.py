@@ -5,14 +5,24 @@ server-sent events of `stream: true`):
     POST /v1/completions        a prompt (or a list of prompts) continued as is
     GET  /v1/models             the one model served
     GET  /health                200 while the engine runs
+    GET  /metrics               Prometheus' text format (lit_gpt.recipes.serve_metrics)
 
 Both POST endpoints take `max_tokens` (chat also `max_completion_tokens`), `temperature`, `top_p`, `stop`, `seed`,
 `n`, `stream` (with `stream_options.include_usage`) and report `usage`: in the response, and in a stream on the
 chunk that carries the finish reason (plus the separate usage chunk OpenAI sends when `include_usage` is set).
 
+Scores for evaluation (what lm-eval's `local-completions` model sends): /v1/completions takes a prompt as text or
+as token ids (a list of ids, or a list of such lists), `logprobs` (0 to MAX_LOGPROBS alternatives per token) and
+`echo` (the prompt is returned before the completion, with its tokens' scores when `logprobs` is set; its first
+token's log-probability is null, as OpenAI's and vLLM's are), and `max_tokens: 0` with `echo` (score a prompt,
+generate nothing). The choice's `logprobs` is OpenAI's completions object: `tokens` (each token's text),
+`token_logprobs`, `top_logprobs` (text -> log-probability, the `logprobs` most likely) and `text_offset` (where each
+token starts in the choice's text). Log-probabilities are the model's (log-softmax of its logits, before
+temperature and top-p). Not with `stream` (refused in one line).
+
 Bad requests get HTTP 400 with OpenAI's error body ({"error": {"message", "type", "param", "code"}}) and change
 nothing else: an unknown model, malformed JSON, a value out of range, a prompt or `max_tokens` beyond the
-context, a parameter this server does not implement (logprobs, tools, penalties, ...; refused by name rather than
+context, a parameter this server does not implement (chat's logprobs, tools, penalties, ...; refused by name rather than
 ignored), a request with more completions (prompts x n) than slots plus `--max_queue` can ever hold. More
 requests than free slots plus `--max_queue` get 429 (retry later). A client that goes away frees its slot at the
 next step.
@@ -25,13 +35,14 @@ from typing import Any, AsyncIterator, Dict, List, Optional, Union
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lit_gpt.generate import RowSampling
-from lit_gpt.recipes.serving import Engine, Job, QueueFull, new_generator
+from lit_gpt.recipes.serve_metrics import ServeMetrics
+from lit_gpt.recipes.serving import MAX_LOGPROBS, Engine, Job, QueueFull, Score, new_generator
 from lit_gpt.utils import LitError
 
 # parameters of the OpenAI API this server does not implement: refused by name when set to anything but their
@@ -85,13 +96,17 @@ class ChatRequest(_Common):
 
 
 class CompletionRequest(_Common):
-    prompt: Union[str, List[str]]
+    prompt: Union[str, List[str], List[int], List[List[int]]]  # text, or token ids (OpenAI's four forms)
+    max_tokens: Optional[int] = Field(None, ge=0)  # 0: with echo, score the prompt and generate nothing
+    logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
 
 
 def build_app(engine: Engine, model_name: str, style: Any) -> FastAPI:
     """The FastAPI application over `engine` (which `run`s on the device's thread), serving `model_name` with the
     prompt style `style` (lit_gpt.prompts) for chat."""
     app = FastAPI(title="lit_gpt OpenAI-compatible server")
+    metrics = engine.metrics = ServeMetrics(engine)
     tokenizer = engine.tokenizer
     created = int(time.time())
     stop_ids = sorted({ids[0] for ids in style.stop_tokens(tokenizer) if len(ids) == 1} | set(tokenizer.stop_ids))
@@ -119,6 +134,10 @@ def build_app(engine: Engine, model_name: str, style: Any) -> FastAPI:
                 "waiting": len(engine.waiting), "free_slots": engine.free_rows(),
                 "compilations_after_warm_up": engine.compiles_since_warm_up()}
 
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.scrape(), media_type=metrics.content_type)
+
     @app.get("/v1/models")
     async def models() -> Dict[str, Any]:
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
@@ -142,6 +161,53 @@ def build_app(engine: Engine, model_name: str, style: Any) -> FastAPI:
             raise APIError(400, "the prompt is empty", "prompt")
         return ids
 
+    vocab = engine.batch.vocab
+
+    def token_ids(ids: List[int]) -> List[int]:
+        if not ids:
+            raise APIError(400, "the prompt is empty", "prompt")
+        bad = next((i for i in ids if not 0 <= i < vocab), None)
+        if bad is not None:
+            raise APIError(400, f"prompt token id {bad} is not in the model's vocabulary (0..{vocab - 1})", "prompt")
+        return list(ids)
+
+    def token_text(i: int) -> str:
+        return tokenizer.decode([i])
+
+    def logprobs_object(job: Job, k: int, prompt_text: Optional[str], completion: str) -> Dict[str, Any]:
+        """OpenAI's completions `logprobs` of one choice: the echoed prompt's tokens (with `prompt_text`; the first
+        has no score) and the generated ones, their texts (as the incremental detokenizer emits them, so that they
+        add up to the choice's text) and offsets into the choice's text."""
+        entries: List[Any] = []  # (token id, Score or None)
+        if prompt_text is not None:
+            prompt_scores = job.prompt_scores or []
+            entries += [(job.prompt_ids[0], None)] + list(zip(job.prompt_ids[1:], prompt_scores))
+        ids = [i for i, _ in entries]
+        generated = list(job.generated_ids)
+        entries += list(zip(generated, job.scores))
+        tokens: List[str] = []
+        offsets: List[int] = []
+        for part, start in ((ids, 0), (generated, len(prompt_text or ""))):
+            decoder, at = tokenizer.stream_decoder(skip_special_tokens=True), start
+            for n, i in enumerate(part):
+                piece = decoder.step(i) + (decoder.flush() if n == len(part) - 1 else "")
+                offsets.append(at)
+                tokens.append(piece)
+                at += len(piece)
+
+        def top(score: Optional[Score]) -> Optional[Dict[str, float]]:
+            if score is None:
+                return None
+            out: Dict[str, float] = {}
+            for i, lp in score[1]:
+                if len(out) == k:
+                    break
+                out.setdefault(token_text(i), lp)  # two ids of one text: the likelier one's value
+            return out
+
+        return {"tokens": tokens, "token_logprobs": [s[0] if s is not None else None for _, s in entries],
+                "top_logprobs": [top(s) for _, s in entries], "text_offset": offsets}
+
     def limits(prompt_ids: List[int], max_tokens: Optional[int], param: str, prompt_param: str) -> int:
         room = engine.max_seq_length - len(prompt_ids)
         if room < 1:
@@ -164,6 +230,8 @@ def build_app(engine: Engine, model_name: str, style: Any) -> FastAPI:
 
     def jobs_for(body: _Common, prompts: List[List[int]], max_tokens: List[int]) -> List[List[Job]]:
         stops = stops_of(body)
+        logprobs = getattr(body, "logprobs", None)
+        echo_scores = bool(getattr(body, "echo", False)) and logprobs is not None
         on_host = bool(engine.runtime.compiles_graphs)
         out = []
         for p, (ids, limit) in enumerate(zip(prompts, max_tokens)):
@@ -174,7 +242,7 @@ def build_app(engine: Engine, model_name: str, style: Any) -> FastAPI:
                                        new_generator(seed, engine.runtime.device, on_host) if body.temperature > 0
                                        else None)
                 choices.append(Job(ids, limit, emit=lambda *a: None, sampling=sampling, stop_ids=stop_ids,
-                                   stop_strings=stops))
+                                   stop_strings=stops, logprobs=logprobs, echo_scores=echo_scores))
             out.append(choices)
         return out
 
@@ -211,14 +279,25 @@ def build_app(engine: Engine, model_name: str, style: Any) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
         check_common(body)
-        prompts = [body.prompt] if isinstance(body.prompt, str) else list(body.prompt)
-        if not prompts:
+        if body.max_tokens == 0 and not body.echo:
+            raise APIError(400, "max_tokens=0 generates nothing: it scores the prompt with echo (and logprobs); set"
+                                " echo, or max_tokens >= 1", "max_tokens")
+        if body.stream and (body.logprobs is not None or body.echo):
+            raise APIError(400, f"{'logprobs' if body.logprobs is not None else 'echo'} with stream is not supported"
+                                " by this server: send the request without stream",
+                           "logprobs" if body.logprobs is not None else "echo", code="unsupported_parameter")
+        prompt = body.prompt
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            prompt = [prompt]
+        if not prompt:
             raise APIError(400, "prompt is an empty list", "prompt")
-        ids = [encode(p, None) for p in prompts]
+        ids = [encode(p, None) if isinstance(p, str) else token_ids(p) for p in prompt]
+        texts = [p if isinstance(p, str) else tokenizer.decode(p, skip_special_tokens=True) for p in prompt]
         jobs = jobs_for(body, ids, [limits(i, body.max_tokens, "max_tokens", "prompt") for i in ids])
-        return await respond(request, body, jobs, chat=False)
+        return await respond(request, body, jobs, chat=False, prompt_texts=texts)
 
-    async def respond(request: Request, body: _Common, per_prompt: List[List[Job]], chat: bool) -> Any:
+    async def respond(request: Request, body: _Common, per_prompt: List[List[Job]], chat: bool,
+                      prompt_texts: Optional[List[str]] = None) -> Any:
         loop = asyncio.get_running_loop()
         queue: "asyncio.Queue[Any]" = asyncio.Queue()
         jobs = [job for choices in per_prompt for job in choices]
@@ -242,6 +321,7 @@ def build_app(engine: Engine, model_name: str, style: Any) -> FastAPI:
             engine.submit(jobs)
         except QueueFull as e:
             raise APIError(429, str(e), kind="server_overloaded", code="queue_full")
+        metrics.requests.labels("chat" if chat else "completions").inc()
         prompt_tokens = sum(len(choices[0].prompt_ids) for choices in per_prompt)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         kind = "chat.completion" if chat else "text_completion"
@@ -282,7 +362,12 @@ def build_app(engine: Engine, model_name: str, style: Any) -> FastAPI:
             choices = [{"index": i, "message": {"role": "assistant", "content": t}, "finish_reason": r,
                         "logprobs": None} for i, (t, r) in enumerate(zip(texts, reasons))]
         else:
-            choices = [{"index": i, "text": t, "finish_reason": r, "logprobs": None}
+            echo, logprobs = getattr(body, "echo", False), getattr(body, "logprobs", None)
+            prompt_of = [prompt_texts[p] for p, choices_ in enumerate(per_prompt) for _ in choices_] if prompt_texts \
+                else [""] * len(jobs)
+            choices = [{"index": i, "text": (prompt_of[i] if echo else "") + t, "finish_reason": r,
+                        "logprobs": logprobs_object(jobs[i], logprobs, prompt_of[i] if echo else None, t)
+                        if logprobs is not None else None}
                        for i, (t, r) in enumerate(zip(texts, reasons))]
         return {**base, "object": kind, "choices": choices, "usage": usage(completion)}
 

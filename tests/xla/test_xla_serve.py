@@ -112,12 +112,32 @@ def check_server(server: Any, reference: List[Tuple[str, str]]) -> None:
     assert health["compilations_after_warm_up"] == 0, health
     warm = re.search(r"Warm-up: [\d.]+ s, (\d+) compilations \((\d+) prompt lengths\)", server.log())
     assert warm and int(warm.group(2)) == BUCKETS
-    assert int(warm.group(1)) == BUCKETS + 1  # a prefill per bucket, the decode step
+    # a prefill per bucket, another per bucket that scores the prompt (echo with logprobs), the decode step
+    assert int(warm.group(1)) == 2 * BUCKETS + 1
 
 
 def test_1_device_concurrent_clients_get_the_cpu_answers_and_nothing_compiles_after_warm_up(servers, reference):
     check_server(servers["xla1"], reference)
 
+
+
+def test_1_device_scores_equal_the_cpu_servers_and_compile_nothing(servers, reference):
+    """`logprobs` with `echo` (a prompt scored: the warm-up's second prefill graph per bucket) and without, and
+    `max_tokens: 0`: the log-probabilities of the CPU server within float32 noise, and no compilation."""
+    scores = {}
+    for name in ("cpu", "xla1"):
+        client = servers[name].ready(START_TIMEOUT).client()
+        out = []
+        for prompt, kwargs in (("Once upon a time, a cat", {"max_tokens": 3, "logprobs": 2, "echo": True}),
+                               ("Once upon a time, a cat " * 5, {"max_tokens": 2, "logprobs": 1}),
+                               ("Tell me about the river.", {"max_tokens": 0, "logprobs": 0, "echo": True})):
+            r = client.completions.create(model="tiny-llama", prompt=prompt, temperature=0, **kwargs)
+            out.append((r.choices[0].text, r.choices[0].logprobs.tokens, r.choices[0].logprobs.token_logprobs))
+        scores[name] = out
+    for (text, tokens, lps), (xtext, xtokens, xlps) in zip(scores["cpu"], scores["xla1"]):
+        assert (xtext, xtokens) == (text, tokens)
+        assert xlps == pytest.approx(lps, abs=1e-4)
+    assert servers["xla1"].health()["compilations_after_warm_up"] == 0
 
 @pytest.mark.slow  # 8 virtual devices on 2 cores: about a second per decode step, 4 minutes in all
 def test_8_devices_concurrent_clients_get_the_cpu_answers_and_nothing_compiles_after_warm_up(servers, reference,
