@@ -31,7 +31,6 @@ from filelock import FileLock  # noqa: E402
 # or redirected) stream, closed after the test, and every later Lightning log line ("Seed set to ...") would print a
 # "--- Logging error ---" traceback into whatever a later test captures
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "generation_config.json")
 HERE = Path(__file__).resolve().parent
 # pytest-xdist (on by default: pyproject.toml) hands each worker one group of tests at a time: a module, so that its
 # module fixtures run once. XLA processes with 8 virtual devices run one at a time across the workers (two side by
@@ -121,20 +120,10 @@ def smollm2_dir(smollm2_gguf, tmp_path_factory) -> Path:
                          lambda out: convert_gguf(smollm2_gguf, out))
 
 
-def make_tiny_checkpoint(directory: Path, tokenizer_dir: Path, seed: int = 0, **overrides) -> Path:
-    """A random tiny Llama-style checkpoint that uses the real SmolLM2 tokenizer (vocab 49152)."""
-    from tiny import random_model, tiny_llama_config, write_checkpoint
-
-    config = tiny_llama_config(**{"block_size": 256, "vocab_size": 49152, **overrides})
-    write_checkpoint(random_model(config, seed), directory)
-    for name in TOKENIZER_FILES:
-        if (tokenizer_dir / name).is_file():
-            shutil.copy(tokenizer_dir / name, directory / name)
-    return directory
-
-
 @pytest.fixture(scope="session")
 def tiny_dir(smollm2_dir, tmp_path_factory) -> Path:
+    from tiny import make_tiny_checkpoint
+
     return shared_folder(tmp_path_factory, "tiny/tiny-llama", lambda out: make_tiny_checkpoint(out, smollm2_dir))
 
 

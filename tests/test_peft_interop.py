@@ -446,7 +446,7 @@ def test_finetune_lora_continues_an_imported_peft_adapter(tiny_dir, tmp_path, ca
     first step's loss is the imported adapter's own loss on the step's rows (evaluated here, and not the base's:
     training starts from it, not from B = 0), and the weights written after 2 steps have moved from it. Another
     base, other LoRA settings, or a PEFT folder not imported yet: one error line each, before anything loads."""
-    from conftest import make_tiny_checkpoint
+    from tiny import make_tiny_checkpoint
     from variants import run_recipe
 
     adapter, imported, data_dir = community_lora(tiny_dir, tmp_path)

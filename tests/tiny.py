@@ -6,6 +6,7 @@ embeddings), defined once: a test states only what it changes, as keyword overri
     write_checkpoint(random_model(config), directory)            # lit_model.safetensors + lit_config.json
 """
 
+import shutil
 from pathlib import Path
 from typing import Any, Optional, Type
 
@@ -39,4 +40,17 @@ def write_checkpoint(model: GPT, directory: Path) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     save_weights(model.state_dict(), directory)
     model.config.save(directory)
+    return directory
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "generation_config.json")
+
+
+def make_tiny_checkpoint(directory: Path, tokenizer_dir: Path, seed: int = 0, **overrides) -> Path:
+    """A random tiny Llama-style checkpoint that uses the real SmolLM2 tokenizer (vocab 49152)."""
+    config = tiny_llama_config(**{"block_size": 256, "vocab_size": 49152, **overrides})
+    write_checkpoint(random_model(config, seed), directory)
+    for name in TOKENIZER_FILES:
+        if (tokenizer_dir / name).is_file():
+            shutil.copy(tokenizer_dir / name, directory / name)
     return directory
