@@ -439,9 +439,9 @@ def tpu_plan() -> str:
         return "No plan result files yet (`python xla/scripts/plan.py ... --results_file bench/results/plan_NAME.json`).\n"
     order = {"lora": 0, "full": 1}
     plans.sort(key=lambda r: (r["model"], order.get(r["method"], 9), r["chips"], r["topology"]))
-    lines = ["| model | method | slice | peak HBM / chip | fits | largest micro batch (est.) | model FLOPs / token |"
-             " MFU bound | roofline step | plan: host RAM, time |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| model | method | slice | tokens / chip / step | peak HBM / chip | fits | largest micro batch (est.) |"
+             " model FLOPs / token | MFU bound | roofline step | plan: host RAM, time |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in plans:
         pc, h = r["per_chip"], r.get("host", {})
         gib = lambda b: f"{b / 2**30:.1f} GiB"  # noqa: E731
@@ -450,24 +450,27 @@ def tpu_plan() -> str:
         roof = r.get("roofline")
         ram = max(h.get("trace_process_max_rss_gib", 0), h.get("compile_process_max_rss_gib", 0))
         largest = r.get("largest_micro_batch_estimate")
-        lines.append(f"| {r['model']} | {r['method']} | {r['topology']} | {peak} | {fits} |"
+        st = r["settings"]
+        step = (f"{st['micro_batch_size']} x {st['max_seq_length']}"
+                + (", act. ckpt" if st.get("activation_checkpointing") else "") + (", scan" if st.get("scan_layers") else ""))
+        lines.append(f"| {r['model']} | {r['method']} | {r['topology']} | {step} | {peak} | {fits} |"
                      f" {'n/a' if largest is None else largest} | {r['model_flops_per_token'] / 1e9:.1f} G | {_f(roof and 100 * roof['mfu_bound'], '.0f')}% |"
                      f" {_f(roof and roof['step_s'] * 1e3, '.0f')} ms ({roof['bound'] if roof else 'n/a'}) |"
-                     f" {ram:.1f} GiB, {h.get('wall_s', 0) / 60:.0f} min |")
+                     f" {ram:.1f} GiB, {h.get('wall_s', 0) / 60:.1f} min |")
     s = plans[0]["settings"]
     v = plans[0].get("host", {}).get("versions", {})
     text = (f"**Compiled** for each slice by libtpu's TPU compiler on a CPU-only host (`xla/scripts/plan.py`: the"
-            f" recipe's real step, traced on XLA:CPU devices, weights as placeholders). Step: micro batch"
-            f" {s['micro_batch_size']} x {s['max_seq_length']} tokens per chip, {s['precision']}, {s['optimizer']},"
-            f" LoRA r {plans[0].get('settings', {}).get('lora', {}).get('r', 8)} on query and value for the LoRA rows;"
-            " no activation checkpointing, no scan. Depth-truncated compiles (1 and 2 layers at the real width and"
+            f" recipe's real step, traced on XLA:CPU devices, weights as placeholders). Step: micro batch x tokens"
+            f" per chip as in each row, {s['precision']}, {s['optimizer']}, the recipes' default flags otherwise"
+            f" (LoRA r {s.get('lora', {}).get('lora_r', 8)} on query and value for the LoRA rows; activation"
+            " checkpointing and scan only where the row says so). Depth-truncated compiles (1 and 2 layers at the real width and"
             " vocabulary) extrapolated per layer. Peak HBM per chip is the compiler's (weights, optimizer state,"
             " gradients, activations and temporaries), against what libtpu lets a program use. The MFU bound is the"
             " model FLOPs (forward + backward, 2 or 3 x the forward's) over the chip's peak, in the roofline step"
             " time (the slower of the compiled FLOPs at peak and the compiled HBM bytes at full bandwidth): an upper"
             " bound, not a prediction. The largest micro batch is an estimate from the same compile (temporaries"
             " taken as proportional to the rows; 0: not one row fits this slice: a bigger slice, or activation"
-            " checkpointing, which these rows do not use).\n\n")
+            " checkpointing where a row does not use it).\n\n")
     text += "\n".join(lines) + "\n"
     files = ", ".join(f"`bench/results/{r['_file']}`" for r in plans)
     dates = sorted({r.get("host", {}).get("date", "")[:10] for r in plans} - {""})
@@ -740,7 +743,39 @@ def packing() -> str:
     return text + _source(*records)
 
 
+def long_context() -> str:
+    """bench/long_context.py: one packed LoRA train step at long row lengths, the dense document mask (old) against
+    attention one document at a time (new): peak memory above the model's, and step time."""
+    (r,) = _load_all("long_context_cpu")
+    head = ["| row length | old (dense mask): peak MiB | step s | new (per document): peak MiB | step s |"
+            " new peak / previous length's |", "| --- | --- | --- | --- | --- | --- |"]
+    if r is None:
+        return "\n".join(head + ["| not measured (run `python bench/long_context.py --results_file"
+                                 " bench/results/long_context_cpu.json`) | | | | | |"]) + "\n"
+    res, s = r["results"], r["settings"]
+    steps = {(x["path"], x["T"]): x for x in res["steps"]}
+    new_ratios = res["peak_ratios"]["documents"]
+    prev = None
+    for T in s["lengths"]:
+        old, new = steps.get(("mask", T), {}), steps.get(("documents", T), {})
+        old_cells = ("skipped", "-") if "skipped" in old else (_f(old.get("peak_mib"), ".0f"), _f(old.get("step_s")))
+        ratio = new_ratios.get(f"{T}/{prev}") if prev else None
+        head.append(f"| {T} | {old_cells[0]} | {old_cells[1]} | {_f(new.get('peak_mib'), '.0f')}"
+                    f" | {_f(new.get('step_s'))} | {_f(ratio) + 'x' if ratio else '-'} |")
+        prev = T
+    skipped = [f"{x['T']} ({x['skipped']})" for x in res["steps"] if "skipped" in x]
+    speed = next((v for k, v in res.items() if k.startswith("old_over_new_time_at_")), None)
+    text = "\n".join(head) + "\n"
+    text += (f"\n{s['model']}, {s['method']}, {s['precision']}, {s['rows_per_step']} row per step of documents of"
+             f" {s['documents']}; {s['threads'] or 'default'} thread(s). Peak: the step's resident memory above the"
+             " process's before it (activations, gradients, temporaries); time: the second step. Old over new step"
+             f" time at {s['lengths'][0]}: {_f(speed)}x."
+             + (f" Old path skipped at {', '.join(skipped)}." if skipped else "") + "\n")
+    return text + _source(r)
+
+
 TABLES: Dict[str, Callable[[], str]] = {
+    "long-context": long_context,
     "packing": packing,
     "serve": serve,
     "eval-throughput": eval_throughput,

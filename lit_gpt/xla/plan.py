@@ -1,6 +1,6 @@
 """Planning a TPU run on any host: the TPU compiler's own per-chip memory and cost of a traced training step.
 
-    python xla/scripts/plan.py --method lora --model_name Llama-3.1-8B --topology v5e-8 --micro_batch_size 1
+    python xla/scripts/plan.py --method lora --model_name Llama-3.1-8B --topology v5e-8 --train.micro_batch_size 1
 
 The step is traced by torch_xla on as many XLA:CPU devices as the topology has chips (xla/scripts/plan.py runs the
 recipe's own loop, `lit_gpt.training.fit`, until its graph cut and takes the pending graph instead of running it).
@@ -187,6 +187,9 @@ def module_from_dump(data: bytes) -> bytes:
     return data[i:i + length]
 
 
+COMPILER_FLAGS: Dict[str, Any] = {}
+
+
 def _topology_devices(topo: Topology) -> Any:
     import os
 
@@ -203,7 +206,8 @@ def _topology_devices(topo: Topology) -> Any:
 
 
 def compile_for_topology(module_proto: bytes, topo: Topology, donors: Sequence[int] = (),
-                         shardings: Optional[Dict[Any, str]] = None, keep_text: bool = False) -> Dict[str, Any]:
+                         shardings: Optional[Dict[Any, str]] = None, keep_text: bool = False,
+                         compiler_flags: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """Compile an SPMD-annotated `HloModuleProto` for `topo`'s compile-only TPU devices; `donors` are the argument
     numbers whose buffers the step may reuse, `shardings` HLO shardings for arguments the module has none for
     (placeholders, which torch_xla cannot annotate). Returns per-chip memory
@@ -247,6 +251,8 @@ def compile_for_topology(module_proto: bytes, topo: Topology, donors: Sequence[i
     # without this the outputs (new weights, optimizer state) come back replicated: wrong bytes, extra all-gathers
     build.allow_spmd_sharding_propagation_to_output = [True]
     build.device_assignment = xc.DeviceAssignment.create(np.array([[d.id for d in devices]]))
+    flags = {**COMPILER_FLAGS, **(compiler_flags or {})}
+    options.env_option_overrides = [(k, str(v)) for k, v in flags.items()]  # XLA (not libtpu) options
     client = devices[0].client
     try:
         executable = client.compile(bytecode, xc.DeviceList(tuple(devices)), options)
@@ -282,3 +288,43 @@ def _oom_bytes(text: str) -> Dict[str, Any]:
     if m:
         out["over_bytes"] = int(float(m.group(1)) * units[m.group(2)])
     return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Pallas kernels traced on XLA:CPU for the TPU
+# ---------------------------------------------------------------------------------------------------------------
+MOSAIC_VERSION = 7
+"""The newest Mosaic (Pallas TPU) serialization libtpu 0.0.21 reads ("Failed to deserialize the Mosaic module:
+Unsupported version: expected <= 7 but got 8" otherwise). On a TPU, jax picks it from the runtime's libtpu; here
+there is no TPU runtime to ask, and jax 0.7.1 writes its newest, 8."""
+
+
+def pallas_for_tpu(mosaic_version: int = MOSAIC_VERSION) -> None:
+    """Make torch_xla's Pallas kernels (flash attention, grouped matmul) trace for the TPU in an XLA:CPU process:
+    torch_xla lowers a kernel with jax for the default backend, which off a TPU is the CPU ("Only interpret mode is
+    supported on CPU backend"); this lowers it for the "tpu" platform instead, in the Mosaic version libtpu reads.
+    The step's HLO then holds the kernels' `tpu_custom_call`s, as on a TPU (XLA:CPU cannot run them: trace only)."""
+    import jax
+    import jax._src.tpu_custom_call as tpu_custom_call
+    import torch
+    import torch_xla.experimental.custom_kernel as custom_kernel
+
+    tpu_custom_call.get_ir_version = lambda ctx: mosaic_version
+
+    def trace_pallas(kernel: Any, *args: Any, static_argnums: Any = None, static_argnames: Any = None,
+                     use_cache: bool = False, **kwargs: Any) -> Tuple[Any, List[Any]]:
+        # torch_xla 2.9's trace_pallas, lowered for the TPU (its payload cache is left out: a plan traces once)
+        import jax._src.pallas.mosaic.pallas_call_registration  # noqa: F401  (the Mosaic lowering; as torch_xla)
+
+        jax_args, tensor_args = [], []
+        for arg in args:
+            if torch.is_tensor(arg):
+                jax_args.append(custom_kernel.to_jax_shape_dtype_struct(arg))
+                tensor_args.append(arg)
+            else:
+                jax_args.append(arg)
+        lowered = jax.jit(kernel, static_argnums=static_argnums, static_argnames=static_argnames).trace(
+            *jax_args, **kwargs).lower(lowering_platforms=("tpu",))
+        return custom_kernel._extract_backend_config(lowered.compiler_ir()), tensor_args
+
+    custom_kernel.trace_pallas = trace_pallas

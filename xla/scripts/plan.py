@@ -3,7 +3,11 @@
 
     pip install -r requirements-tpu-plan.txt      # the TPU compiler (libtpu), once
     python xla/scripts/plan.py --method lora --model_name Llama-3.1-8B --topology v5e-8 \\
-        --train.micro_batch_size 1 --train.max_seq_length 2048 --results_file plan.json
+        --train.micro_batch_size 1 --train.max_seq_length 2048 --lora_r 8 --results_file plan.json
+
+The flags are the XLA finetune recipes' own (lit_gpt.recipes.flags: --precision, --activation_checkpointing,
+--scan_layers, --optimizer, --train.*, --moe.*, --lora_*), with their defaults; --scan_layers auto resolves as the
+recipe would for the whole model.
 
 How: a child process with as many XLA:CPU devices as the slice has chips (PJRT_DEVICE=CPU CPU_NUM_DEVICES=N, set
 before torch_xla is imported) builds the recipe's model on the meta device, gives every weight and optimizer state
@@ -17,7 +21,9 @@ compiler for the topology's compile-only devices (`lit_gpt.xla.plan`). Big model
 `max(--layers)` layers (or with `--full_depth true`) are compiled whole.
 
 Not covered: the real device order of a slice, the TPU runtime's own flags (e.g. LIBTPU_INIT_ARGS), the input
-pipeline and host work between steps, and Pallas kernels (the plan traces the XLA attention path).
+pipeline and host work between steps, and packed rows (no --data.packing: the Pallas flash attention that packed rows
+use on a TPU is not in the planned step; `lit_gpt.xla.plan.pallas_for_tpu` makes such kernels trace and compile for the
+TPU, tests/xla/test_plan.py).
 """
 
 import gc
@@ -28,13 +34,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Literal, Optional
 
 import torch
 
-from lit_gpt.args import EvalArgs, TrainArgs
+from lit_gpt.args import EvalArgs, MoEArgs, TrainArgs
+from lit_gpt.recipes.flags import LORA, XLA_FINETUNE, Flag, command
 from lit_gpt.utils import LitError, run_cli
 from lit_gpt.xla.plan import (
     COLLECTIVES, compile_for_topology, extrapolate, parse_topology, roofline, tpu_compiler_missing,
@@ -44,66 +51,43 @@ CHILD_ENV = "LIT_GPT_PLAN_TRACE"  # set in the tracing child: the path of its jo
 METHODS = ("lora", "full")
 
 
-@dataclass
-class LoraArgs:
-    """The LoRA settings of finetune/lora.py and xla/finetune/lora.py (used with --method lora)."""
+_RECIPE = {f.name: f for f in XLA_FINETUNE}  # the XLA finetune recipes' flags: the plan takes theirs as they are
+FLAGS = [
+    Flag("model_name", Optional[str], None,
+         "A name from the config registry (e.g. Llama-3.1-8B); no weights are needed."),
+    replace(_RECIPE["checkpoint_dir"], default=None,
+            doc="Or the recipe's base model folder: its lit_config.json describes the model (its weights are not\n"
+                "read)."),
+    Flag("method", Literal["lora", "full"], "lora",
+         '"lora" or "full": the step of xla/finetune/lora.py or xla/finetune/full.py.'),
+    Flag("topology", str, "v5e-8",
+         "The TPU slice: v5e-8, v5e-16, v5e-32, v6e-8, v6e-64, v5p-8, ... (v5p/v4 names count TensorCores)."),
+    *(_RECIPE[name] for name in ("precision", "activation_checkpointing", "scan_layers", "optimizer")),
+    # the lora recipe's --train defaults, with a sequence length: a plan has no data to take the longest row from
+    replace(_RECIPE["train"], default=TrainArgs(global_batch_size=16, micro_batch_size=1, learning_rate=3e-4,
+                                                max_seq_length=2048),
+            doc="The recipe's --train flags: the step has --train.micro_batch_size rows per chip of\n"
+                "--train.max_seq_length tokens (one micro-batch: gradient accumulation repeats the same graph)."),
+    _RECIPE["moe"],
+    *LORA,  # the LoRA recipes' own flags (--lora_r, --lora_mlp, ...), used with --method lora
+    Flag("layers", Optional[List[int]], None,
+         "The depths compiled to extrapolate from (default 1 and 2)."),
+    Flag("full_depth", bool, False, "Compile the whole model instead of extrapolating (needs a small model)."),
+    Flag("results_file", Optional[Path], None, "Write the plan as JSON here."),
+    Flag("hlo_dir", Optional[Path], None,
+         "Write each compiled (partitioned, per-chip) program here as HLO text, one file per depth."),
+    Flag("trace_cache", Optional[Path], None,
+         "Keep the traced steps in this folder, so that plans of the same step for other topologies with as\n"
+         "many chips (v5e-8 and v6e-8) compile it without tracing it again."),
+]
 
-    r: int = 8
-    """The rank of the LoRA matrices (the recipes' --lora_r)."""
-    alpha: int = 16
-    """The LoRA scaling numerator: updates are scaled by alpha / r (--lora_alpha)."""
-    query: bool = True
-    """LoRA on the attention queries (--lora_query)."""
-    key: bool = False
-    """LoRA on the attention keys (--lora_key)."""
-    value: bool = True
-    """LoRA on the attention values (--lora_value)."""
-    projection: bool = False
-    """LoRA on the attention output projection (--lora_projection)."""
-    mlp: bool = False
-    """LoRA on the MLP's matrices (--lora_mlp)."""
-    head: bool = False
-    """LoRA on the output head (--lora_head)."""
 
-
-def setup(
-    model_name: Optional[str] = None,
-    checkpoint_dir: Optional[Path] = None,
-    method: str = "lora",
-    topology: str = "v5e-8",
-    train: TrainArgs = TrainArgs(micro_batch_size=1, max_seq_length=2048),
-    precision: str = "bf16-true",
-    activation_checkpointing: bool = False,
-    scan_layers: bool = False,
-    optimizer: str = "adamw",
-    lora: LoraArgs = LoraArgs(),
-    layers: Optional[List[int]] = None,
-    full_depth: bool = False,
-    results_file: Optional[Path] = None,
-    hlo_dir: Optional[Path] = None,
-    trace_cache: Optional[Path] = None,
-) -> Dict[str, Any]:
-    """Compile a finetune recipe's training step for a TPU topology and report what it needs per chip.
-
-    Args:
-        model_name: a name from the config registry (e.g. Llama-3.1-8B); no weights are needed.
-        checkpoint_dir: or a checkpoint folder whose lit_config.json describes the model (its weights are not read).
-        method: "lora" or "full" (xla/finetune/lora.py, xla/finetune/full.py).
-        topology: the TPU slice: v5e-8, v5e-16, v5e-32, v6e-8, v6e-64, v5p-8, ... (v5p/v4 names count cores).
-        train: the recipe's --train flags; the step has --train.micro_batch_size rows per chip of
-            --train.max_seq_length tokens (one micro-batch per step: gradient accumulation repeats the same graph).
-        precision: bf16-true (the TPU default of the XLA recipes), 32-true or bf16-mixed.
-        activation_checkpointing: recompute each block's activations in the backward pass.
-        scan_layers: run the blocks as one scanned layer (torch_xla's scan).
-        optimizer: adamw or sgd (the recipes' --optimizer).
-        lora: the LoRA settings (--lora.r, --lora.mlp, ...).
-        layers: the depths compiled to extrapolate from (default 1 and 2).
-        full_depth: compile the whole model instead of extrapolating (needs a small model).
-        results_file: write the plan as JSON here.
-        hlo_dir: write each compiled (partitioned, per-chip) program here as HLO text, one file per depth.
-        trace_cache: keep the traced steps in this folder, so that plans of the same step for other topologies with
-            as many chips (v5e-8 and v6e-8) compile it without tracing it again.
-    """
+def plan_run(model_name: Optional[str], checkpoint_dir: Optional[Path], method: str, topology: str,
+             precision: Optional[str], activation_checkpointing: bool, scan_layers: Any, optimizer: str,
+             train: TrainArgs, moe: Any, layers: Optional[List[int]], full_depth: bool, results_file: Optional[Path],
+             hlo_dir: Optional[Path], trace_cache: Optional[Path], **lora: Any) -> Dict[str, Any]:
+    """Compile a finetune recipe's training step for a TPU topology and report what it needs per chip."""
+    precision = precision or "bf16-true"  # the XLA recipes' default on a TPU
     t0 = time.perf_counter()
     load_start = list(os.getloadavg())
     topo = parse_topology(topology)
@@ -117,7 +101,7 @@ def setup(
         raise LitError(f"--optimizer must be 'adamw' or 'sgd', got {optimizer!r}")
     if precision not in ("bf16-true", "32-true", "bf16-mixed"):
         raise LitError(f"--precision must be bf16-true, 32-true or bf16-mixed, got {precision!r}")
-    config = model_config(model_name, checkpoint_dir, method, asdict(lora))
+    config = moe.apply(model_config(model_name, checkpoint_dir, method, lora))
     if train.max_seq_length > config.block_size:
         raise LitError(f"--train.max_seq_length {train.max_seq_length} exceeds the model's context length"
                        f" {config.block_size}")
@@ -131,11 +115,13 @@ def setup(
     missing = tpu_compiler_missing()
     if missing:
         raise LitError(missing)
+    scan = resolve_scan(config, method, scan_layers, activation_checkpointing)
 
     job = {"model_name": model_name, "checkpoint_dir": str(checkpoint_dir) if checkpoint_dir else None,
            "method": method, "devices": topo.chips, "micro_batch_size": train.micro_batch_size,
            "max_seq_length": train.max_seq_length, "precision": precision, "optimizer": optimizer,
-           "activation_checkpointing": activation_checkpointing, "scan_layers": scan_layers, "lora": asdict(lora),
+           "activation_checkpointing": activation_checkpointing, "scan_layers": scan, "lora": lora,
+           "moe": asdict(moe),
            "learning_rate": train.learning_rate, "weight_decay": train.weight_decay, "max_norm": train.max_norm}
     compiled: Dict[int, Dict[str, Any]] = {}
     for depth in depths:
@@ -174,7 +160,7 @@ def model_config(model_name: Optional[str], checkpoint_dir: Optional[Path], meth
     from lit_gpt.config import Config
 
     cls = lora_module.Config if method == "lora" else Config
-    kwargs = {f"lora_{k}": v for k, v in lora.items()} if method == "lora" else {}
+    kwargs = dict(lora) if method == "lora" else {}
     if n_layer is not None:
         kwargs["n_layer"] = n_layer
     if checkpoint_dir is not None:
@@ -185,6 +171,20 @@ def model_config(model_name: Optional[str], checkpoint_dir: Optional[Path], meth
         return cls.from_name(model_name, **kwargs)
     except (ValueError, KeyError) as e:
         raise LitError(f"--model_name {model_name!r}: {e}") from None
+
+
+def resolve_scan(config: Any, method: str, scan_layers: Any, activation_checkpointing: bool) -> bool:
+    """--scan_layers as the recipe resolves it for the whole model (a truncated model is traced with the same
+    setting): "auto" scans from 32 blocks on, not with dropout in the blocks (LoRA's) nor for MoE models."""
+    from lit_gpt import lora as lora_module
+    from lit_gpt.model import GPT
+    from lit_gpt.recipes.xla_finetune import check_moe
+    from lit_gpt.xla.scan import resolve_scan_layers
+
+    check_moe(config, scan_layers, activation_checkpointing)
+    with torch.device("meta"):  # no memory: only the blocks' structure is read
+        model = lora_module.GPT(config) if method == "lora" else GPT(config)
+    return resolve_scan_layers(scan_layers, model)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -367,7 +367,8 @@ def _trace_main(fabric: Any, job: Dict[str, Any]) -> None:
 
     X = torch_xla._XLAC
     runtime = XLARuntime(fabric)
-    config = model_config(job["model_name"], job["checkpoint_dir"], job["method"], job["lora"], job["n_layer"])
+    config = MoEArgs(**job["moe"]).apply(
+        model_config(job["model_name"], job["checkpoint_dir"], job["method"], job["lora"], job["n_layer"]))
     with torch.device("meta"):
         model = lora.GPT(config) if job["method"] == "lora" else GPT(config)
     strategy = fabric.strategy
@@ -543,6 +544,9 @@ class _Placeholders:
                     state[k] = self.make(p.shape, p.dtype)
                     self.state_ids.add(torch_xla._XLAC._xla_get_tensor_id(state[k]))
 
+
+setup = command("Compile a finetune recipe's training step for a TPU topology and report what it needs per chip.",
+                FLAGS, plan_run)
 
 if __name__ == "__main__":
     if os.environ.get(CHILD_ENV):
