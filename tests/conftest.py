@@ -80,15 +80,18 @@ def smollm2_gguf() -> Path:
 def _system_temp_inside_the_runs_folder(tmp_path_factory):
     """Everything the suite and the processes it starts write to the system temp folder (tempfile's folders, the
     recipes' temporary mirrors and logs) goes under pytest's folder of this run instead, which pytest removes when
-    the run passes (tmp_path_retention_policy in pyproject.toml): a run leaves nothing behind in /tmp."""
+    the run passes (tmp_path_retention_policy in pyproject.toml): a run leaves nothing behind in /tmp. libtpu (the
+    TPU planner's compiler) writes its logs to /tmp/tpu_logs whatever TMPDIR says: TPU_LOG_DIR moves them too."""
     path = tmp_path_factory.mktemp("system_temp")
-    saved = os.environ.get("TMPDIR"), tempfile.tempdir
+    saved = {name: os.environ.get(name) for name in ("TMPDIR", "TPU_LOG_DIR")}, tempfile.tempdir
     os.environ["TMPDIR"] = tempfile.tempdir = str(path)
+    os.environ["TPU_LOG_DIR"] = str(path / "tpu_logs")
     yield path
-    if saved[0] is None:
-        os.environ.pop("TMPDIR", None)
-    else:
-        os.environ["TMPDIR"] = saved[0]
+    for name, value in saved[0].items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
     tempfile.tempdir = saved[1]
 
 

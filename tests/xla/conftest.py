@@ -68,7 +68,8 @@ def selected_devices(request) -> List[int]:
 
 
 def xla_env(devices: int, **extra: str) -> Dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PJRT_", "XLA_", "TPU_"))}
+    # TPU_LOG_DIR stays: libtpu's logs go under the run's folder (tests/conftest.py), not /tmp/tpu_logs
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PJRT_", "XLA_", "TPU_")) or k == "TPU_LOG_DIR"}
     # TF_CPP_MIN_LOG_LEVEL=2: no "GSPMD sharding propagation is going to be deprecated" line per compilation.
     # --xla_backend_optimization_level=0: XLA:CPU compiles ~4x faster; the tests check graphs, not speed
     env.update(PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(devices), TF_CPP_MIN_LOG_LEVEL="2",
