@@ -57,6 +57,12 @@ def _source(*records: Optional[dict]) -> str:
     return line + "\n"
 
 
+def _not_measured(head: List[str], command: str) -> str:
+    """A table of `head` (its header and separator rows) whose one row says how to produce its result file."""
+    empty_cells = head[0].count("|") - 2
+    return "\n".join(head + [f"| not measured (run `{command}`) |" + " |" * empty_cells]) + "\n"
+
+
 def _load_all(*names: str) -> List[Optional[dict]]:
     out = []
     for name in names:
@@ -74,7 +80,7 @@ def cpu_generate() -> str:
     (r,) = _load_all("generate_cpu")
     lines = ["| implementation (CPU, fp32, batch 1, greedy) | tokens/s | ratio to transformers |", "| --- | --- | --- |"]
     if r is None:
-        return "\n".join(lines + ["| not measured (run `python bench/generate.py --results_file bench/results/generate_cpu.json`) | | |"]) + "\n"
+        return _not_measured(lines, "python bench/generate.py --results_file bench/results/generate_cpu.json")
     res, s = r["results"], r["settings"]
     lines.append(f"| `generate/base.py` (eager) | {_f(res['ours_tokens_per_s'])} | {_f(res['ours_ratio'])}x |")
     if "ours_compiled_tokens_per_s" in res:
@@ -103,8 +109,8 @@ def cpu_generate_gemma3() -> str:
              " | KV cache | greedy tokens equal to transformers' |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     if r is None:
-        return "\n".join(lines + ["| not measured (run `python bench/generate.py --setting gemma3 --results_file"
-                                   " bench/results/generate_gemma3_cpu.json`) | | | | | | | | |"]) + "\n"
+        return _not_measured(lines, "python bench/generate.py --setting gemma3 --results_file"
+                                   " bench/results/generate_gemma3_cpu.json")
     res, s, a = r["results"], r["settings"], r["settings"]["architecture"]
     n = s["max_new_tokens"]
     matching = res.get("tokens_matching_transformers", {})
@@ -157,7 +163,7 @@ def cpu_finetune() -> str:
     head = ["| method (CPU, fp32) | s / step | tokens/s (padded) | peak RSS | CPU time, whole run | litgpt 0.5.13 s / step"
             " | litgpt peak RSS | litgpt CPU time | speed vs litgpt |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     if r is None:
-        return "\n".join(head + ["| not measured (run `python bench/finetune.py --results_file bench/results/finetune_cpu.json`) | | | | | | | | |"]) + "\n"
+        return _not_measured(head, "python bench/finetune.py --results_file bench/results/finetune_cpu.json")
     res, s = r["results"], r["settings"]
     for method in s["methods"]:
         o, lg = res.get(f"{method}/ours"), res.get(f"{method}/litgpt")
@@ -336,8 +342,8 @@ def quantize_table(r: Optional[dict]) -> str:
     head = [f"| variant ({where}, batch 1, greedy) | perplexity | vs unquantized | decode tokens/s | vs unquantized"
             " | block weights | same greedy tokens |", "| --- | --- | --- | --- | --- | --- | --- |"]
     if r is None:
-        return "\n".join(head + ["| not measured (run `python bench/quantize.py --results_file"
-                                 " bench/results/quantize_cpu.json`) | | | | | | |"]) + "\n"
+        return _not_measured(head, "python bench/quantize.py --results_file"
+                                 " bench/results/quantize_cpu.json")
     s = r["settings"]
     lines = list(head)
     for name, v in r["results"]["variants"].items():
@@ -362,8 +368,8 @@ def xla_scan() -> str:
     lines = ["| layers | compile, loop | compile, scan | scan / loop | steady step, loop | steady step, scan | scan / loop"
              " | largest loss difference |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     if r is None:
-        return "\n".join(lines + ["| not measured (run `PJRT_DEVICE=CPU python bench/xla_scan.py --results_file"
-                                   " bench/results/xla_scan_cpu1.json`) | | | | | | | |"]) + "\n"
+        return _not_measured(lines, "PJRT_DEVICE=CPU python bench/xla_scan.py --results_file"
+                                   " bench/results/xla_scan_cpu1.json")
     s = r["settings"]
     for depth, v in sorted(r["results"].items(), key=lambda kv: int(kv[0])):
         lines.append(
@@ -533,8 +539,8 @@ def moe_dispatch() -> str:
     head = ["| contender | decode tokens/s | decode vs ours | training step (s) | step vs ours |",
             "| --- | --- | --- | --- | --- |"]
     if r is None:
-        return "\n".join(head + ["| not measured (run `python bench/moe_dispatch.py --results_file"
-                                   " bench/results/moe_dispatch_cpu.json`) | | | | |"]) + "\n"
+        return _not_measured(head, "python bench/moe_dispatch.py --results_file"
+                                   " bench/results/moe_dispatch_cpu.json")
     res, s = r["results"], r["settings"]
     labels = {"ours": "ours (`moe_dispatch` auto: decode as generate/base.py runs it on the CPU, views of the chosen"
                       " experts; training step: rows grouped by expert)",
@@ -568,8 +574,8 @@ def xla_moe_memory() -> str:
     head = ["| checkpoint | path | precision | host memory above the baseline (median) | x largest block"
             " | x the path's bound (worst run) | x the dense checkpoint's |", "| --- | --- | --- | --- | --- | --- | --- |"]
     if r is None:
-        return "\n".join(head + ["| not measured (run `python bench/xla_moe_memory.py"
-                                   " --results_file bench/results/xla_moe_memory_cpu.json`) | | | | | | |"]) + "\n"
+        return _not_measured(head, "python bench/xla_moe_memory.py"
+                                   " --results_file bench/results/xla_moe_memory_cpu.json")
     s = r["settings"]
     names = {"load": "staged load", "save": "sharded save", "consolidate": "consolidation"}
     for row in r["results"]:
@@ -602,8 +608,7 @@ def dpo_step() -> str:
     head = ["| backend | run | s / step | vs SFT per step (expected) | padded tokens / step | vs SFT per padded token"
             " | one-off reference pass |", "| --- | --- | --- | --- | --- | --- | --- |"]
     if not any(records):
-        return "\n".join(head + ["| not measured (run `python bench/dpo.py --results_file bench/results/dpo_cpu.json`)"
-                                 " | | | | | | |"]) + "\n"
+        return _not_measured(head, "python bench/dpo.py --results_file bench/results/dpo_cpu.json")
     for (name, label), r in zip(DPO_FILES, records):
         if r is None:
             continue
@@ -644,8 +649,8 @@ def eval_throughput() -> str:
     head = ["| backend (CPU) | requests / s | tokens / s | seconds | speed vs hf | largest log-likelihood difference"
             " | greedy flags agree |", "| --- | --- | --- | --- | --- | --- | --- |"]
     if r is None:
-        return "\n".join(head + ["| not measured (run `python bench/eval_throughput.py --results_file"
-                                 " bench/results/eval_throughput_cpu.json`) | | | | | | |"]) + "\n"
+        return _not_measured(head, "python bench/eval_throughput.py --results_file"
+                                 " bench/results/eval_throughput_cpu.json")
     res, s = r["results"], r["settings"]
     head.append(f"| ours (`eval/lm_eval.py`) | {_f(res['ours_requests_per_s'])} | {_f(res['ours_tokens_per_s'], '.0f')}"
                 f" | {_f(res['ours_seconds'], '.1f')} | {_f(res['ours_speedup'])}x"
@@ -666,8 +671,7 @@ def serve() -> str:
             " (p90) | transformers batched `generate`, batch = requests in flight: tokens/s | ours vs transformers |",
             "| --- | --- | --- | --- | --- | --- | --- |"]
     if not records:
-        return "\n".join(head + ["| not measured (run `python bench/serve.py --results_file bench/results/serve_cpu.json`)"
-                                 " | | | | | | |"]) + "\n"
+        return _not_measured(head, "python bench/serve.py --results_file bench/results/serve_cpu.json")
     for r in records:
         res, s = r["results"], r["settings"]
         seq = res["sequential"]
@@ -711,8 +715,8 @@ def packing() -> str:
             " | packed | packed / padded | train-step compilations: padded, packed |",
             "| --- | --- | --- | --- | --- | --- | --- |"]
     if not any(records):
-        return "\n".join(head + ["| not measured (run `python bench/packing.py --results_file"
-                                 " bench/results/packing_cpu.json`) | | | | | | |"]) + "\n"
+        return _not_measured(head, "python bench/packing.py --results_file"
+                                 " bench/results/packing_cpu.json")
     for (_, label), r in zip(PACKING_FILES, records):
         if r is None:
             continue
@@ -750,8 +754,8 @@ def long_context() -> str:
     head = ["| row length | old (dense mask): peak MiB | step s | new (per document): peak MiB | step s |"
             " new peak / previous length's |", "| --- | --- | --- | --- | --- | --- |"]
     if r is None:
-        return "\n".join(head + ["| not measured (run `python bench/long_context.py --results_file"
-                                 " bench/results/long_context_cpu.json`) | | | | | |"]) + "\n"
+        return _not_measured(head, "python bench/long_context.py --results_file"
+                                 " bench/results/long_context_cpu.json")
     res, s = r["results"], r["settings"]
     steps = {(x["path"], x["T"]): x for x in res["steps"]}
     new_ratios = res["peak_ratios"]["documents"]
