@@ -115,6 +115,21 @@ def shared_folder(tmp_path_factory, name: str, build: Callable[[Path], None]) ->
 
 
 @pytest.fixture(scope="session")
+def forks(tmp_path_factory):
+    """A fork server (tests/fork_server.py) for tests that start `python finetune/X.py ...` processes where the
+    process matters (signals, SIGKILL, several ranks) but not the interpreter's start-up: each command is a process
+    of its own, forked from a server that imported torch, Lightning and lit_gpt once (~5 s per process saved). One
+    per test process; its environment: the tests' (one thread per process), the repository and tests/ importable."""
+    from child_env import python_path
+    from fork_server import ForkServer
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([python_path(), str(HERE)])}
+    server = ForkServer(tmp_path_factory.mktemp("forks") / "fork.sock", env, HERE.parent)
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="session")
 def smollm2_dir(smollm2_gguf, tmp_path_factory) -> Path:
     """SmolLM2-135M-Instruct converted from GGUF into a lit checkpoint dir (fp32), once per run."""
     from lit_gpt.gguf import convert_gguf

@@ -15,6 +15,10 @@ exit status, and a process group of its own that a timeout, or the end of the se
 shim of tests/test_docs.py does). The server ends when its stdin closes (`close()`, or the end of the process that
 started it), and kills the commands still running then. `serve(socket_path, rewrite)` starts a server whose
 `rewrite(argv, cwd)` may change a script command's argv (tests/test_docs.py adds flags that keep runs short).
+
+`server.start(argv, cwd, env, stdio)` runs a command without waiting for it, as `subprocess.Popen` does: the handle
+has the command's `pid` (to signal or SIGKILL it: tests/test_faults.py's soak), `poll()`, `wait()`, `kill()` and
+`send_signal()`.
 """
 
 import atexit
@@ -42,14 +46,16 @@ Rewrite = Callable[[List[str], str], List[str]]
 
 def request(socket_path: Union[str, Path], argv: Sequence[Arg], cwd: Union[str, Path], env: Mapping[str, str],
             stdio: Sequence[int], timeout: Optional[float] = None, fsize: Optional[int] = None,
-            rewrite: bool = True) -> Optional[int]:
+            rewrite: bool = True, on_start: Optional[Callable[[int], None]] = None) -> Optional[int]:
     """Run `python *argv` in the server at `socket_path` and wait for it: its exit status, or None when it ran past
     `timeout` seconds (then it was killed, with its process group). `stdio`: its stdin, stdout and stderr file
     descriptors; `fsize`: a file size limit in bytes (a write past it fails with EFBIG, as on a full disk);
-    `rewrite=False`: the server's rewrite function leaves this argv alone."""
+    `rewrite=False`: the server's rewrite function leaves this argv alone; `on_start(pid)`: called with the command's
+    process id once it runs."""
     message = json.dumps({
         "argv": [base64.b64encode(os.fsencode(a)).decode() for a in argv],  # bytes that are not UTF-8 too
         "cwd": str(cwd), "env": dict(env), "timeout": timeout, "fsize": fsize, "rewrite": rewrite,
+        "report_pid": on_start is not None,
     }).encode()
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.connect(str(socket_path))
@@ -59,6 +65,10 @@ def request(socket_path: Union[str, Path], argv: Sequence[Arg], cwd: Union[str, 
         reply = b""
         while chunk := s.recv(64):
             reply += chunk
+            if on_start is not None and b"\n" in reply:  # "PID\n" comes first, the exit status at the end
+                pid, reply = reply.split(b"\n", 1)
+                on_start(int(pid))
+                on_start = None
     if reply == b"timeout":
         return None
     return int(reply or b"1")  # no reply: the server ended while the command ran
@@ -82,6 +92,11 @@ class ForkServer:
             timeout: Optional[float] = None, fsize: Optional[int] = None, rewrite: bool = True) -> Optional[int]:
         return request(self.socket_path, argv, cwd, env, stdio, timeout, fsize, rewrite)
 
+    def start(self, argv: Sequence[Arg], cwd: Union[str, Path], env: Mapping[str, str], stdio: Sequence[int],
+              timeout: Optional[float] = None) -> "Started":
+        """Start a command and return at once (`subprocess.Popen` for commands of this server)."""
+        return Started(self.socket_path, argv, cwd, env, stdio, timeout)
+
     def close(self) -> None:
         self.proc.stdin.close()  # the server kills the commands still running and ends
         try:
@@ -89,6 +104,90 @@ class ForkServer:
         except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, signal.SIGKILL)  # it leads its own session
             self.proc.wait()
+
+
+def run_captured(server: "ForkServer", argv: Sequence[Arg], cwd: Union[str, Path], env: Mapping[str, str],
+                 timeout: Optional[float] = None) -> subprocess.CompletedProcess:
+    """`subprocess.run(["python", *argv], capture_output=True, text=True, stdin=DEVNULL)` in the server: stdout
+    and stderr through temporary files (a pipe nobody reads while the command runs could fill up and stall it).
+    Past `timeout` the command is killed and `subprocess.TimeoutExpired` raised, as subprocess.run does."""
+    import tempfile
+
+    with open(os.devnull) as null_in, tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        code = server.run(argv, cwd, env, (null_in.fileno(), out.fileno(), err.fileno()), timeout=timeout)
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read(), err.read()
+    if code is None:
+        raise subprocess.TimeoutExpired(["python", *map(str, argv)], timeout, stdout, stderr)
+    return subprocess.CompletedProcess(["python", *map(str, argv)], code, stdout, stderr)
+
+
+class Started:
+    """A command running in a fork server, with the parts of `subprocess.Popen` that tests use: `pid`, `returncode`,
+    `poll()`, `wait(timeout)`, `send_signal(sig)` and `kill()` (SIGKILL). A thread waits for the server's reply.
+    The `stdio` descriptors may be closed once this returns (the server has its own copies by then)."""
+
+    def __init__(self, socket_path: str, argv: Sequence[Arg], cwd: Union[str, Path], env: Mapping[str, str],
+                 stdio: Sequence[int], timeout: Optional[float] = None) -> None:
+        self.pid: Optional[int] = None
+        self.returncode: Optional[int] = None
+        self._started, self._done = threading.Event(), threading.Event()
+        self._error: Optional[BaseException] = None
+
+        def on_start(pid: int) -> None:
+            self.pid = pid
+            self._started.set()
+
+        def run() -> None:
+            try:
+                code = request(socket_path, argv, cwd, env, stdio, timeout, on_start=on_start)
+                self.returncode = -signal.SIGKILL if code is None else code  # past `timeout`: killed
+            except BaseException as e:  # noqa: BLE001  (raised in the caller by wait/poll)
+                self._error = e
+            finally:
+                self._started.set()
+                self._done.set()
+
+        threading.Thread(target=run, daemon=True).start()
+        self._started.wait()  # the descriptors were sent, the command runs (or the request failed)
+        if self._error is not None:
+            raise self._error
+
+    def poll(self) -> Optional[int]:
+        if self._error is not None:
+            raise self._error
+        return self.returncode if self._done.is_set() else None
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        if not self._done.wait(timeout):
+            raise subprocess.TimeoutExpired(f"fork server command {self.pid}", timeout)
+        return self.poll()
+
+    def send_signal(self, sig: int) -> None:
+        # the pid is the command's until the server reaps it; its reply follows within microseconds, and the kernel
+        # hands pids out in turn (up to pid_max), so no other process can have taken it in between
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class Captured(Started):
+    """`subprocess.Popen(["python", *argv], stdout=PIPE, stderr=PIPE, text=True)` in the server, for commands
+    started together and read later: stdout and stderr go to the files `out` and `err` (a pipe nobody reads while
+    the command runs could fill up and stall it); `communicate(timeout)` waits and returns their text."""
+
+    def __init__(self, server: "ForkServer", argv: Sequence[Arg], cwd: Union[str, Path], env: Mapping[str, str],
+                 out: Path, err: Path) -> None:
+        self.out, self.err = Path(out), Path(err)
+        with open(os.devnull) as null_in, open(self.out, "w") as o, open(self.err, "w") as e:
+            super().__init__(server.socket_path, argv, cwd, env, (null_in.fileno(), o.fileno(), e.fileno()))
+
+    def communicate(self, timeout: Optional[float] = None) -> Tuple[str, str]:
+        self.wait(timeout)
+        return self.out.read_text(), self.err.read_text()
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -121,6 +220,8 @@ def serve(socket_path: str, rewrite: Optional[Rewrite] = None) -> None:
                 os.setpgid(pid, pid)  # also done by the child: whichever runs first (a kill needs the group)
             except (PermissionError, ProcessLookupError):
                 pass
+            if req.get("report_pid"):
+                conn.sendall(f"{pid}\n".encode())
             for fd in fds:
                 os.close(fd)
             status, timed_out = _wait(pid, req["timeout"])

@@ -135,16 +135,18 @@ def weights(path: Path) -> Dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def words(tmp_path_factory):
+def words(tmp_path_factory, forks):
     """The tiny word-level checkpoint and its prepared Alpaca data."""
+    from fork_server import run_captured
     from words import alpaca_rows, make_word_checkpoint  # tests/words.py, a shared test helper
     tmp = tmp_path_factory.mktemp("babysit_words")
     tiny = make_word_checkpoint(tmp / "tiny-words")
     (tmp / "alpaca.json").write_text(json.dumps(alpaca_rows()))
-    prep = subprocess.run(
-        [sys.executable, str(REPO / "scripts/prepare_alpaca.py"), "--checkpoint_dir", str(tiny), "--data_file",
-         str(tmp / "alpaca.json"), "--destination_path", str(tmp / "data"), "--val_split_fraction", str(4 / 44)],
-        cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT,
+    # forked from the fork server (tests/conftest.py `forks`): the data script without a fresh interpreter's imports
+    prep = run_captured(
+        forks, [str(REPO / "scripts/prepare_alpaca.py"), "--checkpoint_dir", str(tiny), "--data_file",
+                str(tmp / "alpaca.json"), "--destination_path", str(tmp / "data"), "--val_split_fraction",
+                str(4 / 44)], REPO, os.environ, timeout=TIMEOUT,
     )
     assert prep.returncode == 0, prep.stderr[-3000:]
     return tiny, tmp / "data"

@@ -14,7 +14,6 @@ import contextlib
 import io
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -213,11 +212,14 @@ def test_bad_settings_are_one_line_and_write_nothing(words_dir, pairs_dir, tmp_p
                                        for p in out.iterdir())
 
 
-def test_cli_error_is_one_line(words_dir, pairs_dir, tmp_path):
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "finetune" / "dpo.py"), "--checkpoint_dir", str(words_dir), "--data.data_dir",
-         str(pairs_dir), "--out_dir", str(tmp_path / "out"), "--dpo.loss", "ipo", "--dpo.label_smoothing", "0.1"],
-        capture_output=True, text=True, timeout=120)
+def test_cli_error_is_one_line(words_dir, pairs_dir, tmp_path, forks):
+    from fork_server import run_captured
+
+    # `python finetune/dpo.py ...` as a process of its own, forked from the fork server (tests/conftest.py `forks`)
+    proc = run_captured(
+        forks, [str(ROOT / "finetune" / "dpo.py"), "--checkpoint_dir", str(words_dir), "--data.data_dir",
+                str(pairs_dir), "--out_dir", str(tmp_path / "out"), "--dpo.loss", "ipo", "--dpo.label_smoothing",
+                "0.1"], ROOT, os.environ, timeout=120)
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines() == [
         "error: --dpo.label_smoothing applies to --dpo.loss robust (TRL's robust DPO), not 'ipo': set --dpo.loss"
@@ -225,7 +227,7 @@ def test_cli_error_is_one_line(words_dir, pairs_dir, tmp_path):
 
 
 @pytest.mark.slow  # two processes (DDP over gloo): multi-process runs are in the slow suite (tests/README.md)
-def test_two_processes_ddp_match_one(words_dir, pairs_dir, tmp_path):
+def test_two_processes_ddp_match_one(words_dir, pairs_dir, tmp_path, forks):
     """2 CPU processes (DDP over gloo), each 1 pair per micro-batch, == 1 process with 2: the step's loss is the mean
     over the pairs of all processes. Full finetuning: the precomputed reference is computed by each process."""
     one = tmp_path / "one"  # micro-batches of 1 pair, like each process's: the same validation batches
@@ -237,8 +239,11 @@ def test_two_processes_ddp_match_one(words_dir, pairs_dir, tmp_path):
            "--train.global_batch_size", "4", "--train.learning_rate", "2e-3", "--train.min_lr", "2e-4",
            "--train.lr_warmup_steps", "1", "--train.save_interval", "3", "--train.seed", "3", "--eval.interval", "3",
            "--eval.max_iters", "3", "--eval.max_new_tokens", "3", "--dpo.beta", "0.5"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=tmp_path,
-                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    # rank 0 forked from the fork server (tests/conftest.py `forks`: torch imported already); it starts rank 1 as
+    # the recipe does everywhere (a `python` process of its own)
+    from fork_server import run_captured
+
+    proc = run_captured(forks, cmd[1:], cwd=tmp_path, env={**os.environ, "PYTHONUNBUFFERED": "1"}, timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
     for key in ("loss", "reward_margin", "val_loss"):
         a, b = read_metrics(one, key), read_metrics(two, key)

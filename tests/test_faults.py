@@ -13,7 +13,6 @@ import random
 import re
 import shutil
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -394,7 +393,10 @@ def cli_args(tiny_dir, data_dir, out, steps, save_interval):
 
 
 def env():
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "tests")}
+    from child_env import python_path
+
+    # the repository (and the parent's PYTHONPATH) too: the recipe imports lit_gpt also where it is not installed
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), python_path()])}
 
 
 def wait_for(proc, out: Path, step: int, timeout: float = 120) -> None:
@@ -405,13 +407,17 @@ def wait_for(proc, out: Path, step: int, timeout: float = 120) -> None:
         time.sleep(0.05)
 
 
-# a real process each (~20 s): SIGTERM by default (what preemptions and schedulers send); SIGINT also with -m slow
+# a real process each (forked from the fork server: a few seconds): SIGTERM by default (what preemptions and
+# schedulers send); SIGINT also with -m slow
 @pytest.mark.parametrize("sig", [pytest.param(signal.SIGINT, marks=pytest.mark.slow), signal.SIGTERM],
                          ids=["SIGINT", "SIGTERM"])
-def test_signal_during_training_is_one_line_with_the_resume_command(sig, tiny_dir, data_dir, tmp_path):
+def test_signal_during_training_is_one_line_with_the_resume_command(sig, tiny_dir, data_dir, tmp_path, forks):
+    from fork_server import Captured, run_captured
+
     out = tmp_path / "run"
-    proc = subprocess.Popen(cli_args(tiny_dir, data_dir, out, steps=400, save_interval=2), cwd=ROOT, env=env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # a process of its own (the signal goes to it alone), forked from the fork server: no fresh interpreter's imports
+    proc = Captured(forks, cli_args(tiny_dir, data_dir, out, steps=400, save_interval=2)[1:], ROOT, env(),
+                    tmp_path / "run.out", tmp_path / "run.err")
     wait_for(proc, out, 2)
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=60)
@@ -426,9 +432,9 @@ def test_signal_during_training_is_one_line_with_the_resume_command(sig, tiny_di
     assert int(checkpoint.name[5:]) <= step
     # the printed command resumes (here cut to the next checkpoint with --train.max_steps)
     words = m.group(3).split()
-    words[0] = sys.executable
-    resumed = subprocess.run(words + ["--train.max_steps", str(int(checkpoint.name[5:]) + 2)], cwd=ROOT, env=env(),
-                             capture_output=True, text=True, timeout=300)
+    assert words[0] == "python"
+    resumed = run_captured(forks, words[1:] + ["--train.max_steps", str(int(checkpoint.name[5:]) + 2)], ROOT, env(),
+                           timeout=300)
     assert resumed.returncode == 0, resumed.stderr
     # from the step named (or a newer one, when the signal came after a commit and before the loop knew of it)
     resumed_from = re.search(r"Resumed from (\S+) at step (\d+)", resumed.stdout)
@@ -440,13 +446,32 @@ def test_signal_during_training_is_one_line_with_the_resume_command(sig, tiny_di
 # ---------------------------------------------------------------------------------------------------------------
 # the soak: a real process killed (SIGKILL) at random points, at least 10 times, into a file:// out_dir
 # ---------------------------------------------------------------------------------------------------------------
+def forked(forks, argv, stderr: Path):
+    """`python *argv[1:]` started in the fork server (`forks`, tests/conftest.py): still a `python finetune/lora.py
+    ...` process of its own, SIGKILLed as one, without a fresh interpreter's ~5 s of imports (the soak starts a
+    dozen). Its stdin and stdout: /dev/null; its stderr: the file `stderr`."""
+    with open(os.devnull) as null_in, open(os.devnull, "w") as null_out, open(stderr, "w") as err:
+        return forks.start(argv[1:], ROOT, env(), (null_in.fileno(), null_out.fileno(), err.fileno()))
+
+
 @pytest.mark.slow
-def test_soak_lora_killed_at_random_points_resumes_to_the_same_result(tiny_dir, data_dir, tmp_path):
-    steps, interval = 400, 4
+def test_soak_lora_killed_at_random_points_resumes_to_the_same_result(tiny_dir, data_dir, tmp_path, forks):
+    # each killed run trains about 8 steps at most (to its first new checkpoint, then up to one more interval: the
+    # delays below are counted in this machine's step time), so 10 kills take about 80 of the 160 steps however fast
+    # or loaded the machine is (with delays of up to 0.6 s, a machine at 20 ms a step would train ~35 steps per kill:
+    # hence the 400 steps it had); the length is not what is checked
+    steps, interval = 160, 4
     straight = tmp_path / "straight"
-    done = subprocess.run(cli_args(tiny_dir, data_dir, straight, steps, interval), cwd=ROOT, env=env(),
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr
+    done = forked(forks, cli_args(tiny_dir, data_dir, straight, steps, interval), tmp_path / "straight.err")
+    # the uninterrupted run also times its steps (from its first checkpoint to its end), so that the random delays
+    # below are a number of steps, whatever this machine's speed and load
+    first_save = None
+    while done.poll() is None:
+        if first_save is None and (straight / f"step-{interval:06d}" / MANIFEST).is_file():
+            first_save = time.monotonic()
+        time.sleep(0.02)
+    assert done.wait(600) == 0, (tmp_path / "straight.err").read_text()
+    step_time = (time.monotonic() - (first_save or time.monotonic())) / (steps - interval)
 
     out = tmp_path / "soak"
     url = f"file://{out}"
@@ -455,28 +480,30 @@ def test_soak_lora_killed_at_random_points_resumes_to_the_same_result(tiny_dir, 
     while True:
         runs += 1
         assert runs < 60, "the soak did not finish"
-        proc = subprocess.Popen(cli_args(tiny_dir, data_dir, url, steps, interval) + ["--resume", "auto"], cwd=ROOT,
-                                env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        err_path = tmp_path / f"run{runs}.err"
+        proc = forked(forks, cli_args(tiny_dir, data_dir, url, steps, interval) + ["--resume", "auto"], err_path)
         if kills < 10:
             # kill once this run has made progress (a new checkpoint committed), after a random delay that lands
-            # anywhere in training, in a save or in the export
+            # anywhere in the next save interval: in training or in a save (up to `interval` steps' time)
             before = set(out.glob(f"step-*/{MANIFEST}"))
             start = time.time()
             while proc.poll() is None and not set(out.glob(f"step-*/{MANIFEST}")) - before and time.time() - start < 120:
                 time.sleep(0.01)
             if kills % 2:
-                time.sleep(rng.uniform(0.0, 0.6))
+                time.sleep(rng.uniform(0.0, interval * step_time))
             else:  # every other kill aims at a save: as soon as the next step's folder appears, files half there
                 seen = {p.name for p in out.glob("step-*")}
                 while proc.poll() is None and not {p.name for p in out.glob("step-*")} - seen:
                     time.sleep(0.001)
             if proc.poll() is None:
                 proc.kill()
-                _, err = proc.communicate()
+                proc.wait(60)
+                err = err_path.read_text()
                 skipped += sum("is incomplete" in line for line in err.splitlines() if line.startswith("warning:"))
                 kills += 1
                 continue
-        _, err = proc.communicate(timeout=600)
+        proc.wait(600)
+        err = err_path.read_text()
         skipped += sum("is incomplete" in line for line in err.splitlines() if line.startswith("warning:"))
         assert proc.returncode == 0, err
         assert kills >= 10, f"the run ended after {kills} kills: lengthen it"
@@ -485,8 +512,13 @@ def test_soak_lora_killed_at_random_points_resumes_to_the_same_result(tiny_dir, 
     assert same_weights(straight / "final" / WEIGHTS, out / "final" / WEIGHTS)
     a, b = read_metrics(straight), read_metrics(out)
     assert sorted(b) == list(range(1, steps + 1)) and all(a[s] == b[s] for s in a)
-    print(f"soak: {kills} kills over {runs} runs ({skipped} resumes skipped a step cut off by the kill), final"
-          f" weights and {steps} losses equal to the uninterrupted run")
+    import csv
+
+    last_log = max((out / "logs" / "csv").glob("version_*/metrics.csv"), key=lambda p: int(p.parent.name[8:]))
+    with open(last_log) as f:
+        last_start = min(int(float(row["step"])) for row in csv.DictReader(f) if row.get("loss"))
+    print(f"soak: {kills} kills over {runs} runs ({skipped} resumes skipped a step cut off by the kill; the last run"
+          f" started at step {last_start}), final weights and {steps} losses equal to the uninterrupted run")
 
 
 # ---------------------------------------------------------------------------------------------------------------

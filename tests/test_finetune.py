@@ -6,7 +6,6 @@ import importlib.util
 import json
 import os
 import random
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -478,11 +477,14 @@ def test_data_from_another_tokenizer_is_rejected(tiny_dir, data_dir, tmp_path):
         load_recipe("lora").setup(**run_args("lora", other, data_dir, tmp_path / "out"))
 
 
-def test_cli_error_is_one_line(tiny_dir, tmp_path):
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "finetune" / "lora.py"), "--checkpoint_dir", str(tiny_dir),
-         "--data.data_dir", str(tmp_path / "missing"), "--out_dir", str(tmp_path / "out")],
-        capture_output=True, text=True, timeout=300,
+def test_cli_error_is_one_line(tiny_dir, tmp_path, forks):
+    from fork_server import run_captured
+
+    # `python finetune/lora.py ...` as a process of its own, forked from the fork server (tests/conftest.py `forks`)
+    proc = run_captured(
+        forks, [str(ROOT / "finetune" / "lora.py"), "--checkpoint_dir", str(tiny_dir),
+                "--data.data_dir", str(tmp_path / "missing"), "--out_dir", str(tmp_path / "out")],
+        ROOT, os.environ, timeout=300,
     )
     assert proc.returncode == 1
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
@@ -490,7 +492,7 @@ def test_cli_error_is_one_line(tiny_dir, tmp_path):
 
 
 @pytest.mark.slow
-def test_two_processes_ddp_match_one(trained, tiny_dir, data_dir, tmp_path):
+def test_two_processes_ddp_match_one(trained, tiny_dir, data_dir, tmp_path, forks):
     """2 CPU processes (DDP over gloo), each accumulating 2 micro-batches of 1 sample == the reference run's 1
     process accumulating 4: the same samples per step and the same gradient (the step's loss is normalised by
     the target tokens of all processes), so the same losses and weights up to float summation order. (Fabric has no FSDP on the CPU: see test_bad_settings_are_one_line_errors.)"""
@@ -513,7 +515,11 @@ def test_two_processes_ddp_match_one(trained, tiny_dir, data_dir, tmp_path):
     for k, v in cfg["kwargs"].items():
         cmd += [f"--{k}", str(v)]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=500, cwd=tmp_path, env=env)
+    # rank 0 is forked from the fork server (tests/conftest.py `forks`: torch imported already), and starts rank 1
+    # as the recipe does everywhere (a `python` process of its own)
+    from fork_server import run_captured
+
+    proc = run_captured(forks, cmd[1:], cwd=tmp_path, env=env, timeout=500)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Starting with 2 processes" in proc.stdout + proc.stderr
     a, b = read_metrics(one), read_metrics(two)

@@ -225,12 +225,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_fsdp_keeps_a_tied_head_tied(tmp_path):
+def test_fsdp_keeps_a_tied_head_tied(tmp_path, forks):
     """torch's FSDP on the CPU (gloo, one process), built on the meta device like Lightning's FSDP: without
     `materialize_outside` the head and the embedding become two tensors that train apart; with it the tie
     survives wrapping, loading, a step and the full state dict that the checkpoint is written from."""
-    proc = subprocess.run([sys.executable, "-c", FSDP_SCRIPT, str(free_port())], capture_output=True, text=True,
-                          timeout=300, cwd=ROOT)
+    from fork_server import run_captured
+
+    # `python -c SCRIPT` as a process of its own (its gloo group), forked from the fork server (tests/conftest.py)
+    proc = run_captured(forks, ["-c", FSDP_SCRIPT, str(free_port())], ROOT, os.environ, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1] == "(False, False) (True, True)"
 
@@ -242,6 +244,14 @@ def lora_cmd(out: Path, checkpoint_dir: Path, data_dir: Path, *extra: str, steps
             "--train.save_interval", "2", "--train.seed", "3", "--train.learning_rate", "0.02",
             "--lora_r", "4", "--lora_alpha", "8", "--eval.interval", "2", "--eval.max_iters", "1",
             "--eval.max_new_tokens", "2", *extra]
+
+
+def forked(forks, cmd, cwd: Path, env, stdout, stderr: Path):
+    """`cmd` (`python SCRIPT ARGS...`) started in the fork server (tests/conftest.py `forks`): a process of its own,
+    signalled and SIGKILLed as one, without a fresh interpreter's ~5 s of imports. Its stdout: the file object
+    `stdout` (or None: /dev/null); its stderr: the file `stderr`."""
+    with open(os.devnull) as null_in, open(os.devnull, "w") as null_out, open(stderr, "w") as err:
+        return forks.start(cmd[1:], cwd, env, (null_in.fileno(), (stdout or null_out).fileno(), err.fileno()))
 
 
 def csv_losses(out: Path, key: str = "loss") -> Dict[int, float]:
@@ -257,14 +267,18 @@ def csv_losses(out: Path, key: str = "loss") -> Dict[int, float]:
 
 
 @pytest.mark.slow
-def test_one_process_without_validation_batch_and_two_nodes(tiny_dir, tmp_path):
+def test_one_process_without_validation_batch_and_two_nodes(tiny_dir, tmp_path, forks):
     """2 processes and a validation set of one batch: the second process validates nothing but still joins the
     sum (it used to wait forever). Then the same run as 2 nodes x 1 process (torchrun/SLURM style environment,
     both on localhost) gives the same losses."""
     data_dir = prepare(tiny_dir, tmp_path / "prepared", rows(17), val_fraction=1 / 17)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    one_node = subprocess.run(lora_cmd(tmp_path / "one", tiny_dir, data_dir, "--devices", "2"), env=env,
-                              capture_output=True, text=True, timeout=400, cwd=tmp_path)
+    # the processes are forked from the fork server (torch imported already); rank 1 of the one-node run is started
+    # by the recipe itself, as everywhere (a `python` process of its own)
+    from fork_server import run_captured
+
+    one_node = run_captured(forks, lora_cmd(tmp_path / "one", tiny_dir, data_dir, "--devices", "2")[1:], tmp_path,
+                            env, timeout=400)
     assert one_node.returncode == 0, one_node.stderr[-3000:]
     assert sorted(csv_losses(tmp_path / "one", "val_loss")) == [2, 4]
     port = str(free_port())
@@ -272,20 +286,18 @@ def test_one_process_without_validation_batch_and_two_nodes(tiny_dir, tmp_path):
     for node in (0, 1):
         node_env = {**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "NODE_RANK": str(node),
                     "LOCAL_RANK": "0", "WORLD_SIZE": "2"}
-        procs.append(subprocess.Popen(lora_cmd(tmp_path / "nodes", tiny_dir, data_dir, "--devices", "1",
-                                               "--num_nodes", "2"),
-                                      env=node_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                      cwd=tmp_path))
-    for p in procs:
-        out, err = p.communicate(timeout=400)
-        assert p.returncode == 0, err[-3000:]
+        procs.append(forked(forks, lora_cmd(tmp_path / "nodes", tiny_dir, data_dir, "--devices", "1", "--num_nodes",
+                                            "2"), tmp_path, node_env, None, tmp_path / f"node{node}.err"))
+    for node, p in enumerate(procs):
+        p.wait(timeout=400)
+        assert p.returncode == 0, (tmp_path / f"node{node}.err").read_text()[-3000:]
     a, b = csv_losses(tmp_path / "one"), csv_losses(tmp_path / "nodes")
     assert sorted(a) == [1, 2, 3, 4] and a.keys() == b.keys()
     assert all(b[s] == pytest.approx(a[s], rel=1e-5) for s in a), (a, b)
 
 
 @pytest.mark.slow
-def test_lora_with_dropout_survives_random_kills_bit_exactly(tiny_dir, data_dir, tmp_path):
+def test_lora_with_dropout_survives_random_kills_bit_exactly(tiny_dir, data_dir, tmp_path, forks):
     """The CPU soak: finetune/lora.py with dropout, a checkpoint every 2 steps, SIGKILLed at random moments (some
     during a save) and restarted with --resume auto until it finishes; the losses and the final weights equal an
     uninterrupted run's bit for bit."""
@@ -295,9 +307,11 @@ def test_lora_with_dropout_survives_random_kills_bit_exactly(tiny_dir, data_dir,
     # the uninterrupted run, timing its start-up (until its first checkpoint) and its steps: the kills below are
     # placed relative to the soak run's own progress, so that a loaded machine cannot let a run finish unkilled
     t0 = time.monotonic()
-    # stderr to files: a pipe nobody reads while the test polls could fill up and stall the run
-    straight = subprocess.Popen(lora_cmd(tmp_path / "straight", tiny_dir, data_dir, *extra, steps=steps), env=env,
-                                stdout=subprocess.DEVNULL, stderr=open(tmp_path / "straight.err", "w"), cwd=tmp_path)
+    # stderr to files: a pipe nobody reads while the test polls could fill up and stall the run. Each run is a
+    # process of its own forked from the fork server (tests/conftest.py `forks`): SIGKILLed as one, without a fresh
+    # interpreter's ~5 s of imports (its start-up, where the first kill lands, is the recipe's own loading)
+    straight = forked(forks, lora_cmd(tmp_path / "straight", tiny_dir, data_dir, *extra, steps=steps), tmp_path, env,
+                      None, tmp_path / "straight.err")
     first_save = None
     while straight.poll() is None:
         if first_save is None and (tmp_path / "straight" / "step-000002" / STEP_FILE).exists():
@@ -317,16 +331,16 @@ def test_lora_with_dropout_survives_random_kills_bit_exactly(tiny_dir, data_dir,
     kills = 0
     for trigger, delay in plans + [("end", None)]:
         err_file = tmp_path / "soak.err"
-        proc = subprocess.Popen(lora_cmd(soak, tiny_dir, data_dir, *extra, "--resume", "auto", steps=steps),
-                                env=env, stdout=subprocess.DEVNULL, stderr=open(err_file, "w"), cwd=tmp_path)
+        proc = forked(forks, lora_cmd(soak, tiny_dir, data_dir, *extra, "--resume", "auto", steps=steps), tmp_path,
+                      env, None, err_file)
         if trigger != "end":
             while trigger is not None and proc.poll() is None and not trigger.exists():
                 time.sleep(0.02)
             try:
-                proc.communicate(timeout=delay)
+                proc.wait(timeout=delay)
             except subprocess.TimeoutExpired:
                 proc.kill()  # SIGKILL wherever the run is: loading, a step, a save
-                proc.communicate()
+                proc.wait(timeout=60)
                 kills += 1
                 continue
         proc.wait(timeout=400)

@@ -52,15 +52,18 @@ def metrics(out: Path, key: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory, xla_env):
+def setup(tmp_path_factory, xla_env, forks):
+    from fork_server import run_captured
+
     tmp = tmp_path_factory.mktemp("xla_dpo")
     words = make_word_checkpoint(tmp / "words")
     (tmp / "pairs.json").write_text(json.dumps(preference_rows(36)))
     data = tmp / "pairs"
-    prep = subprocess.run(
-        [sys.executable, str(REPO / "scripts/prepare_preferences.py"), "--checkpoint_dir", str(words),
-         "--data_file", str(tmp / "pairs.json"), "--destination_path", str(data), "--prompt_style", "alpaca",
-         "--val_split_fraction", str(4 / 36)], cwd=REPO, capture_output=True, text=True, env=xla_env(1))
+    # a CPU script, forked from the fork server (tests/conftest.py `forks`): no fresh interpreter's imports
+    prep = run_captured(
+        forks, [str(REPO / "scripts/prepare_preferences.py"), "--checkpoint_dir", str(words),
+                "--data_file", str(tmp / "pairs.json"), "--destination_path", str(data), "--prompt_style", "alpaca",
+                "--val_split_fraction", str(4 / 36)], REPO, xla_env(1), timeout=600)
     assert prep.returncode == 0, prep.stderr
     return tmp, words, data
 

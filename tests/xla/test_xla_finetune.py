@@ -162,7 +162,7 @@ def _selected(request) -> Tuple[set, bool]:
 
 
 @pytest.fixture(scope="module")
-def runs(xla_env, tmp_path_factory, request):
+def runs(xla_env, tmp_path_factory, request, forks):
     """Prepare the data, then run the XLA jobs one after another in a background thread (1 or 8 devices per method,
     as the selected tests need; the LoRA-with-dropout reference, the killed and resumed soak runs) while the CPU
     references run here."""
@@ -170,11 +170,14 @@ def runs(xla_env, tmp_path_factory, request):
     tiny_dir = make_word_checkpoint(tmp / "tiny-words")
     (tmp / "alpaca.json").write_text(json.dumps(_alpaca_rows()))
     data_dir = tmp / "data"
-    prep = subprocess.run(
-        [sys.executable, str(REPO / "scripts/prepare_alpaca.py"), "--checkpoint_dir", str(tiny_dir),
-         "--data_file", str(tmp / "alpaca.json"), "--destination_path", str(data_dir),
-         "--val_split_fraction", str(4 / 44)],
-        cwd=REPO, capture_output=True, text=True, env=xla_env(1),
+    from fork_server import run_captured
+
+    # forked from the fork server (tests/conftest.py `forks`): a CPU script, without a fresh interpreter's imports
+    prep = run_captured(
+        forks, [str(REPO / "scripts/prepare_alpaca.py"), "--checkpoint_dir", str(tiny_dir),
+                "--data_file", str(tmp / "alpaca.json"), "--destination_path", str(data_dir),
+                "--val_split_fraction", str(4 / 44)],
+        REPO, xla_env(1), timeout=TIMEOUT,
     )
     assert prep.returncode == 0, prep.stderr
 
@@ -208,7 +211,7 @@ def runs(xla_env, tmp_path_factory, request):
         if any(m == method for m, _ in selected):
             cpu[method] = (tmp / f"{method}_cpu", _cpu_reference(method, tiny_dir, data_dir, tmp / f"{method}_cpu"))
     yield {"tmp": tmp, "seq": seq, "tiny_dir": tiny_dir, "data_dir": data_dir, "env": xla_env, "cpu": cpu,
-           "cmd": cmd}
+           "cmd": cmd, "forks": forks}
     seq.stop()
 
 
@@ -216,6 +219,8 @@ def runs(xla_env, tmp_path_factory, request):
 def generations(runs, request):
     """Once the runs are done: the final weights of each selected (method, devices) through the CPU and the XLA
     generate recipe, all started at once."""
+    from fork_server import Captured
+
     test = "test_final_weights_generate_the_same_on_cpu_and_xla"
     selected = {(item.callspec.params["method"], item.callspec.params["devices"]) for item in request.session.items
                 if item.module is request.module and item.originalname == test}
@@ -233,8 +238,12 @@ def generations(runs, request):
         else:
             xla_cmd = [sys.executable, str(REPO / xla_script), "--checkpoint_dir", str(tiny_dir), xla_flag,
                        str(final / weights_file), *sampling]
-        for kind, c in (("cpu", cpu_cmd), ("xla", xla_cmd)):
-            procs[(method, n, kind)] = subprocess.Popen(c, cwd=REPO, env=runs["env"](1), text=True,
+        # the CPU generation forked from the fork server (tests/conftest.py `forks`: torch imported already); the
+        # XLA one a fresh process (the runtime reads its variables once per process)
+        procs[(method, n, "cpu")] = Captured(runs["forks"], cpu_cmd[1:], REPO, runs["env"](1),
+                                             runs["tmp"] / f"gen_{method}{n}_cpu.out",
+                                             runs["tmp"] / f"gen_{method}{n}_cpu.err")
+        procs[(method, n, "xla")] = subprocess.Popen(xla_cmd, cwd=REPO, env=runs["env"](1), text=True,
                                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     yield procs
     for p in procs.values():

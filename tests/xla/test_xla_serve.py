@@ -79,14 +79,22 @@ def xla_vars(xla_env: Any, devices: int) -> Dict[str, str]:
     return found
 
 
+def _one_device_selected(request) -> bool:
+    """Whether a selected test of this module talks to the 1-device server (`-m slow` selects the 8-device test
+    only: then the 1-device server, ~9 compilations of warm-up, is not started for nothing)."""
+    return any(item.module is request.module and "1_device" in item.name for item in request.session.items)
+
+
 @pytest.fixture(scope="module")
-def servers(tiny_dir, xla_env):
-    """The CPU server and the 1-device XLA one, started together (the 8-device one by its own, slow, test)."""
+def servers(tiny_dir, xla_env, request):
+    """The CPU server and the 1-device XLA one (if a selected test needs it), started together (the 8-device one by
+    its own, slow, test)."""
     from serve_client import ServerProcess
 
     flags = ("--slots", str(SLOTS), "--max_seq_length", str(LENGTH))
-    started = {"cpu": ServerProcess(tiny_dir, *flags).start(),
-               "xla1": ServerProcess(tiny_dir, *flags, accelerator="xla", env=xla_vars(xla_env, 1)).start()}
+    started = {"cpu": ServerProcess(tiny_dir, *flags).start()}
+    if _one_device_selected(request):
+        started["xla1"] = ServerProcess(tiny_dir, *flags, accelerator="xla", env=xla_vars(xla_env, 1)).start()
     started["flags"], started["tiny_dir"] = flags, tiny_dir
     yield started
     for server in started.values():
@@ -98,7 +106,8 @@ def servers(tiny_dir, xla_env):
 def reference(servers):
     """Each request alone on the CPU server (sequential), once the XLA server has warmed up (one heavy job at a time
     on a small machine)."""
-    servers["xla1"].ready(START_TIMEOUT)
+    if "xla1" in servers:
+        servers["xla1"].ready(START_TIMEOUT)
     return run_load(servers["cpu"].ready(START_TIMEOUT).url, "tiny-llama", concurrent=False)
 
 
@@ -110,10 +119,12 @@ def check_server(server: Any, reference: List[Tuple[str, str]]) -> None:
     assert answers == reference
     health = server.health()
     assert health["compilations_after_warm_up"] == 0, health
-    warm = re.search(r"Warm-up: [\d.]+ s, (\d+) compilations \((\d+) prompt lengths\)", server.log())
-    assert warm and int(warm.group(2)) == BUCKETS
-    # a prefill per bucket, another per bucket that scores the prompt (echo with logprobs), the decode step
-    assert int(warm.group(1)) == 2 * BUCKETS + 1
+    warm = re.search(r"Warm-up: [\d.]+ s, (\d+) compilations \(prefill calls of (\d+) rows x (\d+) tokens\)",
+                     server.log())
+    assert warm and warm.group(2, 3) == ("4", "32"), server.log()[-2000:]  # --prefill_chunk's default, 4 rows
+    # chunked prefill (lit_gpt/recipes/serving.py): the prefill call, the same keeping every position's scores
+    # (echo with logprobs), the decode step, the prefix cache's block copy; no prompt-length buckets
+    assert int(warm.group(1)) == 4
 
 
 def test_1_device_concurrent_clients_get_the_cpu_answers_and_nothing_compiles_after_warm_up(servers, reference):
