@@ -1,13 +1,15 @@
 """The TPU planner (xla/scripts/plan.py, lit_gpt/xla/plan.py).
 
 Fast: the pure-Python parts (topologies, argument checks, the recipes' flags, roofline, HLO collective counting,
-per-layer extrapolation, libtpu's out-of-memory message, the one-line install hint). Slow (about a minute each on
-a quiet 2-core machine; libtpu's compiler installed from requirements-tpu-plan.txt if missing): a small model's
-LoRA step compiled for v5e-8: per-chip weight bytes = parameters x 2 bytes / 8 (FSDP over 8 chips), the 1+2-layer
-extrapolation within 5% of a full-depth compile on peak HBM and FLOPs, a model too big for the slice reported as not
-fitting; and torch_xla's Pallas flash attention traced on XLA:CPU and compiled for v5e-8. (An oversized batch's
-compile is not tested: libtpu's compiler spends many minutes and many GB of host memory rematerializing before it
-gives up; the out-of-memory message's parsing is tested on its text.)"""
+per-layer extrapolation and its check against a full-depth compile, the buffer assignment's bytes, libtpu's
+out-of-memory message, the one-line install hint). Slow (libtpu's compiler installed from requirements-tpu-plan.txt
+if missing): a small model's LoRA step traced at 1, 2 and 4 layers in one XLA:CPU process and compiled for v5e-8 up
+to libtpu's buffer assignment (~35 s of CPU): per-chip weight bytes = parameters x 2 bytes / 8 (FSDP over 8
+chips), the 1+2-layer extrapolation within 5% of the 4-layer compile on peak HBM and FLOPs, a model too big for
+the slice reported as not fitting (from the same compiles); and torch_xla's Pallas flash attention traced on
+XLA:CPU and compiled for v5e-8 through libtpu's code generator. (An oversized batch's compile is not tested:
+libtpu's compiler spends many minutes and many GB of host memory rematerializing before it gives up; the
+out-of-memory message's parsing is tested on its text.)"""
 
 import importlib.util
 import json
@@ -100,6 +102,30 @@ def test_oom_message_and_dump():
     assert plan.module_from_dump(b"\x0a" + bytes([len(module)]) + module) == module
 
 
+ASSIGNMENT = """BufferAssignment:
+allocation 0: size 512, thread-local:
+ value: <239 maximum.18 @0> (size=512,offset=0): bf16[]{:T(256)}
+allocation 1: size 131334144, parameter 16, shape |bf16[16032,4096]| at ShapeIndex {}:
+ value: <6700 param.19 @0> (size=131334144,offset=0): bf16[16032,4096]{1,0:T(8,128)(2,1)}
+allocation 12: size 16384, parameter 10, shape |bf16[16,512]| at ShapeIndex {}, maybe-live-out:
+allocation 15: size 16384, maybe-live-out:
+allocation 20: size 4096, constant:
+allocation 30: size 8, output:
+allocation 438: size 7557235200, preallocated-temp:
+allocation 442: size 117440512, color 1, preallocated-temp:
+"""
+
+
+def test_buffer_assignment_memory():
+    """Per-chip bytes read off XLA's dumped buffer assignment (the memory compile stops libtpu's compiler there)."""
+    got = plan.buffer_assignment_memory(ASSIGNMENT, "Total bytes used: 7994729592 (7.45GiB)\n")
+    assert got == {"argument_bytes": 131334144 + 16384, "output_bytes": 16384 * 2 + 8, "alias_bytes": 16384,
+                   "temp_bytes": 7557235200 + 117440512, "peak_bytes": 7994729592}
+    # without the report's total: arguments + outputs - aliased + temporaries
+    assert plan.buffer_assignment_memory(ASSIGNMENT, "")["peak_bytes"] == (
+        131334144 + 16384 + 16384 * 2 + 8 - 16384 + 7557235200 + 117440512)
+
+
 def test_install_hint(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "libtpu" else real(name, *a))
@@ -154,6 +180,14 @@ def test_summary_extrapolates_per_layer():
     assert "does NOT fit" in script.report(many)
     # 12.6 GiB peak of which 10 GiB temporaries for 1 row: 2.6 GiB fixed, 13.15 GiB left = 1 row; none when over
     assert p["largest_micro_batch_estimate"] == 1 and many["largest_micro_batch_estimate"] == 0
+    # the full depth compiled beside 1 and 2 layers: the plan is the full compile, with the line's error against it
+    deep = config.n_layer
+    compiled = {1: point(1), 2: point(2), deep: {**point(deep), "peak_bytes": 12 * gib}}
+    checked = script.summarise(config, topo, job, compiled, "lora")
+    assert checked["how"] == "compiled at full depth" and checked["per_chip"]["peak_bytes"] == 12 * gib
+    c = checked["extrapolation_check"]
+    assert c["from_depths"] == [1, 2] and c["peak_bytes"]["extrapolated"] == pytest.approx((3 + 0.6 * 16) * gib)
+    assert c["peak_bytes"]["error"] == pytest.approx(12.6 / 12 - 1) and c["flops"]["error"] == pytest.approx(0)
     assert script.largest_micro_batch({"temp_bytes": 4.0, "peak_bytes": 10.0}, 26, 2) == 10
 
 
@@ -168,15 +202,22 @@ SMALL = dict(name="plan-small", block_size=2048, vocab_size=8192, n_layer=4, n_h
 
 def _plan(checkpoint_dir, tmp_path, name, *flags):
     out = tmp_path / f"{name}.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.run([sys.executable, str(SCRIPT), "--checkpoint_dir", str(checkpoint_dir), "--method", "lora",
                            "--topology", "v5e-8", "--train.max_seq_length", "128", "--results_file", str(out),
-                           *flags], capture_output=True, text=True, timeout=1800, cwd=ROOT)
+                           *flags], capture_output=True, text=True, timeout=1800, cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads(out.read_text())
+    # long work shows progress: each phase's time and host memory
+    assert "[plan" in proc.stderr and "compile:" in proc.stderr, proc.stderr[-3000:]
+    record = json.loads(out.read_text())  # a bench result file (bench/result_files.py): the plan is its results
+    assert record["bench"] == "tpu_plan" and record["settings"]["topology"] == "v5e-8"
+    return record["results"]
 
 
 @pytest.mark.slow
 def test_plan_compiles_for_v5e_8(tmp_path):
+    """One plan traces the 1-, 2- and 4-layer steps in one XLA:CPU process and compiles each for v5e-8 up to libtpu's
+    buffer assignment; a second plan of a far deeper model reuses those compiles (--trace_cache). ~35 s of CPU."""
     if importlib.util.find_spec("torch_xla") is None:
         pytest.skip("torch_xla is not installed (pip install torch_xla==2.9.0)")
     if plan.tpu_compiler_missing():  # the optional requirements, installed as a user would
@@ -188,31 +229,36 @@ def test_plan_compiles_for_v5e_8(tmp_path):
     from lit_gpt import lora
 
     lora.Config(**SMALL).save(tmp_path)  # lit_config.json only: the plan reads no weights
-    cache = tmp_path / "traces"  # the 1- and 2-layer steps, traced once: the oversized plan below compiles them again
-    extra = _plan(tmp_path, tmp_path, "extrapolated", "--layers", "[1, 2]", "--train.micro_batch_size", "1",
-                  "--trace_cache", str(cache))
-    assert extra["how"].startswith("extrapolated") and extra["fits"]
-    one, two = extra["depths"]["1"], extra["depths"]["2"]
+    cache = tmp_path / "traces"  # the 1- and 2-layer steps and their compiles: the deep plan below reuses them
+    full = _plan(tmp_path, tmp_path, "full", "--layers", "[1, 2]", "--full_depth", "true",
+                 "--train.micro_batch_size", "1", "--trace_cache", str(cache))
+    assert full["how"] == "compiled at full depth" and full["fits"]
+    assert sorted(full["depths"]) == ["1", "2", "4"] and full["compiled_to"] == ["buffer assignment"]
+    one, two, four = (full["depths"][d] for d in ("1", "2", "4"))
     # FSDP over 8 chips: each chip holds 1/8 of the bf16 weights. One more block adds exactly its parameters' share
     # (its LoRA matrices and their AdamW state included, small); the batch, RoPE tables and scalars are the same.
     layer = two["parameters"] - one["parameters"]
     assert two["argument_bytes"] - one["argument_bytes"] == pytest.approx(layer * 2 / 8, rel=0.05)
-    full = _plan(tmp_path, tmp_path, "full", "--full_depth", "true", "--train.micro_batch_size", "1")
-    assert full["how"] == "compiled at full depth" and full["fits"]
-    assert full["per_chip"]["argument_bytes"] == pytest.approx(full["depths"]["4"]["parameters"] * 2 / 8, rel=0.05)
+    assert full["per_chip"]["argument_bytes"] == pytest.approx(four["parameters"] * 2 / 8, rel=0.05)
     assert 0 < full["per_chip"]["alias_bytes"] < 0.05 * full["per_chip"]["argument_bytes"]  # LoRA + state, donated
     # the per-layer line through 1 and 2 layers lands within 5% of the 4-layer compile
-    assert extra["per_chip"]["peak_bytes"] == pytest.approx(full["per_chip"]["peak_bytes"], rel=0.05)
-    assert extra["per_chip"]["flops"] == pytest.approx(full["per_chip"]["flops"], rel=0.05)
+    check = full["extrapolation_check"]
+    assert check["from_depths"] == [1, 2]
+    assert check["peak_bytes"]["compiled"] == full["per_chip"]["peak_bytes"] == four["peak_bytes"]
+    assert check["peak_bytes"]["extrapolated"] == pytest.approx(four["peak_bytes"], rel=0.05)
+    assert check["flops"]["extrapolated"] == pytest.approx(four["flops"], rel=0.05)
+    assert plan.extrapolate({1: one["peak_bytes"], 2: two["peak_bytes"]}, 4) == check["peak_bytes"]["extrapolated"]
+    assert full["host"]["max_rss_gib"] > 0 and four["compile_max_rss_gib"] > 0
     # a model too deep for v5e-8 (the same blocks, 30,000 of them: ~90B parameters, 1/8 of their bf16 weights alone
     # is ~23 GiB per chip) is reported as not fitting, by how much, and with no micro batch that fits. Its 1- and
-    # 2-layer steps are the ones traced above (the trace cache), compiled again: seconds. (A program that is too big
+    # 2-layer steps are the ones traced and compiled above (the trace cache): seconds. (A program that is too big
     # is not compiled here: libtpu's compiler spent >10 minutes and up to 22 GB of host memory rematerializing a
     # 4-layer step with 64 x 2048 tokens per chip before giving up, on this 2-core host.)
     lora.Config(**{**SMALL, "n_layer": 30_000}).save(tmp_path)
     deep = _plan(tmp_path, tmp_path, "deep", "--layers", "[1, 2]", "--train.micro_batch_size", "1",
                  "--trace_cache", str(cache))
     assert not deep["fits"] and deep["how"].startswith("extrapolated")
+    assert deep["depths"]["1"]["peak_bytes"] == one["peak_bytes"]  # the same program, the same answer
     hbm = deep["hbm_per_chip_bytes"]
     assert deep["over_by_bytes"] == pytest.approx(deep["per_chip"]["peak_bytes"] - hbm) and deep["over_by_bytes"] > 0
     assert deep["per_chip"]["argument_bytes"] > hbm and deep["largest_micro_batch_estimate"] == 0

@@ -15,10 +15,16 @@ a placeholder of its real shape and dtype (torch_xla device data without a buffe
 the recipe's Fabric strategy (FSDP over SPMD) and runs the recipe's own loop, `lit_gpt.training.fit`, up to the
 step's graph cut (`torch_xla.sync()` in the optimizer step). There the pending graph is taken instead of run: its
 HLO with the sharding annotations, plus which arguments are the weights' and optimizer state's buffers (donated,
-as torch_xla donates them) and the FSDP sharding of the placeholders. This process compiles it with libtpu's
-compiler for the topology's compile-only devices (`lit_gpt.xla.plan`). Big models are compiled at 1 and 2 layers
-(real width and vocabulary; `--layers`) and extrapolated per layer to the model's depth; models with at most
-`max(--layers)` layers (or with `--full_depth true`) are compiled whole.
+as torch_xla donates them) and the FSDP sharding of the placeholders; one child traces every depth. Each is
+compiled with libtpu's compiler for the topology's compile-only devices (`lit_gpt.xla.plan`), by default only up
+to its buffer assignment (`--compile_to`). Big models are compiled at 1 and 2 layers (real width and vocabulary;
+`--layers`) and extrapolated per layer to the model's depth; models with at most `max(--layers)` layers (or with
+`--full_depth true`) are compiled whole. Each phase prints its time and host memory as it ends.
+
+Where a plan's time and memory went (Llama-3.1-8B LoRA, v5e-8, 2 cores): libtpu's code generator, 9 minutes and
+5-7 GiB per depth, after 15 s of HLO passes and buffer assignment that already settle the memory (now skipped);
+the RoPE tables built for the model's whole context (131,072 positions, 1 GiB over 8 devices; now the step's
+length); one torch_xla import and teardown per depth (now one child for all depths, ended without teardown).
 
 Not covered: the real device order of a slice, the TPU runtime's own flags (e.g. LIBTPU_INIT_ARGS), the input
 pipeline and host work between steps, and packed rows (no --data.packing: the Pallas flash attention that packed rows
@@ -44,9 +50,10 @@ from lit_gpt.args import EvalArgs, MoEArgs, TrainArgs
 from lit_gpt.recipes.flags import LORA, XLA_FINETUNE, Flag, command
 from lit_gpt.utils import LitError, run_cli
 from lit_gpt.xla.plan import (
-    COLLECTIVES, compile_for_topology, extrapolate, parse_topology, roofline, tpu_compiler_missing,
+    COLLECTIVES, compile_for_topology, compile_memory, extrapolate, parse_topology, roofline, tpu_compiler_missing,
 )
 
+ROOT = Path(__file__).resolve().parents[2]
 CHILD_ENV = "LIT_GPT_PLAN_TRACE"  # set in the tracing child: the path of its job file
 METHODS = ("lora", "full")
 
@@ -73,6 +80,11 @@ FLAGS = [
     Flag("layers", Optional[List[int]], None,
          "The depths compiled to extrapolate from (default 1 and 2)."),
     Flag("full_depth", bool, False, "Compile the whole model instead of extrapolating (needs a small model)."),
+    Flag("compile_to", Literal["buffer_assignment", "executable"], "buffer_assignment",
+         '"buffer_assignment": stop libtpu\'s compiler once the per-chip memory is assigned (seconds to a minute\n'
+         'per depth; FLOPs and bytes by XLA\'s HLO cost analysis of the optimized program). "executable": run its\n'
+         'code generator too and read the executable\'s own figures (about 9 minutes per layer of an 8B model\n'
+         'on 2 cores, ~4% higher peak: the generated code\'s scratch).'),
     Flag("results_file", Optional[Path], None, "Write the plan as JSON here."),
     Flag("hlo_dir", Optional[Path], None,
          "Write each compiled (partitioned, per-chip) program here as HLO text, one file per depth."),
@@ -84,7 +96,8 @@ FLAGS = [
 
 def plan_run(model_name: Optional[str], checkpoint_dir: Optional[Path], method: str, topology: str,
              precision: Optional[str], activation_checkpointing: bool, scan_layers: Any, optimizer: str,
-             train: TrainArgs, moe: Any, layers: Optional[List[int]], full_depth: bool, results_file: Optional[Path],
+             train: TrainArgs, moe: Any, layers: Optional[List[int]], full_depth: bool, compile_to: str,
+             results_file: Optional[Path],
              hlo_dir: Optional[Path], trace_cache: Optional[Path], **lora: Any) -> Dict[str, Any]:
     """Compile a finetune recipe's training step for a TPU topology and report what it needs per chip."""
     precision = precision or "bf16-true"  # the XLA recipes' default on a TPU
@@ -108,10 +121,17 @@ def plan_run(model_name: Optional[str], checkpoint_dir: Optional[Path], method: 
     depths = sorted(set(layers or [1, 2]))
     if any(d < 1 for d in depths):
         raise LitError(f"--layers must be positive depths, got {depths}")
-    if full_depth or config.n_layer <= max(depths):
+    if full_depth and layers and len([d for d in depths if d < config.n_layer]) >= 2:
+        # both: the full depth is the plan, and the per-layer line's error against it is reported
+        depths = sorted({d for d in depths if d < config.n_layer} | {config.n_layer})
+    elif full_depth or config.n_layer <= max(depths):
         depths = [config.n_layer]
     elif len(depths) < 2:
         raise LitError("--layers needs two or more depths to extrapolate from (or --full_depth true)")
+    if results_file is not None:  # before minutes of work, not after
+        from lit_gpt.recipes.outputs import check_output_file
+
+        check_output_file(results_file, "--results_file")
     missing = tpu_compiler_missing()
     if missing:
         raise LitError(missing)
@@ -124,14 +144,23 @@ def plan_run(model_name: Optional[str], checkpoint_dir: Optional[Path], method: 
            "moe": asdict(moe),
            "learning_rate": train.learning_rate, "weight_decay": train.weight_decay, "max_norm": train.max_norm}
     compiled: Dict[int, Dict[str, Any]] = {}
+    progress(f"tracing the {method} step with {', '.join(map(str, depths))} of {config.n_layer} layers on"
+             f" {topo.chips} XLA:CPU devices")
+    steps = trace_in_child(job, depths, trace_cache)
     for depth in depths:
-        print(f"tracing the {method} step with {depth} of {config.n_layer} layers on {topo.chips} XLA:CPU devices",
-              file=sys.stderr)
-        traced = trace_in_child({**job, "n_layer": depth}, trace_cache)
-        print(f"compiling it for {topo.name} ({topo.topology_name})", file=sys.stderr)
+        traced = steps[depth]
+        progress(f"compiling the {depth}-layer step for {topo.name} ({topo.topology_name}) with libtpu's compiler")
         t1 = time.perf_counter()
-        result = compile_for_topology(traced["module"], topo, traced["donors"], traced["shardings"],
-                                      keep_text=hlo_dir is not None)
+        compile = compile_for_topology if compile_to == "executable" else compile_memory
+        cached = compiled_cache(trace_cache, traced, topo.name, compile_to) if hlo_dir is None else None
+        if cached is not None and cached.is_file():  # the same program for the same slice: the same answer
+            result = json.loads(cached.read_text())
+            progress("  compile: the same program was compiled for this slice before (--trace_cache)")
+        else:
+            result = compile(traced["module"], topo, traced["donors"], traced["shardings"],
+                             keep_text=hlo_dir is not None, progress=lambda what: progress("  compile: " + what))
+            if cached is not None:
+                cached.write_text(json.dumps(result))
         if hlo_dir is not None:
             Path(hlo_dir).mkdir(parents=True, exist_ok=True)
             (Path(hlo_dir) / f"{method}-{topo.name}-{depth}-layers.hlo.txt").write_text(result.pop("hlo_text"))
@@ -141,15 +170,23 @@ def plan_run(model_name: Optional[str], checkpoint_dir: Optional[Path], method: 
         result["parameters"], result["trainable"] = traced["parameters"], traced["trainable"]
         compiled[depth] = result
     plan = summarise(config, topo, job, compiled, method)
-    plan["host"] = {"wall_s": round(time.perf_counter() - t0, 1), **host_memory(),
-                    "trace_process_max_rss_gib": max(r["trace_max_rss_gib"] for r in compiled.values()),
+    own = host_memory()["plan_process_max_rss_gib"]  # this process (the executable compile runs here)
+    trace_rss = max(r["trace_max_rss_gib"] for r in compiled.values())
+    compile_rss = max(r.get("compile_max_rss_gib", own) for r in compiled.values())
+    plan["host"] = {"wall_s": round(time.perf_counter() - t0, 1), "plan_process_max_rss_gib": own,
+                    "trace_process_max_rss_gib": trace_rss, "compile_process_max_rss_gib": compile_rss,
+                    # the children run one at a time beside this process: the most the plan held at once
+                    "max_rss_gib": round(own + max(trace_rss, compile_rss), 2),
                     **machine(), "load_average_start": load_start, "load_average_end": list(os.getloadavg())}
     plan["command"] = "python xla/scripts/plan.py " + " ".join(sys.argv[1:])
     print(report(plan))
-    if results_file is not None:
-        Path(results_file).parent.mkdir(parents=True, exist_ok=True)
-        Path(results_file).write_text(json.dumps(plan, indent=2) + "\n")
-        print(f"wrote {results_file}")
+    if results_file is not None:  # a bench result file: the plan as its results, with the machine and versions
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("result_files", ROOT / "bench" / "result_files.py")
+        result_files = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(result_files)
+        result_files.write(Path(results_file), "tpu_plan", {"topology": topo.name, **job}, plan)
     return plan
 
 
@@ -179,53 +216,100 @@ def resolve_scan(config: Any, method: str, scan_layers: Any, activation_checkpoi
     from lit_gpt import lora as lora_module
     from lit_gpt.model import GPT
     from lit_gpt.recipes.xla_finetune import check_moe
-    from lit_gpt.xla.scan import resolve_scan_layers
+    from lit_gpt.xla.scan import AUTO_MIN_LAYERS, resolve_scan_layers
 
     check_moe(config, scan_layers, activation_checkpointing)
+    # as many blocks as "auto" needs to decide (the same answer as the whole model's: a model of 30,000 blocks took
+    # a minute to build even on the meta device)
+    n = min(config.n_layer, AUTO_MIN_LAYERS)
+    per_layer = {k: v[:n] for k, v in vars(config).items() if k == "layer_types" and v is not None}
+    probe = replace(config, n_layer=n, **per_layer)
     with torch.device("meta"):  # no memory: only the blocks' structure is read
-        model = lora_module.GPT(config) if method == "lora" else GPT(config)
+        model = lora_module.GPT(probe) if method == "lora" else GPT(probe)
     return resolve_scan_layers(scan_layers, model)
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # the parent: one child per depth, then the summary
 # ---------------------------------------------------------------------------------------------------------------
-def trace_in_child(job: Dict[str, Any], cache: Optional[Path] = None) -> Dict[str, Any]:
-    """Run this script as a tracing child with `job["devices"]` XLA:CPU devices; returns the step's HLO module,
-    the donated argument numbers and the placeholder arguments' shardings (from `cache` when it holds this job)."""
-    if cache is not None:
-        import hashlib
+def trace_in_child(job: Dict[str, Any], depths: List[int], cache: Optional[Path] = None) -> Dict[int, Dict[str, Any]]:
+    """Run this script as a tracing child with `job["devices"]` XLA:CPU devices that traces the step at each of
+    `depths` in turn (torch_xla is imported once); per depth: the step's HLO module, the donated argument numbers
+    and the placeholder arguments' shardings. Depths `cache` holds are read from it, the others added to it."""
+    import hashlib
 
-        key = hashlib.sha256(json.dumps(job, sort_keys=True).encode()).hexdigest()[:16]
-        where = Path(cache) / key
-        if not (where / "meta.json").is_file():
-            traced = trace_in_child(job)
-            where.mkdir(parents=True, exist_ok=True)
-            (where / "module.pb").write_bytes(traced.pop("module"))
-            (where / "meta.json").write_text(json.dumps(traced))
-        meta = json.loads((where / "meta.json").read_text())
-        return {**meta, "module": (where / "module.pb").read_bytes()}
+    def where(depth: int) -> Optional[Path]:
+        key = hashlib.sha256(json.dumps({**job, "n_layer": depth}, sort_keys=True).encode()).hexdigest()[:16]
+        return Path(cache) / key if cache is not None else None
+
+    def read(folder: Path) -> Dict[str, Any]:
+        return {**json.loads((folder / "meta.json").read_text()), "module": (folder / "module.pb").read_bytes()}
+
+    traced = {d: read(where(d)) for d in depths if cache is not None and (where(d) / "meta.json").is_file()}
+    todo = [d for d in depths if d not in traced]
+    if not todo:
+        return traced
     with tempfile.TemporaryDirectory(prefix="lit-gpt-plan-") as tmp:
         job_file = Path(tmp) / "job.json"
-        job_file.write_text(json.dumps({**job, "out": tmp}))
+        job_file.write_text(json.dumps({**job, "n_layers": todo, "out": tmp}))
         env = {**os.environ, CHILD_ENV: str(job_file), "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(job["devices"])}
         env.pop("TPU_SKIP_MDS_QUERY", None)
         t0 = time.perf_counter()
-        proc = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True)
-        if proc.returncode != 0 or not (Path(tmp) / "meta.json").is_file():
-            tail = "\n".join(proc.stdout.strip().splitlines()[-15:])
+        proc = subprocess.Popen([sys.executable, os.path.abspath(__file__)], env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+        lines = []
+        for line in proc.stdout:  # the child's progress lines go on to the user; the rest only if it fails
+            lines.append(line.rstrip())
+            if line.startswith("[plan"):
+                print("  trace " + line.rstrip(), file=sys.stderr, flush=True)
+        proc.wait()
+        if proc.returncode != 0 or not all((Path(tmp) / str(d) / "meta.json").is_file() for d in todo):
+            tail = "\n".join(lines[-15:])
             raise LitError(f"tracing the step failed (exit {proc.returncode}):\n{tail}")
-        meta = json.loads((Path(tmp) / "meta.json").read_text())
-        meta["module"] = (Path(tmp) / "module.pb").read_bytes()
-        meta["seconds"] = time.perf_counter() - t0
-        return meta
+        seconds = (time.perf_counter() - t0) / len(todo)  # the child's time, shared by its depths
+        for d in todo:
+            traced[d] = {**read(Path(tmp) / str(d)), "seconds": seconds}
+            if cache is not None:
+                where(d).mkdir(parents=True, exist_ok=True)
+                (where(d) / "module.pb").write_bytes(traced[d]["module"])
+                (where(d) / "meta.json").write_text(json.dumps({k: v for k, v in traced[d].items() if k != "module"}))
+    return traced
+
+
+def compiled_cache(cache: Optional[Path], traced: Dict[str, Any], topology: str, compile_to: str) -> Optional[Path]:
+    """Where `--trace_cache` keeps a traced step's compile for a slice (keyed by the program itself)."""
+    if cache is None:
+        return None
+    import hashlib
+
+    key = hashlib.sha256(traced["module"])
+    key.update(json.dumps([traced["donors"], traced["shardings"], topology, compile_to]).encode())
+    return Path(cache) / f"compiled-{key.hexdigest()[:16]}.json"
+
+
+_START = time.perf_counter()
+
+
+def _rss_gib() -> Any:
+    """(resident, peak resident) memory of this process in GiB, from /proc (Linux)."""
+    try:
+        fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
+        return tuple(int(fields[k].split()[0]) / 1024 ** 2 for k in ("VmRSS", "VmHWM"))
+    except (OSError, KeyError, ValueError):
+        return (0.0, 0.0)
+
+
+def progress(what: str) -> None:
+    """One line per finished phase on stderr: seconds since the process started, its memory now and at its peak."""
+    rss, peak = _rss_gib()
+    print(f"[plan {time.perf_counter() - _START:7.1f} s, host RSS {rss:5.2f} GiB (peak {peak:5.2f})] {what}",
+          file=sys.stderr, flush=True)
 
 
 def host_memory() -> Dict[str, float]:
-    """Peak resident memory of this process (the TPU compile), in GiB (the tracing child reports its own)."""
+    """Peak resident memory of this process, in GiB (the tracing and compiling children report their own)."""
     gib = 1024 ** 2  # ru_maxrss is in KiB on Linux
-    return {"compile_process_max_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / gib, 2)}
+    return {"plan_process_max_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / gib, 2)}
 
 
 def machine() -> Dict[str, Any]:
@@ -255,12 +339,21 @@ def summarise(config: Any, topo: Any, job: Dict[str, Any], compiled: Dict[int, D
     """The plan at the model's depth (compiled, or extrapolated per layer from the compiled depths)."""
     n = config.n_layer
     per_chip: Dict[str, Any] = {}
+    extrapolation_check = None
     failed = {d: r for d, r in compiled.items() if "argument_bytes" not in r}
     if n in compiled:
         per_chip = {k: compiled[n].get(k) for k in _EXTRAPOLATED + ("over_bytes",) if k in compiled[n]}
         collectives = compiled[n].get("collectives")
         fits = bool(compiled[n]["fits"])
         how = "compiled at full depth"
+        shallow = {d: r for d, r in compiled.items() if d != n and "argument_bytes" in r}
+        if len(shallow) >= 2:  # --layers with --full_depth: how far the per-layer line lands from the compile
+            check = {}
+            for k in ("peak_bytes", "argument_bytes", "temp_bytes", "flops"):
+                line = extrapolate({d: r[k] for d, r in shallow.items()}, n)
+                check[k] = {"extrapolated": line, "compiled": compiled[n][k],
+                            "error": line / compiled[n][k] - 1 if compiled[n][k] else None}
+            extrapolation_check = {"from_depths": sorted(shallow), **check}
     elif failed:
         d = min(failed)
         per_chip = {k: failed[d][k] for k in ("peak_bytes", "over_bytes") if k in failed[d]}
@@ -272,6 +365,11 @@ def summarise(config: Any, topo: Any, job: Dict[str, Any], compiled: Dict[int, D
                             for f in ("count", "bytes")} for op in COLLECTIVES}
         fits = per_chip["peak_bytes"] <= topo.chip.hbm_bytes
         how = f"extrapolated per layer from {', '.join(str(d) for d in compiled)} layers"
+    uncounted = None
+    if job.get("scan_layers") and "flops" in per_chip:
+        # a scan is an HLO while loop, whose body XLA's cost analysis counts once whatever the trip count: the
+        # compiled FLOPs and bytes do not grow with the layers (an 8B step's came out at a third of the model's)
+        uncounted = {k: per_chip.pop(k) for k in ("flops", "bytes_accessed")}
     tokens = job["micro_batch_size"] * job["max_seq_length"]  # per chip per step
     factor = 3 if method == "full" else 2  # forward + backward (+ the weights' gradients when all train)
     model_flops_per_token = config.flops_per_token(job["max_seq_length"]) * factor
@@ -282,9 +380,16 @@ def summarise(config: Any, topo: Any, job: Dict[str, Any], compiled: Dict[int, D
                                          "activation_checkpointing", "scan_layers")}
         | ({"lora": job["lora"]} if method == "lora" else {}),
         "n_layer": n, "how": how, "fits": fits, "per_chip": per_chip, "collectives": collectives,
+        # "buffer assignment" (the memory compile) or "executable" (libtpu's code generator ran too)
+        "compiled_to": sorted({r.get("compiled_to", "executable") for r in compiled.values()}),
         "tokens_per_step": tokens * topo.chips, "model_flops_per_token": model_flops_per_token,
         "depths": {str(d): {k: v for k, v in r.items()} for d, r in compiled.items()},
     }
+    if extrapolation_check:
+        plan["extrapolation_check"] = extrapolation_check
+    if uncounted:
+        plan["cost_not_counted"] = {"reason": "scan_layers: the loop body is counted once by the cost analysis",
+                                    **uncounted}
     if not fits and "peak_bytes" in per_chip:
         plan["over_by_bytes"] = max(0, per_chip["peak_bytes"] - topo.chip.hbm_bytes)
     plan["largest_micro_batch_estimate"] = largest_micro_batch(per_chip, topo.chip.hbm_bytes, job["micro_batch_size"])
@@ -322,6 +427,9 @@ def report(plan: Dict[str, Any]) -> str:
     if plan.get("largest_micro_batch_estimate") is not None:
         lines.append(f"  largest micro batch that would fit (estimate: temporaries taken as proportional to the"
                      f" rows): {plan['largest_micro_batch_estimate']}")
+    if plan.get("cost_not_counted"):
+        lines.append("  per chip FLOPs and HBM bytes: not counted (--scan_layers: XLA's cost analysis counts a loop's"
+                     " body once)")
     if "roofline" in plan:
         r = plan["roofline"]
         lines.append(f"  per chip: {pc['flops']:.3g} FLOPs, {pc['bytes_accessed']:.3g} HBM bytes per step;"
@@ -332,8 +440,9 @@ def report(plan: Dict[str, Any]) -> str:
             f"{op} {c['count']} ({gib(c['bytes'])})" for op, c in plan["collectives"].items() if c["count"]))
     h = plan.get("host", {})
     if h:
-        lines.append(f"  this plan: {h['wall_s']:.0f} s, host RSS {h['trace_process_max_rss_gib']} GiB (trace),"
-                     f" {h['compile_process_max_rss_gib']} GiB (compile)")
+        lines.append(f"  this plan: {h['wall_s']:.0f} s, host RSS at most {h['max_rss_gib']} GiB (trace"
+                     f" {h['trace_process_max_rss_gib']}, compile {h['compile_process_max_rss_gib']}, this process"
+                     f" {h['plan_process_max_rss_gib']})")
     return "\n".join(lines)
 
 
@@ -347,12 +456,22 @@ class _Captured(Exception):
 def trace_child(job: Dict[str, Any]) -> None:
     from lit_gpt.xla.strategy import make_fabric
 
+    progress(f"imported torch_xla; {job['devices']} XLA:CPU devices")
     fabric = make_fabric("auto", job["precision"], activation_checkpointing=job["activation_checkpointing"],
                          scan_layers=job["scan_layers"])
     fabric.launch(_trace_main, job)
 
 
 def _trace_main(fabric: Any, job: Dict[str, Any]) -> None:
+    for depth in job["n_layers"]:
+        out = Path(job["out"]) / str(depth)
+        out.mkdir()
+        _trace_depth(fabric, {**job, "n_layer": depth, "out": str(out)})
+        gc.collect()  # the last depth's model and graph
+    progress("done tracing")
+
+
+def _trace_depth(fabric: Any, job: Dict[str, Any]) -> None:
     import torch_xla
     import torch_xla.distributed.spmd as xs
 
@@ -373,7 +492,8 @@ def _trace_main(fabric: Any, job: Dict[str, Any]) -> None:
         model = lora.GPT(config) if job["method"] == "lora" else GPT(config)
     strategy = fabric.strategy
     placeholders = _Placeholders(strategy.mesh, strategy.precision.param_dtype)
-    placeholders.place_model(model)
+    placeholders.place_model(model, job["max_seq_length"])
+    progress(f"placed the {job['n_layer']}-layer model's weights as placeholders")
     if job["method"] == "lora":
         lora.mark_only_lora_as_trainable(model)
         method = Method(name="lora", save_filter=finetuned_filter(model), metadata=finetuned_metadata(model))
@@ -392,6 +512,7 @@ def _trace_main(fabric: Any, job: Dict[str, Any]) -> None:
     finally:
         xs.mark_sharding = original_mark
     placeholders.prime_optimizer(opt)  # the steady step: the state exists (as placeholders) before it runs
+    progress("wrapped by the recipe's strategy; optimizer state as placeholders")
     donated = {X._xla_get_tensor_id(p) for p in model.parameters() if p.requires_grad} | placeholders.state_ids
 
     # the data: rows of max_seq_length tokens, every position a target (the head runs on all of them)
@@ -406,6 +527,7 @@ def _trace_main(fabric: Any, job: Dict[str, Any]) -> None:
     original_sync = torch_xla.sync
 
     def capture(*args: Any, **kwargs: Any) -> None:
+        progress("ran the recipe's loop to the step's graph cut (the step traced)")
         live = _live_xla_tensors(model, opt)
         need = X._check_tensor_need_materialization(live)
         pending = [x for x, n in zip(live, need) if n]
@@ -419,6 +541,7 @@ def _trace_main(fabric: Any, job: Dict[str, Any]) -> None:
                 "trace_max_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 ** 2, 2)}
         (out / "module.pb").write_bytes(module)
         (out / "meta.json").write_text(json.dumps(meta))
+        progress(f"took the pending graph's HLO ({len(module) / 1e6:.1f} MB, {len(values)} arguments)")
         raise _Captured()
 
     torch_xla.sync = capture
@@ -443,7 +566,10 @@ def _live_xla_tensors(model: Any, opt: Any) -> List[torch.Tensor]:
     for t in candidates:
         if t.device.type != "xla":
             continue
-        tid = torch_xla._XLAC._xla_get_tensor_id(t)
+        try:
+            tid = torch_xla._XLAC._xla_get_tensor_id(t)
+        except RuntimeError:  # "Expected XLA tensor": a wrapper on the device (e.g. a functional view), not data
+            continue
         if tid not in seen:
             seen.add(tid)
             out.append(t)
@@ -484,9 +610,10 @@ class _Placeholders:
             self._texts[key] = torch_xla._XLAC._get_xla_sharding_spec(probe)
         return self._texts[key]
 
-    def place_model(self, model: Any) -> None:
+    def place_model(self, model: Any, rope_length: int) -> None:
         """Matrices become placeholders; vectors (norms, biases) and buffers are small: real zeros, placed as the
-        staged loader places them."""
+        staged loader places them. The RoPE tables get the step's length (as `fit` sets them): at the model's
+        context length (131,072 positions for Llama 3.1) they were a GiB of host memory over 8 XLA:CPU devices."""
         import torch.nn as nn
         import torch_xla
 
@@ -494,6 +621,8 @@ class _Placeholders:
         from lit_gpt.xla.runtime import set_rope_length
 
         device = torch_xla.device()
+        if hasattr(model, "reset_rope_cache"):
+            model.max_seq_length = rope_length  # on the meta device: no memory yet
         for name, p in list(model.named_parameters()):
             owner_name, _, attr = name.rpartition(".")
             owner = model.get_submodule(owner_name) if owner_name else model
@@ -513,7 +642,7 @@ class _Placeholders:
             owner = model.get_submodule(owner_name) if owner_name else model
             owner._buffers[attr] = torch.zeros(b.shape, dtype=b.dtype).to(device)
         if hasattr(model, "reset_rope_cache"):
-            set_rope_length(model, model.max_seq_length)
+            set_rope_length(model, rope_length)
 
     def mark_sharding(self, original: Any) -> Any:
         import torch_xla
@@ -551,5 +680,8 @@ setup = command("Compile a finetune recipe's training step for a TPU topology an
 if __name__ == "__main__":
     if os.environ.get(CHILD_ENV):
         trace_child(json.loads(Path(os.environ[CHILD_ENV]).read_text()))
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)  # the step is written: skip torch_xla's teardown of the 8 devices (15 s for an 8B step's graph)
     else:
         run_cli(setup)
