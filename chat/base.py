@@ -10,7 +10,7 @@ Commands: /exit (or Ctrl-D) quits, /reset starts a new conversation; Ctrl-C stop
 
 import sys
 from pathlib import Path
-from typing import Callable, List, Optional, TextIO, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, TextIO, Tuple, Union
 
 import lightning as L
 import torch
@@ -18,8 +18,9 @@ import torch
 from lit_gpt.compile_policy import resolve_compile
 from lit_gpt.config import load_config
 from lit_gpt.generate import compile_steps, decode_one_token, generate_stream
-from lit_gpt.loading import load_model
+from lit_gpt.loading import load_model, scale_rope
 from lit_gpt.prompts import PromptStyle, describe_style
+from lit_gpt.recipes.flags import ROPE_SCALING
 from lit_gpt.recipes.generate import (
     FLAG_HELP, flag_help, generation_fabric, loading, prepare_for_device, quantize_weights,
 )
@@ -40,6 +41,7 @@ History = List[Tuple[str, str]]
     compile='"auto" (default: the decode step compiled when a reply of max_new_tokens pays for it, with CUDA graphs'
     ' on a GPU; eager on the CPU), "none", or a torch.compile mode: "default", "reduce-overhead" (CUDA graphs, GPUs'
     ' only), "max-autotune".',
+    rope_scaling=ROPE_SCALING.doc,
 )
 def setup(
     checkpoint_dir: Path = DEFAULT_CHECKPOINT_DIR,
@@ -54,6 +56,7 @@ def setup(
     compile: Union[bool, str] = "auto",
     accelerator: str = "auto",
     quantize: Optional[str] = None,
+    rope_scaling: Optional[Dict[str, Any]] = None,
 ) -> None:
     """Chat with a model interactively."""
     check_sampling_args(temperature, top_k, top_p)
@@ -67,14 +70,14 @@ def setup(
     fabric = generation_fabric(accelerator, precision, quantize)
     tokenizer = Tokenizer(checkpoint_dir)
     style = PromptStyle.from_checkpoint(checkpoint_dir, prompt_style)
-    block_size = load_config(checkpoint_dir).block_size
+    block_size = load_config(checkpoint_dir, rope_scaling=rope_scaling).block_size  # --rope_scaling: longer
     if max_new_tokens >= block_size:
         raise LitError(f"--max_new_tokens {max_new_tokens} leaves no room for a prompt in the context ({block_size})")
     # the decode step compiled once for its fixed shapes (a CUDA graph replayed per token on a GPU), or eager
     steps = compile_steps(mode, compile_prefill=False)
 
     with loading(fabric, f"{checkpoint_dir} ({style.name} prompt style)"):
-        model = quantize_weights(fabric, load_model(checkpoint_dir), quantize)
+        model = quantize_weights(fabric, scale_rope(load_model(checkpoint_dir), rope_scaling), quantize)
         model = prepare_for_device(fabric, model, steps)  # precision dtype, CPU layout, Fabric
     fabric.print(describe_style(style, checkpoint_dir, prompt_style), file=sys.stderr)  # which style, and why
     fabric.seed_everything(seed)

@@ -12,7 +12,7 @@ template, the reply only); time, tokens/s and memory go to stderr. The flags are
 
 import lightning as L
 
-from lit_gpt.loading import load_model
+from lit_gpt.loading import load_model, scale_rope
 from lit_gpt.recipes.generate import (
     GenerationArgs, check_request, generate_command, generate_sample, generation_steps, loading, prepare_for_device,
     print_sample, print_style, quantize_weights, report,
@@ -27,7 +27,7 @@ def main(fabric: L.Fabric, args: GenerationArgs) -> None:
 
     with loading(fabric, args.checkpoint_dir):
         # built on the meta device and given the memory-mapped weights: they exist once in memory
-        model = load_model(args.checkpoint_dir)
+        model = scale_rope(load_model(args.checkpoint_dir), args.rope_scaling)  # --rope_scaling: longer context
         model = quantize_weights(fabric, model, args.quantize)
         model = prepare_for_device(fabric, model, steps)
     print_style(fabric, request)  # which prompt style, and why (stderr)

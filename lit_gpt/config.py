@@ -310,14 +310,70 @@ def next_power_of_two(n: int) -> int:
     return 1 << max(0, math.ceil(math.log2(max(n, 1))))
 
 
-def load_config(checkpoint_dir: Path, config_cls: Optional[type] = None, **overrides: Any) -> "Config":
+# --rope_scaling: the types that extend a checkpoint's context with one static table, exactly as transformers'
+# rope_init_functions compute them ("dynamic" NTK rescales with each forward's length, which one table cannot give;
+# "longrope" needs per-dimension factors fitted to the model: a checkpoint's own only), and each type's optional keys
+EXTENDING_ROPE: Dict[str, tuple] = {
+    "linear": (),
+    "yarn": ("beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim", "truncate"),
+    "llama3": ("low_freq_factor", "high_freq_factor"),
+}
+
+
+def with_rope_scaling(config: "Config", scaling: Dict[str, Any], max_seq_length: Optional[int] = None) -> "Config":
+    """`config` with the user's RoPE scaling (`--rope_scaling '{"type": "yarn", "factor": 4}'`): the RoPE frequencies
+    scaled for a context of `factor` times the checkpoint's (its `block_size`, which becomes the original context),
+    and that longer `block_size`. Raises ValueError (one line, what to do) for a type that cannot extend exactly, a
+    model without RoPE or with its own scaling, or a `max_seq_length` beyond the scaled context."""
+    scaling = dict(scaling)
+    kind = scaling.pop("type", None) or scaling.pop("rope_type", None)
+    if kind not in EXTENDING_ROPE:
+        raise ValueError(f"--rope_scaling type {kind!r} cannot extend the context exactly here: use one of"
+                         f" {', '.join(map(repr, EXTENDING_ROPE))} with a factor, e.g."
+                         """ '{"type": "yarn", "factor": 4}'""")
+    factor = scaling.pop("factor", None)
+    if not isinstance(factor, (int, float)) or isinstance(factor, bool) or not factor > 1:
+        raise ValueError(f"--rope_scaling needs a \"factor\" > 1 (the context grows by it), got {factor!r}")
+    unknown = sorted(set(scaling) - set(EXTENDING_ROPE[kind]))
+    if unknown:
+        raise ValueError(f"--rope_scaling of type {kind!r} does not take {', '.join(unknown)}; it takes factor"
+                         + "".join(f", {k}" for k in EXTENDING_ROPE[kind]))
+    if config.rope_n_elem == 0 or len(config.layers_without_rope) == config.n_layer:
+        raise ValueError(f"{config.name or 'this model'} has no RoPE to scale: it cannot extend its context"
+                         f" ({config.block_size}); drop --rope_scaling")
+    if config.rope_scaling:
+        own = config.rope_scaling.get("type", "llama3")
+        raise ValueError(f"{config.name or 'this model'} has its own RoPE scaling ({own!r}) up to its context"
+                         f" {config.block_size}: drop --rope_scaling")
+    old = config.block_size
+    ours: Dict[str, Any] = {"type": kind, "factor": float(factor), **scaling}
+    if kind == "llama3":  # transformers' Llama 3.1 defaults where the user names none
+        ours = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, **ours, "original_max_seq_len": old}
+    elif kind == "yarn":
+        ours["original_max_seq_len"] = old
+    context = int(old * factor)
+    if max_seq_length is not None and max_seq_length > context:
+        raise ValueError(f"a context of {max_seq_length} exceeds what --rope_scaling gives ({old} x {factor:g} ="
+                         f" {context}): raise its factor to at least {max_seq_length / old:.3g} or shorten the context")
+    return type(config)(**{**config.to_dict(), "rope_scaling": ours, "block_size": context})
+
+
+def load_config(checkpoint_dir: Path, config_cls: Optional[type] = None, rope_scaling: Optional[Dict[str, Any]] = None,
+                max_seq_length: Optional[int] = None, **overrides: Any) -> "Config":
     """The checkpoint's config, as `config_cls` (a variant's Config, e.g. `lit_gpt.lora.Config`) with the method's
     `overrides`, or a LitError that says what is wrong (no config in the folder, invalid settings). The one
-    config loader of the recipes, scripts and data preparation."""
+    config loader of the recipes, scripts and data preparation. `rope_scaling` (`--rope_scaling`): the context
+    extended by `with_rope_scaling`, refused in one line where it cannot reach `max_seq_length`."""
     from lit_gpt.utils import LitError  # here: lit_gpt.utils imports nothing of the model package
 
     config_cls = config_cls or Config
     checkpoint_dir = Path(checkpoint_dir)
+    if rope_scaling:  # --rope_scaling: the checkpoint's context extended (its refusals are one line too)
+        try:
+            return with_rope_scaling(config_cls.from_checkpoint(checkpoint_dir, **overrides), rope_scaling,
+                                     max_seq_length)
+        except ValueError as e:
+            raise LitError(str(e)) from e
     try:
         return config_cls.from_checkpoint(checkpoint_dir, **overrides)
     except FileNotFoundError as e:

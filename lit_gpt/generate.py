@@ -56,7 +56,7 @@ def kv_cache_length(model: GPT, batch_size: int) -> int:
     cache = model.transformer.h[0].attn.kv_cache
     if cache is None or cache.k.size(0) != batch_size:
         return 0
-    return cache.k.size(2)
+    return cache.length  # positions, not entries: a sliding layer's ring holds fewer (`lit_gpt.kv_cache`)
 
 
 def setup_kv_cache(
@@ -261,8 +261,10 @@ class Batch:
         to_device = self.runtime.to_device
         whole = rows == list(range(self.rows))
         slots = None if whole else to_device(torch.tensor(rows))  # a partial join always gathers: one graph
+        # the padding carries the position after the prompt's (T): a sliding layer's ring keeps the prompt's last
+        # window, and T's entry, which the padding writes, is the first decode step's to overwrite (lit_gpt.kv_cache)
         token = self.prefill_fn(
-            self.model, to_device(prompt), to_device(torch.arange(length).expand(n, length)),
+            self.model, to_device(prompt), to_device(torch.arange(length).clamp(max=T).expand(n, length)),
             to_device(torch.tensor([T - 1])), slots=slots, cache_length=length, **self._sampling_args(rows),
         )
         start = to_device(torch.full((n,), T, dtype=torch.long))

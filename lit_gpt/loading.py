@@ -10,11 +10,11 @@ model, through the method's generate recipe (`check_checkpoint_dir` says which).
 
 import difflib
 from pathlib import Path
-from typing import Union
+from typing import Any, Mapping, Optional, Union
 
 import torch
 
-from lit_gpt.config import Config, load_config
+from lit_gpt.config import Config, load_config, with_rope_scaling
 from lit_gpt.model import GPT
 from lit_gpt.utils import LitError, download_command
 from lit_gpt.weights import check_checkpoint_dir, load_checkpoint
@@ -48,3 +48,16 @@ def load_model(checkpoint_dir: PathLike) -> GPT:
         model = GPT(config)
     load_checkpoint(model, path, assign=True)
     return model.eval()
+
+
+def scale_rope(model: GPT, scaling: Optional[Mapping[str, Any]]) -> GPT:
+    """--rope_scaling: `model`'s context extended (`lit_gpt.config.with_rope_scaling`, whose ValueErrors are one line)
+    in the Config every module shares, and its RoPE tables rebuilt on the host and moved (on XLA a transfer, not a
+    computation folded into the first graph). None: the model as it is."""
+    if scaling:
+        scaled = with_rope_scaling(model.config, scaling)
+        model.config.rope_scaling, model.config.block_size = scaled.rope_scaling, scaled.block_size
+        device = model.cos.device
+        model.reset_rope_cache(None if model.cos.is_meta else torch.device("cpu"))
+        model.cos, model.sin = model.cos.to(device), model.sin.to(device)
+    return model

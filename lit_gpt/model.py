@@ -28,7 +28,8 @@ import torch.nn.functional as F
 
 from lit_gpt.config import Config
 from lit_gpt.attention import sink_attention, softcap, softcapped_attention  # noqa: F401 (softcap: re-exported)
-from lit_gpt.kv_cache import KVCache, cache_mask  # noqa: F401 (KVCache: re-exported)
+from lit_gpt.attention import FlexMask, flex_attention_packed, flex_mask, packed_path
+from lit_gpt.kv_cache import KVCache, cache_mask  # noqa: F401 (re-exported)
 from lit_gpt.packing import DocumentSpans, SegmentIds, document_attention, document_mask, document_spans
 from lit_gpt.utils import LitError
 from lit_gpt.moe import ExpertLinear, MoE
@@ -55,9 +56,13 @@ class GPT(nn.Module):
         # `attend(q, k, v, segments, scale, **layer)` for packed rows instead of a dense (T, T) document mask: a
         # kernel that takes document ids (on XLA lit_gpt.xla.flash installs one: the TPU's flash kernel, or blockwise)
         self.segment_attention: Optional[Callable[..., torch.Tensor]] = None
-        # packed rows without such a kernel: "documents" attends one document at a time on eager backends (no (T, T)
-        # mask); "mask" is the dense document mask everywhere (the old path; bench/long_context.py compares them)
-        self.packed_attention = "documents"
+        # packed rows without such a kernel: "auto" is FlexAttention on CUDA ("flex", lit_gpt.attention), one document
+        # at a time elsewhere ("documents", eager backends; no (T, T) mask either way); "mask" is the dense document
+        # mask everywhere (the old path; bench/long_context.py compares them). FlexAttention off on CUDA:
+        # `model.packed_attention = "documents"`
+        self.packed_attention = "auto"
+        # the torch.compile backend of the flex path ("eager": the unfused reference the CPU tests run)
+        self.flex_compile = "inductor"
         # built here, explicitly, on the device the model is created on (free on the meta device): `forward`
         # never builds tables itself, which on a tracing backend would fold the computation into the first graph
         self.reset_rope_cache()
@@ -151,7 +156,7 @@ class GPT(nn.Module):
     def allocate_kv_cache(
         self, batch_size: int, length: int, device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None
     ) -> None:
-        """KV caches of `length` positions in every block; the RoPE tables must already cover them."""
+        """KV caches of `length` positions in every block (sliding layers': a ring of their window, kv_cache.py)."""
         if self.rope_cache_length is None or self.rope_cache_length < length:
             raise ValueError(
                 f"a KV cache of {length} positions needs RoPE tables that long (they have {self.rope_cache_length}):"
@@ -161,9 +166,8 @@ class GPT(nn.Module):
         device = device or w.device
         dtype = dtype or w.dtype
         for block in self.transformer.h:
-            block.attn.kv_cache = KVCache(
-                batch_size, self.config.n_query_groups, length, self.config.head_size, device, dtype
-            )
+            block.attn.kv_cache = KVCache(batch_size, self.config.n_query_groups, length, self.config.head_size,
+                                          device, dtype, window=block.attn.sliding_window)
 
     def clear_kv_cache(self) -> None:
         for block in self.transformer.h:
@@ -241,16 +245,20 @@ class GPT(nn.Module):
             if cache is None:
                 raise TypeError("input_pos was given but no KV cache is set: call model.set_kv_cache(...) first")
             # once per forward and window, not per layer: small ops like these are a good part of a decode step
-            visible = cache.k.size(2) if cache_length is None else cache_length
-            for window in dict.fromkeys(block.attn.sliding_window for block in self.transformer.h):  # in layer order
-                masks[window] = cache_mask(input_pos, visible, window)
+            for block in self.transformer.h:  # in layer order; each cache's own layout (a sliding layer's: a ring)
+                if block.attn.sliding_window not in masks:
+                    masks[block.attn.sliding_window] = block.attn.kv_cache.mask(input_pos, cache_length)
         elif segments is not None:
-            kernel = self.segment_attention if self.packed_attention != "mask" else None
+            path = packed_path(self.packed_attention, idx.device.type)
+            kernel = self.segment_attention if path != "mask" else None
             every_layer = getattr(kernel, "any_layer", False)
             # per-document spans need a host read: eager backends only (a tracing one would bake them in its graph)
-            spans = document_spans(segments) if self.packed_attention == "documents" and not every_layer and \
+            spans = document_spans(segments) if path == "documents" and not every_layer and \
                 idx.device.type != "xla" else None
             for window in dict.fromkeys(block.attn.sliding_window for block in self.transformer.h):
+                if kernel is None and path == "flex":  # FlexAttention (CUDA) takes every kind of layer
+                    masks[window] = flex_mask(segments, window, self.flex_compile)
+                    continue
                 # a kernel of plain causal attention takes those layers; others go by document or get the dense mask
                 masks[window] = SegmentIds(segments, kernel, window) if kernel is not None and (every_layer or (
                     window is None and not (self.config.attention_sinks or self.config.attention_logit_softcapping))
@@ -387,9 +395,9 @@ class CausalSelfAttention(nn.Module):
         if input_pos is not None:
             if self.kv_cache is None:
                 raise TypeError("input_pos was given but no KV cache is set: call model.set_kv_cache(...) first")
-            k, v = self.kv_cache(input_pos, k, v, slots, cache_length)
             if mask is None:
-                mask = cache_mask(input_pos, k.size(2), window)
+                mask = self.kv_cache.mask(input_pos, cache_length)
+            k, v = self.kv_cache(input_pos, k, v, slots, cache_length)
         elif mask is None and window is not None and T > window:
             pos = torch.arange(T, device=x.device)
             diff = pos.unsqueeze(-1) - pos
@@ -409,6 +417,8 @@ class CausalSelfAttention(nn.Module):
         if isinstance(mask, SegmentIds):  # packed rows through a kernel that takes document ids
             layer = dict(window=mask.window, softcapping=self.config.attention_logit_softcapping, sinks=self.sinks)
             return mask.attend(q, k, v, mask.segments, scale, **{n: x for n, x in layer.items() if x is not None})
+        if isinstance(mask, FlexMask):  # packed rows through FlexAttention's block mask (CUDA)
+            return flex_attention_packed(q, k, v, mask, scale, self.config.attention_logit_softcapping, self.sinks)
         if isinstance(mask, DocumentSpans):  # packed rows one document at a time (eager backends)
             return document_attention(q, k, v, mask, scale, self.config.attention_logit_softcapping, self.sinks)
         if self.sinks is not None:

@@ -380,7 +380,7 @@ class Runtime:
     def setup_kv_cache(self, gpt: nn.Module, batch_size: int, length: int, dtype: Optional[torch.dtype] = None) -> None:
         """A KV cache of `length` positions (and RoPE tables at least that long), unless one that fits is set."""
         cache = gpt.transformer.h[0].attn.kv_cache
-        if cache is not None and cache.k.size(0) == batch_size and cache.k.size(2) == length and (
+        if cache is not None and cache.k.size(0) == batch_size and cache.length == length and (
             dtype is None or cache.k.dtype == dtype
         ):
             return

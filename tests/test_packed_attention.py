@@ -1,5 +1,6 @@
 """Packed rows' attention without a (T, T) mask (lit_gpt.packing.document_attention, `GPT.packed_attention =
-"documents"`, the default on eager backends): one document at a time, equal in outputs and gradients to SDPA with the
+"documents"`, what the default "auto" takes on the CPU; CUDA's FlexAttention: tests/test_flex_attention.py): one
+document at a time, equal in outputs and gradients to SDPA with the
 dense document mask (`packed_attention = "mask"`, the old path) within float32's rounding (tests/tolerance.py), and
 so is XLA's blockwise path (lit_gpt.xla.flash.blockwise_segment_attention, run eagerly here), for
 plain causal, sliding-window (documents longer than the window: query chunks), soft-capped and attention-sink

@@ -106,6 +106,15 @@ XLA_FINETUNE: List[Flag] = [
 ]
 
 # ---------------------------------------------------------------------------------------------------------------
+# long context: the one definition of --rope_scaling (lit_gpt.config.with_rope_scaling; load_config takes it)
+# ---------------------------------------------------------------------------------------------------------------
+ROPE_SCALING = Flag(
+    "rope_scaling", Optional[Dict[str, Any]], None,
+    'Extend the checkpoint\'s context: RoPE scaled as transformers scales it, e.g. \'{"type": "yarn", "factor": 4}\'\n'
+    '("linear", "yarn" or "llama3"; the context becomes factor x the checkpoint\'s). Refused for a model\n'
+    "without RoPE or with its own scaling (it already reaches its context).")
+
+# ---------------------------------------------------------------------------------------------------------------
 # the methods' own flags (the same on every backend)
 # ---------------------------------------------------------------------------------------------------------------
 LORA: List[Flag] = [

@@ -27,7 +27,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, List, Mapping, NamedTuple, Optional, Sequence, Tuple, TypeVar, Union
+from typing import Any, Callable, Dict, Iterator, List, Mapping, NamedTuple, Optional, Sequence, Tuple, TypeVar, Union
 
 import torch
 
@@ -36,9 +36,9 @@ from lit_gpt.config import load_config
 from lit_gpt.cpu_layout import prepare_for_generation
 from lit_gpt.fingerprint import ALLOW_OTHER_BASE_HELP
 from lit_gpt.generate import GenerationResult, check_lengths, compile_steps, timed_generate, unwrap
-from lit_gpt.loading import check_model_dir
+from lit_gpt.loading import check_model_dir, scale_rope
 from lit_gpt.quantize import check_quantize, loader
-from lit_gpt.recipes.flags import Flag, command
+from lit_gpt.recipes.flags import ROPE_SCALING, Flag, command
 from lit_gpt.runtime import Runtime, param_dtype, resolve_accelerator
 from lit_gpt.sampling import check_sampling_args
 from lit_gpt.utils import DEFAULT_CHECKPOINT_DIR, LitError
@@ -135,6 +135,8 @@ class GenerationArgs:
     quantize: Optional[str] = None
     allow_other_base: bool = False
     """Apply the finetuned weights although they record another base than --checkpoint_dir holds (a warning line)."""
+    rope_scaling: Optional[Dict[str, Any]] = None
+    """--rope_scaling: the checkpoint's context extended (`lit_gpt.loading.scale_rope`; checked in `check_request`)."""
 
 
 def check_file(path: Path, flag: str, writer: str) -> None:
@@ -205,7 +207,7 @@ def check_request(args: GenerationArgs, device: Optional[torch.device] = None) -
         ) from None
     check_sampling_args(args.temperature, args.top_k, args.top_p)
     check_model_dir(args.checkpoint_dir)
-    config = load_config(args.checkpoint_dir)
+    config = load_config(args.checkpoint_dir, rope_scaling=args.rope_scaling)  # the context --rope_scaling gives
     tokenizer = Tokenizer(args.checkpoint_dir)
     style = PromptStyle.from_checkpoint(args.checkpoint_dir, args.prompt_style)
     encoded = tokenizer.encode(style.apply(args.prompt), bos=style.bos, device=device)
@@ -336,6 +338,7 @@ GENERATE: List[Flag] = [
     _flag("compile", Union[bool, str], "auto"),
     _flag("accelerator", str, "auto"),
     _flag("quantize", Optional[str], None),
+    ROPE_SCALING,
 ]
 """The flags of every generate recipe on the CPU/GPU (generate/*.py); a method recipe adds its weights file."""
 
@@ -344,6 +347,7 @@ XLA_GENERATE: List[Flag] = [
     _flag("devices", Union[int, str], "auto", XLA_FLAG_HELP),
     _flag("compile_cache_dir", Optional[Path], None, XLA_FLAG_HELP),
     _flag("accelerator", str, "auto", XLA_FLAG_HELP),
+    ROPE_SCALING,
 ]
 """The flags of every generate recipe on XLA devices (xla/generate/*.py)."""
 
@@ -388,7 +392,8 @@ def run(fabric: Any, args: GenerationArgs, load: Callable[[GenerationArgs], torc
     if weights is not None:
         check_file(args.finetuned_path, *weights)
     with loading(fabric, args.finetuned_path or args.checkpoint_dir):
-        model = prepare_for_device(fabric, quantize_weights(fabric, load(args), args.quantize), steps)
+        model = scale_rope(load(args), args.rope_scaling)  # --rope_scaling: a longer context
+        model = prepare_for_device(fabric, quantize_weights(fabric, model, args.quantize), steps)
     print_style(fabric, request)  # after loading: a bad weights file stays the run's only stderr line
     runtime = runtime or Runtime(fabric)
     runtime.seed(args.seed)

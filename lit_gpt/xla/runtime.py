@@ -211,13 +211,14 @@ class XLARuntime(Runtime):
         if gpt.rope_cache_length is None or gpt.rope_cache_length < length or gpt.cos.device != device:
             set_rope_length(gpt, length)
         cache = gpt.transformer.h[0].attn.kv_cache
-        if cache is not None and tuple(cache.k.shape) == (batch_size, cache.k.size(1), length, cache.k.size(3)) and (
+        if cache is not None and cache.k.size(0) == batch_size and cache.length == length and (
             cache.k.dtype == dtype and cache.k.device == device
         ):
             return
         c = gpt.config
         for block in gpt.transformer.h:
-            kv = KVCache(batch_size, c.n_query_groups, length, c.head_size, device=torch.device("cpu"), dtype=dtype)
+            kv = KVCache(batch_size, c.n_query_groups, length, c.head_size, device=torch.device("cpu"), dtype=dtype,
+                         window=block.attn.sliding_window)
             kv.k, kv.v = to_device(kv.k, device), to_device(kv.v, device)
             block.attn.kv_cache = kv
 

@@ -1,0 +1,138 @@
+"""--rope_scaling (lit_gpt.config.with_rope_scaling, through load_config): a checkpoint's context extended by RoPE
+scaling the user names. Each type's tables equal transformers' rotary embedding (rope_init_functions) for the same
+config; greedy generation past the checkpoint's context equals transformers' model configured with the same scaling;
+what cannot extend is refused in one line."""
+
+import json
+import re
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from tiny_hf import VOCAB, randomize_  # noqa: E402
+
+from lit_gpt import GPT  # noqa: E402
+from lit_gpt.config import Config, load_config, with_rope_scaling  # noqa: E402
+from lit_gpt.convert import convert_hf_checkpoint  # noqa: E402
+from lit_gpt.generate import generate  # noqa: E402
+from lit_gpt.model import build_rope_cache  # noqa: E402
+from lit_gpt.utils import LitError  # noqa: E402
+from lit_gpt.weights import find_weights, load_weights  # noqa: E402
+
+ORIGINAL = 16  # the tiny checkpoint's context
+USER = {
+    "linear": {"type": "linear", "factor": 4},
+    "yarn": {"type": "yarn", "factor": 4},
+    "llama3": {"type": "llama3", "factor": 4, "low_freq_factor": 1.0, "high_freq_factor": 2.0},
+}
+
+
+def hf_rope(kind: str) -> dict:
+    """transformers' rope parameters for the same scaling: the original context named, the extended one the model's."""
+    user = dict(USER[kind])
+    return {"rope_type": user.pop("type"), **user, "original_max_position_embeddings": ORIGINAL}
+
+
+def hf_llama(rope_scaling=None, max_position_embeddings=ORIGINAL):
+    return transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                    num_key_value_heads=2, intermediate_size=96, rope_theta=10000.0,
+                                    max_position_embeddings=max_position_embeddings, rope_scaling=rope_scaling)
+
+
+@pytest.mark.parametrize("kind", list(USER))
+def test_each_type_equals_transformers_rotary_embedding(kind):
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    config = with_rope_scaling(Config(n_layer=1, n_head=4, n_embd=64, block_size=ORIGINAL, vocab_size=VOCAB),
+                               USER[kind], 4 * ORIGINAL)
+    assert config.block_size == 4 * ORIGINAL
+    hf = hf_llama(hf_rope(kind), 4 * ORIGINAL)
+    inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[kind](hf, "cpu")
+    freqs = torch.outer(torch.arange(4 * ORIGINAL).float(), inv_freq.float())
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = build_rope_cache(4 * ORIGINAL, config)
+    torch.testing.assert_close(cos, emb.cos() * attention_factor)
+    torch.testing.assert_close(sin, emb.sin() * attention_factor)
+    assert (kind == "yarn") == (attention_factor != 1.0)  # yarn's attention factor is part of what is compared
+
+
+@pytest.mark.parametrize("kind", ["yarn", "llama3"])
+@torch.no_grad()
+def test_generation_past_the_checkpoints_context_equals_transformers(kind, tmp_path):
+    """A checkpoint of context 16, extended x4: a 20-token prompt and 12 new tokens (32 positions)."""
+    hf = transformers.AutoModelForCausalLM.from_config(hf_llama(), attn_implementation="eager", dtype=torch.float32)
+    randomize_(hf, seed=4)
+    hf.eval().save_pretrained(tmp_path)
+    convert_hf_checkpoint(tmp_path)
+    config = load_config(tmp_path, rope_scaling=USER[kind], max_seq_length=32)
+    assert (config.block_size, config.rope_scaling["type"]) == (4 * ORIGINAL, kind)
+    ours = GPT(config)
+    ours.load_state_dict(load_weights(find_weights(tmp_path)))
+    theirs = transformers.AutoModelForCausalLM.from_config(hf_llama(hf_rope(kind), 4 * ORIGINAL),
+                                                            attn_implementation="eager", dtype=torch.float32)
+    theirs.load_state_dict(hf.state_dict())
+    prompt = torch.randint(0, VOCAB, (20,), generator=torch.Generator().manual_seed(1))
+    expected = theirs.eval().generate(prompt.view(1, -1), max_new_tokens=12, min_new_tokens=12, do_sample=False,
+                                      pad_token_id=0)[0, 20:]
+    assert generate(ours.eval(), prompt, 12).tolist() == expected.tolist()
+    # the scaling changes the tokens: the comparison above would see a table left unscaled
+    unscaled = transformers.AutoModelForCausalLM.from_config(hf_llama(None, 4 * ORIGINAL), attn_implementation="eager",
+                                                              dtype=torch.float32)
+    unscaled.load_state_dict(hf.state_dict())
+    assert unscaled.eval().generate(prompt.view(1, -1), max_new_tokens=12, min_new_tokens=12, do_sample=False,
+                                    pad_token_id=0)[0, 20:].tolist() != expected.tolist()
+
+
+def test_what_cannot_extend_is_refused_in_one_line(tmp_path):
+    Config(n_layer=1, n_head=4, n_embd=64, block_size=ORIGINAL, vocab_size=VOCAB).save(tmp_path)
+    cases = {
+        "exceeds what --rope_scaling gives (16 x 4 = 64)": dict(rope_scaling={"type": "yarn", "factor": 4},
+                                                                max_seq_length=65),
+        "type 'dynamic' cannot extend the context exactly": dict(rope_scaling={"type": "dynamic", "factor": 4}),
+        'needs a "factor" > 1': dict(rope_scaling={"type": "linear"}),
+        "does not take beta_fast": dict(rope_scaling={"type": "linear", "factor": 2, "beta_fast": 8}),
+    }
+    for message, kwargs in cases.items():
+        with pytest.raises(LitError, match=re.escape(message)) as e:
+            load_config(tmp_path, **kwargs)
+        assert "\n" not in str(e.value)
+    own = Config.from_name("Llama-3.1-8B")  # a family that extends with its own scaling already
+    with pytest.raises(ValueError, match="has its own RoPE scaling .'llama3'. up to its context 131072"):
+        with_rope_scaling(own, {"type": "yarn", "factor": 2})
+    nope = Config(n_layer=2, n_head=4, n_embd=64, block_size=ORIGINAL, layers_without_rope=[0, 1])
+    with pytest.raises(ValueError, match="has no RoPE to scale"):
+        with_rope_scaling(nope, {"type": "yarn", "factor": 2})
+
+
+@pytest.mark.slow  # the recipe end to end, 4 runs in process (~8 s on a loaded 2-core machine)
+def test_generate_recipe_extends_the_context_with_the_flag(smollm2_dir, tmp_path, capsys, monkeypatch):
+    """generate/base.py --rope_scaling: 24 new tokens past a tiny checkpoint's context (16) with the context doubled,
+    the text the library gives for the scaled model; without enough factor (or with a type that cannot extend
+    exactly) one error line."""
+    from test_generate_recipes import assert_one_line_error, run_in_process
+    from tiny import make_tiny_checkpoint
+
+    from lit_gpt.loading import load_model, scale_rope
+    from lit_gpt.recipes.generate import GenerationArgs, check_request
+
+    ckpt = make_tiny_checkpoint(tmp_path / "ckpt", smollm2_dir, block_size=ORIGINAL)
+    prompt = "The capital of France is"  # 5 tokens: 5 + 24 > 16
+    base = ["--checkpoint_dir", str(ckpt), "--prompt", prompt, "--prompt_style", "raw", "--temperature", "0",
+            "--max_new_tokens", "24", "--compile", "none"]
+    linear = {"type": "linear", "factor": 2}
+    proc = run_in_process(capsys, monkeypatch, *base, "--rope_scaling", json.dumps(linear))
+    assert proc.returncode == 0, proc.stderr
+    request = check_request(GenerationArgs(prompt, ckpt, max_new_tokens=24, temperature=0.0, prompt_style="raw",
+                                           rope_scaling=linear))
+    model = scale_rope(load_model(ckpt), linear)
+    assert model.config.block_size == 2 * ORIGINAL
+    new = generate(model, request.encoded, 24, temperature=0.0, stop_ids=request.stop_ids)
+    assert request.encoded.numel() + new.numel() > ORIGINAL  # past the checkpoint's own context
+    assert request.text(new.tolist()) in proc.stdout
+    assert_one_line_error(run_in_process(capsys, monkeypatch, *base), "block_size 16")
+    assert_one_line_error(run_in_process(capsys, monkeypatch, *base, "--rope_scaling", '{"type": "linear", "factor": 1.1}'),
+                          "block_size 17")
+    assert_one_line_error(run_in_process(capsys, monkeypatch, *base, "--rope_scaling", '{"type": "dynamic", "factor": 2}'),
+                          "type 'dynamic' cannot extend the context exactly")
