@@ -224,6 +224,206 @@ def transformers_reference(hf_dir: Path, prompt_ids: List[List[int]], max_tokens
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# scheduling: the long-prompt burst, the shared prefix, sampled chat (on the server with today's flags and on the
+# default one)
+# ---------------------------------------------------------------------------------------------------------------
+def text_of_tokens(tokenizer: Any, n: int, seed: int) -> List[int]:
+    """`n` token ids of plain English-like text, different from the first token for each seed."""
+    import random
+
+    rnd = random.Random(seed)
+    words = [f"Record {seed}:"] + [rnd.choice(WORDS) for _ in range(2 * n)]
+    ids = tokenizer.encode(" ".join(words)).tolist()
+    if len(ids) < n:
+        raise LitError(f"could not build a prompt of {n} tokens")
+    return ids[:n]
+
+
+def health(url: str) -> Dict[str, Any]:
+    import httpx
+
+    return httpx.get(url.rsplit("/v1", 1)[0] + "/health", timeout=30).json()
+
+
+async def timed_stream(client: Any, model: str, prompt: Any, max_tokens: int,
+                       times: Optional[List[float]] = None) -> Dict[str, Any]:
+    """A greedy streamed completion: its text, tokens and the arrival time (perf_counter) of every text chunk (kept
+    in `times` as they arrive)."""
+    times, text, tokens = [] if times is None else times, "", None
+    chunks = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0.0,
+                                             stream=True)
+    async for chunk in chunks:
+        if chunk.choices and chunk.choices[0].text:
+            times.append(time.perf_counter())
+            text += chunk.choices[0].text
+        if getattr(chunk, "usage", None) is not None:
+            tokens = chunk.usage.completion_tokens
+    return {"times": times, "text": text, "tokens": tokens}
+
+
+async def burst_phase(url: str, model: str, short_prompts: List[str], long_prompts: List[List[int]],
+                      short_tokens: int, long_tokens: int, burst: bool, after: int) -> Dict[str, Any]:
+    """The short streams (greedy, streamed) alone, or with the long prompts sent once every stream has `after`
+    tokens. Inter-token times of the short streams: all of them, and those that end inside the burst (from its
+    sending to the last long prompt's first token)."""
+    from openai import AsyncOpenAI
+
+    async with AsyncOpenAI(base_url=url, api_key="none", max_retries=0, timeout=3600) as client:
+        await one_request(client, model, short_prompts[0], 2, False)  # warm
+        t0 = time.perf_counter()
+        live: List[List[float]] = [[] for _ in short_prompts]
+        shorts = [asyncio.ensure_future(timed_stream(client, model, p, short_tokens, t))
+                  for p, t in zip(short_prompts, live)]
+        longs: List[Any] = []
+        sent = None
+        if burst:
+            started = time.perf_counter()
+            while True:  # every short stream has its first tokens: they are decoding
+                await asyncio.sleep(0.01)
+                if all(s.done() for s in shorts) or time.perf_counter() - started > 600:
+                    break
+                if min(len(t) for t in live) >= after:
+                    break
+            sent = time.perf_counter()
+            longs = [asyncio.ensure_future(timed_stream(client, model, p, long_tokens)) for p in long_prompts]
+        done_short = await asyncio.gather(*shorts)
+        done_long = await asyncio.gather(*longs)
+        seconds = time.perf_counter() - t0
+    gaps, in_burst = [], []
+    end = max((r["times"][0] for r in done_long if r["times"]), default=None)
+    for r in done_short:
+        for a, b in zip(r["times"], r["times"][1:]):
+            gaps.append(b - a)
+            if sent is not None and end is not None and sent < b <= end:
+                in_burst.append(b - a)
+    tokens = sum(r["tokens"] for r in done_short + done_long)
+    out = {"seconds": seconds, "completion_tokens": tokens, "tokens_per_s": tokens / seconds,
+           "itl_p50_s": percentile(gaps, 0.5), "itl_p90_s": percentile(gaps, 0.9),
+           "short_texts": [r["text"] for r in done_short], "long_texts": [r["text"] for r in done_long]}
+    if burst:
+        out.update(burst_s=None if end is None else end - sent, itl_in_burst=len(in_burst),
+                   itl_in_burst_p50_s=percentile(in_burst, 0.5) if in_burst else None,
+                   itl_in_burst_p90_s=percentile(in_burst, 0.9) if in_burst else None,
+                   itl_in_burst_max_s=max(in_burst) if in_burst else None)
+    return out
+
+
+async def prefix_phase(url: str, model: str, system: str, questions: List[str], max_tokens: int,
+                       concurrency: int) -> Dict[str, Any]:
+    """Chat requests sharing a long system prompt, `concurrency` at a time, greedy: the server's prefill counters
+    before and after."""
+    from openai import AsyncOpenAI
+
+    before = health(url)
+    async with AsyncOpenAI(base_url=url, api_key="none", max_retries=0, timeout=3600) as client:
+        todo = iter(range(len(questions)))
+        out: List[Any] = [None] * len(questions)
+
+        async def worker() -> None:
+            for i in todo:
+                r = await client.chat.completions.create(
+                    model=model, messages=[{"role": "system", "content": system},
+                                           {"role": "user", "content": questions[i]}],
+                    max_tokens=max_tokens, temperature=0.0)
+                out[i] = (r.choices[0].message.content, r.usage.prompt_tokens, r.usage.completion_tokens)
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        seconds = time.perf_counter() - t0
+    after = health(url)
+    return {"seconds": seconds, "texts": [o[0] for o in out], "prompt_tokens": sum(o[1] for o in out),
+            "prompt_tokens_each": sorted({o[1] for o in out}),
+            "prefill_tokens": after["prefill_tokens"] - before["prefill_tokens"],
+            "cached_tokens": after["cached_prompt_tokens"] - before["cached_prompt_tokens"]}
+
+
+async def chat_phase(url: str, model: str, questions: List[str], max_tokens: int, concurrency: Optional[int],
+                     temperature: float) -> Dict[str, Any]:
+    """Sampled chat requests (seeded: the same tokens however they are batched), one at a time (None) or
+    `concurrency` at a time, not streamed."""
+    from openai import AsyncOpenAI
+
+    async with AsyncOpenAI(base_url=url, api_key="none", max_retries=0, timeout=3600) as client:
+        async def ask(i: int) -> Tuple[str, int]:
+            r = await client.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": questions[i]}], max_tokens=max_tokens,
+                temperature=temperature, seed=i)
+            return r.choices[0].message.content, r.usage.completion_tokens
+
+        await ask(0)  # warm
+        todo = iter(range(len(questions)))
+        out: List[Any] = [None] * len(questions)
+
+        async def worker() -> None:
+            for i in todo:
+                out[i] = await ask(i)
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency or 1)))
+        seconds = time.perf_counter() - t0
+    tokens = sum(o[1] for o in out)
+    return {"concurrency": concurrency, "seconds": seconds, "completion_tokens": tokens,
+            "tokens_per_s": tokens / seconds, "texts": [o[0] for o in out]}
+
+
+def scheduling(checkpoint_dir: Path, tokenizer: Any, threads: int, startup_timeout: float, slots: int,
+               burst_tokens: int, short_tokens: int, chat_requests: int, chat_tokens: int,
+               system_tokens: int, prefix_requests: int, which: List[str]) -> Dict[str, Any]:
+    """The three scenarios on two servers: today's flags (`--prefill_chunk 0 --prefix_cache false`: whole prompts,
+    nothing shared) and the defaults."""
+    short_prompts = prompts_for(4)
+    long_prompts = [text_of_tokens(tokenizer, burst_tokens, seed) for seed in range(4)]
+    system = tokenizer.decode(text_of_tokens(tokenizer, system_tokens, 100))
+    questions = [f"Question {i}: what is the {WORDS[i % len(WORDS)]} doing?" for i in range(prefix_requests)]
+    chat_questions = [f"Tell me a short story about a {WORDS[i % len(WORDS)]}." for i in range(chat_requests)]
+    # the longest prompt (a long one, or the system prompt and a question) and its answer
+    length = max(burst_tokens, system_tokens + 100) + 64
+    servers = {"whole": ("whole prompts, no prefix cache", ["--prefill_chunk", "0", "--prefix_cache", "false"]),
+               "default": ("defaults (chunked prefill, prefix cache)", [])}
+    out: Dict[str, Any] = {}
+    for name, flags in (servers[w] for w in which):
+        argv = ["serve/base.py", "--checkpoint_dir", str(checkpoint_dir), "--accelerator", "cpu", "--precision",
+                "32-true", "--port", "0", "--slots", str(slots), "--max_seq_length", str(length), *flags]
+        log(f"[{name}] starting: python {' '.join(argv)}")
+        server = Server(argv, threads, startup_timeout)
+        model = checkpoint_dir.name
+        r: Dict[str, Any] = {"command": server.command}
+        try:
+            r["alone"] = asyncio.run(burst_phase(server.url, model, short_prompts, long_prompts, short_tokens, 16,
+                                                 False, 0))
+            log(f"[{name}] 4 short streams alone: ITL p90 {r['alone']['itl_p90_s'] * 1000:.0f} ms,"
+                f" {r['alone']['tokens_per_s']:.1f} tokens/s")
+            r["burst"] = asyncio.run(burst_phase(server.url, model, short_prompts, long_prompts, short_tokens, 16,
+                                                 True, 4))
+            b = r["burst"]
+            b["itl_in_burst_x_alone"] = (None if b["itl_in_burst_p90_s"] is None
+                                         else b["itl_in_burst_p90_s"] / r["alone"]["itl_p90_s"])
+            log(f"[{name}] with the burst: ITL p90 in the burst {b['itl_in_burst_p90_s']} s"
+                f" (x{b['itl_in_burst_x_alone']}), {b['tokens_per_s']:.1f} tokens/s, burst {b['burst_s']} s")
+            r["prefix"] = asyncio.run(prefix_phase(server.url, model, system, questions, 8, slots))
+            log(f"[{name}] shared prefix: {r['prefix']['prefill_tokens']} tokens prefilled,"
+                f" {r['prefix']['cached_tokens']} reused, {r['prefix']['seconds']:.1f} s")
+            r["chat_sequential"] = asyncio.run(chat_phase(server.url, model, chat_questions, chat_tokens, None, 0.8))
+            r["chat_batched"] = asyncio.run(chat_phase(server.url, model, chat_questions, chat_tokens, slots, 0.8))
+            r["chat_x_sequential"] = r["chat_batched"]["tokens_per_s"] / r["chat_sequential"]["tokens_per_s"]
+            log(f"[{name}] sampled chat: {r['chat_sequential']['tokens_per_s']:.1f} tokens/s one at a time,"
+                f" {r['chat_batched']['tokens_per_s']:.1f} at {slots} in flight (x{r['chat_x_sequential']:.2f})")
+        finally:
+            r["exit_code"] = server.stop()
+        out[name] = r
+    if len(out) != 2:
+        return out
+    old, new = out.values()
+    out["burst_throughput_x_whole_prompts"] = new["burst"]["tokens_per_s"] / old["burst"]["tokens_per_s"]
+    out["prefix_fewer_prefill_tokens_x"] = old["prefix"]["prefill_tokens"] / max(1, new["prefix"]["prefill_tokens"])
+    out["prefix_same_texts"] = sum(a == b for a, b in zip(old["prefix"]["texts"], new["prefix"]["texts"]))
+    out["burst_same_texts"] = (old["burst"]["short_texts"] + old["burst"]["long_texts"]
+                               == new["burst"]["short_texts"] + new["burst"]["long_texts"])
+    out["chat_same_texts"] = sum(a == b for a, b in zip(new["chat_sequential"]["texts"], new["chat_batched"]["texts"]))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
 def main(
     checkpoint_dir: Path = DEFAULT_CHECKPOINT_DIR,
     hf_dir: Optional[Path] = None,
@@ -236,6 +436,16 @@ def main(
     startup_timeout: float = 600,
     results_file: Optional[Path] = None,
     note: Optional[str] = None,
+    throughput: bool = True,
+    scenarios: bool = True,
+    scenario_slots: int = 8,
+    burst_tokens: int = 2000,
+    short_tokens: int = 256,
+    chat_requests: int = 8,
+    chat_tokens: int = 64,
+    system_tokens: int = 1000,
+    prefix_requests: int = 16,
+    scenario_servers: List[str] = ["whole", "default"],
 ) -> Dict[str, Any]:
     """Tokens/s and time to first token of serve/base.py at several concurrency levels, against one request at a
     time and against transformers' batched generate on the same prompts (CPU, fp32).
@@ -252,6 +462,24 @@ def main(
         startup_timeout: Seconds to wait for the server to load and warm up.
         results_file: Also write the results to this JSON file (bench/result_files.py).
         note: A remark stored in the results file (e.g. what else ran on the machine).
+        throughput: Run the concurrency levels and transformers' reference (above).
+        scenarios: Run the scheduling scenarios (`scheduling`) on two more servers (`--slots scenario_slots`):
+            today's flags (`--prefill_chunk 0 --prefix_cache false`) and the defaults. The long-prompt burst: 4
+            short greedy streams of `short_tokens` tokens, alone and then with 4 prompts of `burst_tokens` tokens
+            (16 new tokens each) sent once every stream has 4 tokens: the streams' inter-token time p90 during the
+            burst (from sending it to the last long prompt's first token) against alone, and the tokens/s of the
+            whole run. The shared prefix: `prefix_requests` greedy chat requests (8 new tokens) with one system
+            prompt of `system_tokens` tokens, `scenario_slots` at a time: prompt tokens computed (the server's
+            /health counters) and the answers. Sampled chat: `chat_requests` chat requests (temperature 0.8,
+            seed = their index, `chat_tokens` tokens, not streamed) one at a time and all at once.
+        scenario_slots: --slots of the scenarios' servers.
+        burst_tokens: Tokens of each long prompt of the burst.
+        short_tokens: Tokens of each short stream of the burst.
+        chat_requests: Requests of the sampled-chat scenario.
+        chat_tokens: max_tokens of the sampled-chat scenario.
+        system_tokens: Tokens of the shared system prompt.
+        prefix_requests: Requests of the shared-prefix scenario.
+        scenario_servers: The scenarios' servers: "whole" (today's flags) and/or "default".
     """
     import torch
 
@@ -272,6 +500,19 @@ def main(
     if longest + max_tokens > max_seq_length:
         raise LitError(f"the longest prompt ({longest} tokens) + --max_tokens {max_tokens} is over --max_seq_length"
                        f" {max_seq_length}: raise --max_seq_length")
+
+    settings = {"checkpoint": "/".join(checkpoint_dir.parts[-2:]), "device": "cpu", "dtype": "float32",
+                "threads": threads}
+    if scenarios:
+        settings.update(scenario_slots=scenario_slots, burst_tokens=burst_tokens, short_tokens=short_tokens,
+                        chat_requests=chat_requests, chat_tokens=chat_tokens, chat_temperature=0.8,
+                        system_tokens=system_tokens, prefix_requests=prefix_requests)
+    if not throughput:
+        results = {"scheduling": scheduling(checkpoint_dir, tokenizer, threads, startup_timeout, scenario_slots,
+                                            burst_tokens, short_tokens, chat_requests, chat_tokens, system_tokens,
+                                           prefix_requests, scenario_servers)}
+        result_files.write(results_file, "serve", settings, results, note)
+        return results
 
     argv = ["serve/base.py", "--checkpoint_dir", str(checkpoint_dir), "--accelerator", "cpu", "--precision",
             "32-true", "--port", "0", "--slots", str(slots), "--max_seq_length", str(max_seq_length)]
@@ -333,11 +574,14 @@ def main(
                "server": {"start_s": server.start_s, "exit_code": exit_code, "warm_up": server.line("Warm-up:"),
                           "stopped": server.line("Stopped after")},
                "answers": {"prompts": prompts, **texts}}
-    settings = {"checkpoint": "/".join(checkpoint_dir.parts[-2:]), "device": "cpu", "dtype": "float32",
-                "threads": threads, "slots": slots, "max_seq_length": max_seq_length, "requests": requests,
+    if scenarios:
+        results["scheduling"] = scheduling(checkpoint_dir, tokenizer, threads, startup_timeout, scenario_slots,
+                                           burst_tokens, short_tokens, chat_requests, chat_tokens, system_tokens,
+                                           prefix_requests, scenario_servers)
+    settings.update({"slots": slots, "max_seq_length": max_seq_length, "requests": requests,
                 "max_tokens": max_tokens, "concurrency": list(concurrency), "prompt_tokens": [min(map(len, prompt_ids)),
                 longest], "prompt": "Once upon a time, there was a {word} who", "sampling": "greedy",
-                "server_command": server.command, "transformers_padding": "left"}
+                "server_command": server.command, "transformers_padding": "left"})
     result_files.write(results_file, "serve", settings, results, note)
     return results
 

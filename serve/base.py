@@ -14,9 +14,11 @@ Then any OpenAI client talks to it: `OpenAI(base_url="http://127.0.0.1:8000/v1",
 
 Concurrent requests share one batched KV cache of `--slots` rows of `--max_seq_length` positions: a request joins
 at the next decode step in a free slot and leaves when it ends, and each step decodes a token for every request in
-flight (lit_gpt/recipes/serving.py, on the generation recipes' loop). More requests than slots wait in a queue of
-`--max_queue`; past it they get HTTP 429. On XLA the warm-up compiles every graph before the port opens (a prefill
-per power-of-two prompt bucket and the decode step): no request waits for a compilation.
+flight (lit_gpt/recipes/serving.py, on the generation recipes' loop). Prompts are prefilled in chunks of
+`--prefill_chunk` tokens between decode steps, several prompts together; prompt prefixes the slots already hold
+are reused (`--prefix_cache`). More requests than slots wait in a queue of
+`--max_queue`; past it they get HTTP 429. On XLA the warm-up compiles every graph before the port opens (the prefill
+chunk, the decode step, the prefix copy): no request waits for a compilation.
 
 Ctrl-C (or SIGTERM) stops accepting connections, finishes the requests in flight and queued, and exits 0; a
 second Ctrl-C exits at once.
@@ -38,6 +40,11 @@ FLAGS: List[Flag] = [
     Flag("max_seq_length", Optional[int], None,
          "Positions per slot: the longest prompt + max_tokens a request may have (default: the model's context,\n"
          "at most 2048). The KV cache holds slots x max_seq_length positions per layer, allocated at the start."),
+    Flag("prefill_chunk", int, 32,
+         "Prompt tokens per prefill call while requests decode (0: whole prompts): a long prompt is prefilled in\n"
+         "chunks between decode steps, so the streams in flight wait one chunk per token, not its whole prefill."),
+    Flag("prefix_cache", bool, True,
+         "Reuse the KV cache of prompt prefixes the slots hold (a shared system prompt, n > 1, few-shot examples)."),
     Flag("max_queue", int, 64, "Requests that may wait for a free slot; past that they get HTTP 429."),
     Flag("prompt_style", Optional[str], None,
          'How chat messages become the prompt: "chat" (the checkpoint\'s chat template), "alpaca" or "raw"\n'

@@ -535,6 +535,48 @@ def test_throughput_8_concurrent(server):
     assert max(r[2] for r in rounds) >= 4, rounds
 
 
+def test_shared_prefix_computed_once_and_long_prompt_chunked_with_the_real_client(server, tokenizer, direct):
+    """Four completions (token-id prompts) sharing a 96-token prefix, one of them with n=2 and one 120 tokens
+    longer (prefilled in chunks of 32 while the others decode), sent at once: the server computes the prefix once
+    (/health and /metrics count the prompt tokens computed and reused) and the greedy answers are those of a
+    forward of the model over the whole text (no cache)."""
+    client = server.client()
+    prefix = tokenizer.encode("The bakery on the corner opens at seven and sells bread. " * 12).tolist()[:96]
+    prompts = [prefix + tokenizer.encode(f" Question {i}: what does it sell?").tolist() for i in range(4)]
+    prompts[3] = prompts[3] + tokenizer.encode(" It also sells cakes and pies. " * 20).tolist()[:120]
+    before = server.health()
+
+    def ask(i: int) -> Any:
+        return client.completions.create(model=server.model, prompt=prompts[i], max_tokens=4, temperature=0,
+                                         n=2 if i == 1 else 1)
+
+    with ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(ask, range(4)))
+    after = server.health()
+    computed = after["prefill_tokens"] - before["prefill_tokens"]
+    cached = after["cached_prompt_tokens"] - before["cached_prompt_tokens"]
+    total = sum(len(p) for p in prompts) + len(prompts[1])  # n=2: two choices of one prompt
+    assert computed + cached == total, (computed, cached)
+    assert cached >= 3 * 96 + 96, (computed, cached)  # the prefix once, the second choice all but its last block
+    metrics = httpx.get(server.root + "/metrics", trust_env=False, timeout=10).text
+    hits = re.search(r"^lit_gpt_prefix_cache_hit_tokens_total ([\d.e+]+)$", metrics, re.M)
+    assert hits and float(hits.group(1)) >= after["cached_prompt_tokens"]
+
+    def greedy(ids: List[int], n: int) -> str:
+        out: List[int] = []
+        for _ in range(n):
+            logp, _ = direct(ids + out)
+            token = int(logp[-1].argmax())
+            if token in tokenizer.stop_ids:
+                break
+            out.append(token)
+        return tokenizer.decode(out, skip_special_tokens=True)
+
+    assert [c.text for c in answers[1].choices] == [answers[1].choices[0].text] * 2
+    for i in (0, 3):
+        assert answers[i].choices[0].text == greedy(prompts[i], 4), i
+
+
 # ---------------------------------------------------------------------------------------------- faults
 LONG = story("dragon", 400)  # about a minute of decoding on one slot
 

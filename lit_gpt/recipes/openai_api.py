@@ -132,6 +132,7 @@ def build_app(engine: Engine, model_name: str, style: Any) -> FastAPI:
     async def health() -> Dict[str, Any]:
         return {"status": "ok", "model": model_name, "slots": engine.slots,
                 "waiting": len(engine.waiting), "free_slots": engine.free_rows(),
+                "prefill_tokens": engine.stats["prefill_tokens"], "cached_prompt_tokens": engine.stats["cached_tokens"],
                 "compilations_after_warm_up": engine.compiles_since_warm_up()}
 
     @app.get("/metrics")

@@ -20,7 +20,8 @@ DEFAULT_MAX_SEQ_LENGTH = 2048  # per slot: 8 slots of 2048 hold 16k positions pe
 
 
 def check_serve_args(host: str = "127.0.0.1", port: int = 8000, slots: int = 8, max_seq_length: Optional[int] = None,
-                     max_queue: int = 64, prompt_style: Optional[str] = None, **_: Any) -> None:
+                     max_queue: int = 64, prompt_style: Optional[str] = None, prefill_chunk: int = 32,
+                     **_: Any) -> None:
     """The serving flags' checks that need no weights (one LitError line each)."""
     from lit_gpt.prompts import PromptStyle
 
@@ -31,6 +32,8 @@ def check_serve_args(host: str = "127.0.0.1", port: int = 8000, slots: int = 8, 
         raise LitError(f"--slots must be >= 1, got {slots}")
     if max_queue < 0:
         raise LitError(f"--max_queue must be >= 0, got {max_queue}")
+    if prefill_chunk < 0:
+        raise LitError(f"--prefill_chunk must be >= 0 (0: whole prompts), got {prefill_chunk}")
     if max_seq_length is not None and max_seq_length < 2:
         raise LitError(f"--max_seq_length must be >= 2, got {max_seq_length}")
     if prompt_style is not None and prompt_style not in PromptStyle.names():
@@ -60,7 +63,8 @@ def check_host(host: str) -> None:
 
 
 def serve(loaded: Any, host: str = "127.0.0.1", port: int = 8000, model_name: Optional[str] = None, slots: int = 8,
-          max_seq_length: Optional[int] = None, max_queue: int = 64, prompt_style: Optional[str] = None) -> None:
+          max_seq_length: Optional[int] = None, max_queue: int = 64, prompt_style: Optional[str] = None,
+          prefill_chunk: int = 32, prefix_cache: bool = True) -> None:
     """Serve `loaded` (recipes.evaluate.EvalModel) until Ctrl-C / SIGTERM, then drain and return."""
     import uvicorn
 
@@ -77,10 +81,12 @@ def serve(loaded: Any, host: str = "127.0.0.1", port: int = 8000, model_name: Op
     style = PromptStyle.from_checkpoint(loaded.checkpoint_dir, prompt_style)
     log(describe_style(style, loaded.checkpoint_dir, prompt_style, "Prompt style of /v1/chat/completions"))
     name = model_name or loaded.checkpoint_dir.name
-    engine = Engine(loaded, slots=slots, max_seq_length=length, max_queue=max_queue, log=log)
+    engine = Engine(loaded, slots=slots, max_seq_length=length, max_queue=max_queue, prefill_chunk=prefill_chunk,
+                    prefix_cache=prefix_cache, log=log)
     log(f"Warming up ({engine.runtime.name}: {slots} slots x {length} positions) ...")
     warm = engine.warm_up()
-    log(f"Warm-up: {warm['seconds']:.1f} s, {warm['compiles']} compilations ({warm['buckets']} prompt lengths)")
+    log(f"Warm-up: {warm['seconds']:.1f} s, {warm['compiles']} compilations (prefill calls of {warm['rows']} rows x"
+        f" {warm['chunk']} tokens)")
 
     app = build_app(engine, name, style)
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=None)

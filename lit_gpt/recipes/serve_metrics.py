@@ -4,7 +4,9 @@ that two applications in one process count apart.
 
     lit_gpt_requests_total{endpoint}                 HTTP requests accepted by /v1/chat/completions, /v1/completions
     lit_gpt_completions_finished_total{finish_reason}  choices ended: "stop", "length", "cancelled" (client gone)
-    lit_gpt_prompt_tokens_total                      prompt tokens prefilled (each choice's prompt)
+    lit_gpt_prompt_tokens_total                      prompt tokens of the choices admitted (each choice's prompt)
+    lit_gpt_prefill_tokens_total                     prompt tokens computed by prefill calls
+    lit_gpt_prefix_cache_hit_tokens_total            prompt tokens reused from the prefix cache (not computed)
     lit_gpt_generation_tokens_total                  tokens generated (what `usage.completion_tokens` counts)
     lit_gpt_queue_depth                              choices waiting for a free slot (past --max_queue: HTTP 429)
     lit_gpt_kv_cache_slots / _slots_in_use           rows of the batched KV cache (--slots) and those in use
@@ -12,8 +14,9 @@ that two applications in one process count apart.
     lit_gpt_time_to_first_token_seconds              histogram: a choice's submission to its first token
     lit_gpt_inter_token_latency_seconds              histogram: between a choice's consecutive tokens
 
-The KV cache is one row of `--max_seq_length` positions per slot (not paged, no prefix cache yet): those metrics
-appear when those features exist.
+The KV cache is one row of `--max_seq_length` positions per slot (not paged): KV blocks in use appear when paging
+exists; the prefix cache's hits are its tokens (prompt = prefill + hit tokens, but for the tokens a cancelled prompt
+did not reach).
 """
 
 from typing import Any
@@ -35,7 +38,12 @@ class ServeMetrics:
                                 registry=registry)
         self.finished = Counter("lit_gpt_completions_finished", "Choices ended, by finish reason",
                                 ["finish_reason"], registry=registry)
-        self.prompt_tokens = Counter("lit_gpt_prompt_tokens", "Prompt tokens prefilled", registry=registry)
+        self.prompt_tokens = Counter("lit_gpt_prompt_tokens", "Prompt tokens of the choices admitted",
+                                     registry=registry)
+        self.prefill_tokens = Counter("lit_gpt_prefill_tokens", "Prompt tokens computed by prefill calls",
+                                      registry=registry)
+        self.cached_tokens = Counter("lit_gpt_prefix_cache_hit_tokens",
+                                     "Prompt tokens reused from the prefix cache (not computed)", registry=registry)
         self.generation_tokens = Counter("lit_gpt_generation_tokens", "Tokens generated", registry=registry)
         self.time_to_first_token = Histogram("lit_gpt_time_to_first_token_seconds",
                                              "Seconds from a choice's submission to its first token",

@@ -1,7 +1,7 @@
 """Continuous batching for the server (serve/base.py): requests share one `lit_gpt.generate.Batch`, the loop the
-generation recipes run. A request joins at the next step boundary in a free row (its prompt prefilled there),
-every decode step serves every request in flight, and a request leaves as soon as it ends (a stop token, a stop
-string, `max_tokens`, or its client gone), freeing its row for the next one.
+generation recipes run. A request takes a free row at the next step boundary; its prompt is prefilled there in
+chunks (below); every decode step serves every request whose prompt is in; a request leaves as soon as it ends (a
+stop token, a stop string, `max_tokens`, or its client gone), freeing its row for the next one.
 
     engine = Engine(loaded, slots=8, max_seq_length=2048, max_queue=64)    # loaded: recipes.evaluate.EvalModel
     engine.warm_up()                                   # XLA: compiles every graph the serving loop will run
@@ -12,17 +12,39 @@ string, `max_tokens`, or its client gone), freeing its row for the next one.
 `emit` receives `("text", str)` as text becomes final and then `("end", finish_reason, completion_tokens)`, on the
 engine's thread: the HTTP layer (lit_gpt.recipes.openai_api) hands them to its event loop.
 
+Chunked prefill, scheduled with decode (as Sarathi-Serve and vLLM do it): each step boundary runs one prefill call
+of at most `prefill_chunk` prompt tokens, shared by the waiting prompts first come first served (several prompts'
+chunks in one (rows, chunk) forward with per-row positions), then one decode step for the rows whose prompts are
+in. So a long prompt delays the streams in flight by one chunk per token, not by its whole prefill. When no row is
+decoding there is nobody to delay: the call takes whole prompts (up to `max_seq_length` tokens). A row whose prompt
+is still being prefilled sits in the decode step like an idle row: its step writes a key/value at the position its
+next chunk starts at (overwritten by that chunk) and its token is not read.
+
+Prefix caching: a row keeps the keys/values of the tokens it was given (its prompt, then what it generated) after
+its request ends, until another request overwrites them. A prompt starting with the same tokens as a row's (in
+blocks of `PREFIX_BLOCK` tokens, compared by a hash chain as vLLM does) reuses them: in place when it gets that
+row, else copied from it (any row: in use, idle or still prefilling the shared part, which the prompt waits for).
+A new request takes the free row holding the longest shared prefix, else the lowest free row, dropping what that
+row held (so what stays is what the last requests of the rows held). The prompt's last token is always computed
+(its logits give the first new token); a request that scores its prompt (`echo` with `logprobs`) computes all of it.
+`stats` counts the prompt tokens computed (`prefill_tokens`) and reused (`cached_tokens`).
+
 Scores (a job with `logprobs`): every step that serves such a job also returns, per row, the log-probability of
 the token it took and the `MAX_LOGPROBS` most likely tokens with theirs (log-softmax of the model's logits, before
-temperature or top-p: what OpenAI and vLLM report); a job with `echo_scores` gets its prompt's too, from a prefill
-that keeps the logits of every prompt position. They are read on the host with the step's tokens and kept on the
-job (`scores`, `prompt_scores`) for the HTTP layer; a job with `max_tokens` 0 ends after its prefill (a prompt
+temperature or top-p: what OpenAI and vLLM report); a job with `echo_scores` gets its prompt's too, from prefill
+calls that keep the logits of every prompt position. They are read on the host with the step's tokens and kept on
+the job (`scores`, `prompt_scores`) for the HTTP layer; a job with `max_tokens` 0 ends after its prefill (a prompt
 scored, nothing generated). On static backends the scores are part of every step's graph (one graph, whoever asks).
 
-Shapes on XLA: the rows and the cache length are fixed, prompts are padded to power-of-two buckets, every step
-runs all rows with per-row sampling settings (greedy rows included), so after `warm_up` (one prefill per bucket,
-one decode step) nothing compiles. On the CPU and GPUs a step runs the rows up to the highest in use and the
-cache positions in use (`Batch`).
+Shapes on XLA: the rows, the cache length and the prefill call ((`STATIC_PREFILL_ROWS`, `prefill_chunk`), unused
+rows padded) are fixed and every step runs all rows with per-row sampling settings (greedy rows included), so after
+`warm_up` (the prefill call, the same keeping every position's scores, the decode step and the prefix block copy:
+four graphs) nothing compiles. On the CPU and GPUs a step runs the rows up to the highest in use and the cache
+positions in use (`Batch`), and a prefill call the rows and chunk lengths it has.
+
+A model with sliding-window layers whose cache is a ring (`lit_gpt.kv_cache`) keeps only a window per row: an idle
+row's write can fall on an entry still in use, and a copied prefix is not a prefix of positions. There every prompt
+is prefilled whole in one call (all waiting prompts together) and prefix caching is off.
 """
 
 import collections
@@ -34,12 +56,19 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from lit_gpt.generate import Batch, RowSampling
-from lit_gpt.runtime import bucket_length
+from lit_gpt.generate import Batch, RowSampling, _exponential
+from lit_gpt.recipes.prefix_cache import PREFIX_BLOCK, block_hashes, shared_blocks
 from lit_gpt.sampling import sample
 from lit_gpt.utils import LitError
 
 MAX_LOGPROBS = 20  # the most alternatives per token a request may ask for (vLLM's default bound; OpenAI's is 5)
+
+DEFAULT_PREFILL_CHUNK = 32
+"""Prompt tokens per prefill call while rows decode. Measured on the CPU (SmolLM2-135M, fp32, 2 threads, a loaded
+2-core machine): a decode step of 4 rows over 128 positions took 245 ms, a 32-token chunk at position 1500 385 ms
+(16 tokens: 249-340 ms, 64: 0.96-2.5 s), so a step boundary with a 32-token chunk stays within 3x of a decode
+step alone (the burst's target) and larger chunks do not."""
+STATIC_PREFILL_ROWS = 4  # rows of the prefill call on a static backend (fixed; unused ones padded)
 
 Score = Tuple[float, List[Tuple[int, float]]]
 """One token's score: its log-probability and the most likely tokens at its position with theirs (best first)."""
@@ -77,18 +106,28 @@ class Job:
     generated: int = 0
     held: str = ""
     decoder: Any = None
+    prefilling: bool = False
+    done_pos: int = 0  # prompt tokens whose keys/values are in the row (computed or reused)
+    order: int = 0  # admission order: prompts are prefilled first come first served
+    pending: int = 0  # the last token taken, which the next decode step feeds
+    hashes: List[int] = field(default_factory=list)  # the prompt's hash chain (one per full PREFIX_BLOCK)
 
 
 class Engine:
     """The serving loop: one `Batch` of `slots` rows over a KV cache of `max_seq_length` positions each, a bounded
-    queue of jobs waiting for a row, and the loop that admits, steps and ends them (`run`, on one thread)."""
+    queue of jobs waiting for a row, and the loop that admits, prefills (in chunks of at most `prefill_chunk`
+    tokens, 0: whole prompts), steps and ends them (`run`, on one thread); `prefix_cache` reuses the keys/values of
+    shared prompt prefixes."""
 
     def __init__(self, loaded: Any, slots: int, max_seq_length: int, max_queue: int,
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, prefix_cache: bool = True,
                  log: Callable[[str], None] = lambda line: None) -> None:
         if slots < 1:
             raise LitError(f"--slots must be >= 1, got {slots}")
         if max_queue < 0:
             raise LitError(f"--max_queue must be >= 0, got {max_queue}")
+        if prefill_chunk < 0:
+            raise LitError(f"--prefill_chunk must be >= 0 (0: whole prompts), got {prefill_chunk}")
         block_size = loaded.block_size
         if not 1 < max_seq_length <= block_size:
             raise LitError(f"--max_seq_length must be between 2 and the model's context ({block_size}),"
@@ -98,19 +137,34 @@ class Engine:
         self.log = log
         self.static = bool(self.runtime.compiles_graphs)
         # the step's scores (device tensors, see _score), computed when a job in flight wants them (always when
-        # static: one graph), and whether the next prefill keeps every prompt position's logits
-        self.scoring, self.score_prompt = self.static, False
+        # static: one graph)
+        self.scoring = self.static
         self.scores: Optional[Tuple[torch.Tensor, ...]] = None
         self.prompt_scores: Optional[Tuple[torch.Tensor, ...]] = None
         with self.runtime.inference_context():
             self.batch = Batch(loaded.model, slots, max_seq_length, runtime=self.runtime, static=self.static,
-                               exact_length=True, decode_fn=self._decode, prefill_fn=self._prefill)
+                               exact_length=True, decode_fn=self._decode)
+        self.chunk = min(prefill_chunk or max_seq_length, max_seq_length)
+        self.prefix_cache = prefix_cache
+        self.prefill_rows = min(slots, STATIC_PREFILL_ROWS) if self.static else slots
+        if any(getattr(b.attn.kv_cache, "ring", None) for b in self.batch.gpt.transformer.h):
+            # sliding-window rings: see the module's docstring. Whole prompts, all at once, nothing shared
+            self.chunk, self.prefill_rows, self.prefix_cache = max_seq_length, slots, False
+            log("Sliding-window ring caches: prompts are prefilled whole, prefix caching is off")
         self.jobs: List[Optional[Job]] = [None] * slots
         self.waiting: Deque[Job] = collections.deque()
         self.lock = threading.Condition()
-        self.stats = {"steps": 0, "tokens": 0, "admitted": 0}
+        # what each row's cache holds (its first len(...) positions) and those tokens' hash chain
+        self.row_tokens: List[List[int]] = [[] for _ in range(slots)]
+        self.row_hashes: List[List[int]] = [[] for _ in range(slots)]
+        self.admissions = 0
+        self.stats = self.new_stats()
         self.warm_compiles = self.runtime.compile_count()
         self.metrics: Any = None  # lit_gpt.recipes.serve_metrics.ServeMetrics once serving (not in the warm-up)
+
+    @staticmethod
+    def new_stats() -> Dict[str, int]:
+        return {"steps": 0, "tokens": 0, "admitted": 0, "prefill_calls": 0, "prefill_tokens": 0, "cached_tokens": 0}
 
     def compiles_since_warm_up(self) -> int:
         """Graphs compiled after the warm-up (XLA; 0 on eager backends): what a request may have waited for."""
@@ -134,7 +188,7 @@ class Engine:
 
     def positions_in_use(self) -> int:
         """KV cache positions the jobs in flight have written (a gauge of /metrics; read from any thread)."""
-        return sum(self.batch.next_pos[r] for r, job in enumerate(list(self.jobs)) if job is not None)
+        return sum(len(self.row_tokens[r]) for r, job in enumerate(list(self.jobs)) if job is not None)
 
     def busy(self) -> bool:
         with self.lock:
@@ -154,7 +208,8 @@ class Engine:
                 self.iterate()
 
     def iterate(self) -> None:
-        """One step boundary: drop cancelled jobs, admit waiting ones into free rows, then one decode step."""
+        """One step boundary: drop cancelled jobs, give waiting ones free rows, one prefill call for the prompts
+        not yet in (a chunk each), then one decode step for the rows whose prompts are in."""
         for row, job in enumerate(self.jobs):
             if job is not None and job.cancelled:
                 self._leave(row)
@@ -162,67 +217,260 @@ class Engine:
             with self.lock:  # the row is taken under the lock: `submit` counts free rows and waiting jobs
                 free = [r for r, job in enumerate(self.jobs) if job is None]
                 job = self.waiting.popleft() if free and self.waiting else None
+                row = None
                 if job is not None and not job.cancelled:
-                    self.jobs[free[0]] = job
+                    row = self._pick_row(job, free)
+                    self.jobs[row] = job
             if job is None:
                 break
-            if job.cancelled:
+            if row is None:
                 if self.metrics is not None:
                     self.metrics.finished.labels("cancelled").inc()
                 continue
-            self._admit(job, free[0])
-        rows = [r for r, job in enumerate(self.jobs) if job is not None]
+            self._admit(job, row)
+        self._prefill()
+        rows = [r for r, job in enumerate(self.jobs) if job is not None and not job.prefilling]
         if not rows:
             return
         wanted = any(self.jobs[r].logprobs is not None for r in rows)
         self.scoring = self.static or wanted
+        for r in rows:  # this step writes the pending token's keys/values into the row
+            self.row_tokens[r].append(self.jobs[r].pending)
         tokens = self.batch.step().tolist()  # the one host read per step: every row's new token
         scores = _read_scores(self.scores) if wanted else None
         self.stats["steps"] += 1
         for row in rows:
             self._take(row, tokens[row], scores[row] if scores is not None else None)
 
+    # ----------------------------------------------------------------- admission and the prefix cache
+    def _pick_row(self, job: Job, free: List[int]) -> int:
+        """The free row holding the longest prefix of the job's prompt, else the lowest free row (which, on eager
+        backends, keeps the decode step to the fewest rows)."""
+        if not self.prefix_cache or job.echo_scores:
+            return free[0]
+        job.hashes = block_hashes(job.prompt_ids)
+        best = max(free, key=lambda r: (shared_blocks(self.row_hashes[r], job.hashes), -r))
+        return best if shared_blocks(self.row_hashes[best], job.hashes) else free[0]
+
+    def _reusable(self, job: Job, blocks: int) -> int:
+        """Prompt tokens that `blocks` shared blocks let the job reuse: never its last token (its logits give the
+        first new token), nothing for a job that scores its prompt."""
+        if not self.prefix_cache or job.echo_scores:
+            return 0
+        return min(blocks * PREFIX_BLOCK, (len(job.prompt_ids) - 1) // PREFIX_BLOCK * PREFIX_BLOCK)
+
     def _admit(self, job: Job, row: int) -> None:
         job.row, job.decoder = row, self.tokenizer.stream_decoder(skip_special_tokens=True)
+        job.prefilling, job.order = True, self.admissions
+        self.admissions += 1
         self.stats["admitted"] += 1
         if self.metrics is not None:
             self.metrics.prompt_tokens.inc(len(job.prompt_ids))
-        prompt = torch.tensor([job.prompt_ids], dtype=torch.long)
-        pad_to = bucket_length(prompt.size(1), self.max_seq_length) if self.static else None
-        self.scoring = self.static or job.logprobs is not None
-        self.score_prompt = job.echo_scores
-        try:
-            token = self.batch.join([row], prompt, sampling=[job.sampling], pad_to=pad_to)
-        finally:
-            self.score_prompt = False
-        if job.echo_scores:
-            job.prompt_scores = _read_scores(self.prompt_scores)[0][: len(job.prompt_ids) - 1]
-            self.prompt_scores = None
-        if job.max_tokens == 0:  # the prompt's scores were all it asked for
-            return self._end(row, "length", "")
-        scores = _read_scores(self.scores)[0] if job.logprobs is not None else None
-        self._take(row, int(token.cpu()[0]), scores)
+        # what the row already holds of this prompt stays (the row's decode-step position is past it: no write
+        # lands there); the rest of the row is dropped
+        keep = self._reusable(job, shared_blocks(self.row_hashes[row], job.hashes))
+        if keep and self.row_tokens[row][:keep] != job.prompt_ids[:keep]:
+            keep = 0  # a hash collision: never trust a hash alone
+        self._count_cached(keep)
+        job.done_pos = keep
+        self.row_tokens[row] = list(job.prompt_ids[:keep])
+        self.row_hashes[row] = job.hashes[: keep // PREFIX_BLOCK]
 
-    # --------------------------------------------------------------- the two steps, with the scores
-    def _prefill(self, model: Any, prompt: torch.Tensor, input_pos: torch.Tensor, last: torch.Tensor, *,
-                 slots: Optional[torch.Tensor] = None, cache_length: Optional[int] = None,
-                 **sampling: Any) -> torch.Tensor:
-        """`lit_gpt.generate.prefill`, keeping the scores: of the first new token, and with `score_prompt` of every
-        prompt token given the ones before it (then the logits of every position are computed, not the last
-        only)."""
-        if self.score_prompt:
-            logits = model(prompt, input_pos, slots=slots, cache_length=cache_length)
-            self.prompt_scores = _score(logits[:, :-1], prompt[:, 1:])  # position t scores token t + 1
-            logits = logits.index_select(1, last)[:, -1]
+    def _count_cached(self, tokens: int) -> None:
+        self.stats["cached_tokens"] += tokens
+        if self.metrics is not None and tokens:
+            self.metrics.cached_tokens.inc(tokens)
+
+    def _copy_prefix(self, row: int, job: Job) -> None:
+        """Copy into `row` the blocks of the job's prompt that another row holds beyond what it has."""
+        have = job.done_pos // PREFIX_BLOCK
+        best, source = have, None
+        for r in range(self.slots):
+            if r != row:
+                n = shared_blocks(self.row_hashes[r], job.hashes, start=have)
+                if n > best:
+                    best, source = n, r
+        end = self._reusable(job, best)
+        if source is None or end <= job.done_pos:
+            return
+        start = have * PREFIX_BLOCK
+        if self.row_tokens[source][:end] != job.prompt_ids[:end]:
+            return  # a hash collision: never trust a hash alone
+        self._copy_blocks(source, row, start, end)
+        self._count_cached(end - job.done_pos)
+        job.done_pos = end
+        self.row_tokens[row] = list(job.prompt_ids[:end])
+        self.row_hashes[row] = job.hashes[: end // PREFIX_BLOCK]
+
+    def _copy_blocks(self, source: int, row: int, start: int, end: int) -> None:
+        """Keys and values of positions [start, end) of row `source` into row `row`, in every layer; the row's
+        decode-step position moves to `end` (its idle writes must not land on the copy). Static backends copy a
+        block per call (one graph); eager ones the range at once."""
+        to_device = self.runtime.to_device
+        spans = [(s, s + PREFIX_BLOCK) for s in range(start, end, PREFIX_BLOCK)] if self.static else [(start, end)]
+        src, dst = to_device(torch.tensor([source])), to_device(torch.tensor([row]))
+        for s, e in spans:
+            pos = to_device(torch.arange(s, e))
+            for block in self.batch.gpt.transformer.h:
+                cache = block.attn.kv_cache
+                for buf in (cache.k, cache.v):
+                    part = buf.index_select(0, src).index_select(2, pos)  # (1, groups, n, hs)
+                    buf[dst.view(1, 1), :, pos.view(1, -1)] = part.transpose(1, 2)
+            self.batch.positions.index_copy_(0, dst, to_device(torch.tensor([e])))
+            self.runtime.end_step()
+
+    def _waits(self, job: Job, earlier: List[Job]) -> bool:
+        """Whether an earlier prompt being prefilled shares blocks with this one that it has not computed yet (this
+        one waits for them rather than computing them twice)."""
+        have = job.done_pos // PREFIX_BLOCK
+        for other in earlier:
+            shared = self._reusable(job, shared_blocks(other.hashes, job.hashes, start=have))
+            if shared > job.done_pos and other.done_pos < shared:
+                return True
+        return False
+
+    # ----------------------------------------------------------------- chunked prefill
+    def _prefill(self) -> None:
+        """One prefill call: the prompts not yet in, first come first served, a chunk each within the budget
+        (`chunk` tokens; whole prompts up to `max_seq_length` when no row is decoding); each row whose prompt is
+        then complete takes its first token."""
+        order = sorted((job for job in self.jobs if job is not None and job.prefilling), key=lambda j: j.order)
+        if not order:
+            return
+        decoding = any(job is not None and not job.prefilling for job in self.jobs)
+        budget = self.chunk if decoding or self.static else self.max_seq_length
+        plan: List[Tuple[int, int, int]] = []  # (row, start, end)
+        earlier: List[Job] = []
+        for job in order:
+            if self.prefix_cache and not job.echo_scores:
+                self._copy_prefix(job.row, job)
+                if self._waits(job, earlier):
+                    earlier.append(job)
+                    continue
+            earlier.append(job)
+            if budget > 0 and len(plan) < self.prefill_rows:
+                n = min(len(job.prompt_ids) - job.done_pos, budget, self.chunk if self.static else budget)
+                plan.append((job.row, job.done_pos, job.done_pos + n))
+                budget -= n
+        if plan:
+            self._run_chunk(plan)
+
+    def _run_chunk(self, plan: List[Tuple[int, int, int]]) -> None:
+        rows = [r for r, _, _ in plan]
+        width = self.chunk if self.static else max(e - s for _, s, e in plan)
+        pads = []
+        if self.static:  # fixed rows: the others' calls write at the end of what their rows hold (unread there)
+            pads = [r for r in range(self.slots) if r not in rows][: self.prefill_rows - len(plan)]
+        ids, pos, last, targets, finishing = [], [], [], [], []
+        for i, (r, s, e) in enumerate(plan):
+            prompt = self.jobs[r].prompt_ids
+            pad = width - (e - s)
+            ids.append(prompt[s:e] + [0] * pad)
+            # the padding carries the position after the chunk's last (its write is the next chunk's or the first
+            # decode step's to overwrite; a sliding layer's ring keeps the chunk's last window, lit_gpt.kv_cache)
+            pos.append(list(range(s, e)) + [e] * pad)
+            last.append(i * width + e - s - 1)
+            targets.append((prompt[s + 1: e + 1] + [0] * width)[:width])
+            finishing.append(e == len(prompt))
+        for r in pads:
+            at = min(len(self.row_tokens[r]), self.max_seq_length - 1)
+            ids.append([0] * width)
+            pos.append([at] * width)
+            last.append((len(ids) - 1) * width)
+            targets.append([0] * width)
+            finishing.append(False)
+        jobs = [self.jobs[r] for r in rows]
+        score_prompt = any(job.echo_scores for job in jobs)
+        self.scoring = self.static or any(job.logprobs is not None for job, f in zip(jobs, finishing) if f)
+        settings = [job.sampling if f else RowSampling() for job, f in zip(jobs, finishing)]
+        settings += [RowSampling()] * len(pads)
+        to_device = self.runtime.to_device
+        all_rows = rows + pads
+        slots = to_device(torch.tensor(all_rows))
+        starts = [e for _, _, e in plan] + [p[0] for p in pos[len(plan):]]
+        visible = None
+        if not self.static:  # the positions this call writes and reads, rounded as `Batch` rounds the decode's
+            need = max(p[-1] for p in pos) + 1
+            visible = min(self.batch.length, -(-need // Batch.VISIBLE_MULTIPLE) * Batch.VISIBLE_MULTIPLE)
+        token = self._chunk_forward(to_device(torch.tensor(ids)), to_device(torch.tensor(pos)), slots,
+                                    to_device(torch.tensor(last)), visible, score_prompt,
+                                    to_device(torch.tensor(targets)), self._row_sampling(settings))
+        # the rows' decode-step inputs: a finished prompt's first token at its next position; the others keep
+        # their token, at the end of what they hold
+        batch = self.batch
+        done = to_device(torch.tensor(finishing))
+        batch.tokens.index_copy_(0, slots, torch.where(done, token, batch.tokens.index_select(0, slots)))
+        batch.positions.index_copy_(0, slots, to_device(torch.tensor(starts)))
+        self.runtime.end_step()
+        self.stats["prefill_calls"] += 1
+        computed = sum(e - s for _, s, e in plan)
+        self.stats["prefill_tokens"] += computed
+        if self.metrics is not None:
+            self.metrics.prefill_tokens.inc(computed)
+        read = any(finishing) or score_prompt
+        tokens = token.tolist() if read else None
+        scores = _read_scores(self.scores) if read and self.scoring and any(
+            jobs[i].logprobs is not None for i, f in enumerate(finishing[: len(plan)]) if f) else None
+        prompt_scores = _read_scores(self.prompt_scores) if score_prompt else None
+        self.prompt_scores = None
+        for i, (r, s, e) in enumerate(plan):
+            job = self.jobs[r]
+            job.done_pos = e
+            self.row_tokens[r].extend(job.prompt_ids[s:e])
+            if self.prefix_cache:
+                self.row_hashes[r] = job.hashes[: e // PREFIX_BLOCK]
+            if job.echo_scores:
+                job.prompt_scores = (job.prompt_scores or []) + prompt_scores[i][: min(e, len(job.prompt_ids) - 1) - s]
+            if not finishing[i]:
+                continue
+            job.prefilling = False
+            batch.active[r], batch.next_pos[r], batch.sampling[r] = True, e, job.sampling
+            if job.max_tokens == 0:  # the prompt's scores were all it asked for
+                self._end(r, "length", "")
+                continue
+            job.pending = tokens[i]
+            self._take(r, tokens[i], scores[i] if scores is not None and job.logprobs is not None else None)
+
+    def _chunk_forward(self, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, last: torch.Tensor,
+                       visible: Optional[int], score_prompt: bool, targets: torch.Tensor,
+                       sampling: Dict[str, Any]) -> torch.Tensor:
+        """The prefill call's forward: (rows, width) tokens at per-row positions into cache rows `slots`, the token
+        sampled from each row's logits at `last` (indices into the flattened rows x width), the scores of those
+        tokens and, with `score_prompt`, of every position's next prompt token (`targets`)."""
+        model = self.batch.model
+        if score_prompt:
+            logits = model(ids, pos, slots=slots, cache_length=visible)
+            self.prompt_scores = _score(logits, targets)
+            logits = logits.reshape(-1, logits.size(-1)).index_select(0, last)
         else:
-            logits = model(prompt, input_pos, last_only=last, slots=slots, cache_length=cache_length)[:, -1]
+            logits = model(ids, pos, head_rows=last, slots=slots, cache_length=visible)
         token = sample(logits, **sampling)
         self.scores = _score(logits, token) if self.scoring else None
         return token
 
+    def _row_sampling(self, settings: List[RowSampling]) -> Dict[str, Any]:
+        """`sample`'s per-row arguments for `settings` (draws only from the rows that sample)."""
+        if not self.static and all(s.temperature == 0.0 for s in settings):
+            return {}
+        vocab = self.batch.vocab
+        draws = [_exponential(vocab, s.generator) if s.temperature > 0 else None for s in settings]
+        where = next((d.device for d in draws if d is not None), torch.device("cpu"))
+        noise = torch.stack([d.to(where) if d is not None else torch.ones(vocab, device=where) for d in draws])
+        to_device = self.runtime.to_device
+        top_p: Any = to_device(torch.tensor([s.top_p for s in settings]))
+        if not self.static and all(s.top_p >= 1.0 for s in settings):
+            top_p = 1.0  # no nucleus to cut: skip the sort of the vocabulary
+        return dict(temperature=to_device(torch.tensor([s.temperature for s in settings])), top_p=top_p,
+                    noise=to_device(noise))
+
+    # --------------------------------------------------------------- the decode step, with the scores
     def _decode(self, model: Any, token: torch.Tensor, input_pos: torch.Tensor, *,
                 cache_length: Optional[int] = None, **sampling: Any) -> torch.Tensor:
-        """`lit_gpt.generate.decode_one_token`, keeping the scores of the tokens it takes."""
+        """`lit_gpt.generate.decode_one_token`, keeping the scores of the tokens it takes. On eager backends,
+        rows that all keep the whole nucleus (top_p 1) skip its sort of the vocabulary."""
+        if not self.static and isinstance(sampling.get("top_p"), torch.Tensor) and all(
+                s.top_p >= 1.0 for s in self.batch.sampling[: token.size(0)]):
+            sampling = {**sampling, "top_p": 1.0}
         logits = model(token.view(-1, 1), input_pos, cache_length=cache_length)[:, -1]
         token = sample(logits, **sampling)
         self.scores = _score(logits, token) if self.scoring else None
@@ -234,9 +482,10 @@ class Engine:
         job = self.jobs[row]
         if job.cancelled:
             return self._leave(row)
+        job.pending = token
         if token in job.stop_ids:
             return self._end(row, "stop", job.held + job.decoder.flush())
-        if score is not None:
+        if score is not None and job.logprobs is not None:  # a step scores every row when one row asks
             job.scores.append(score)
         job.generated_ids.append(token)
         job.generated += 1
@@ -274,40 +523,40 @@ class Engine:
         if self.metrics is not None:
             self.metrics.finished.labels(reason).inc()
         self.batch.leave(row)
+        if self.prefix_cache:  # what the row holds stays reusable (its prompt and what it generated)
+            self.row_hashes[row] = block_hashes(self.row_tokens[row])
         with self.lock:
             self.jobs[row] = None
 
     # ----------------------------------------------------------------- warm-up
-    def prompt_buckets(self) -> List[int]:
-        """The padded prompt lengths a static backend compiles a prefill for."""
-        buckets, b = [], bucket_length(1, self.max_seq_length)
-        while True:
-            buckets.append(b)
-            if b >= self.max_seq_length:
-                return buckets
-            b = bucket_length(b + 1, self.max_seq_length)
-
     def warm_up(self) -> Dict[str, float]:
         """Run every graph the loop will need once, so that no request waits for a compilation: on a static
-        backend a prefill per prompt bucket and the decode step; elsewhere one short request. Returns the
-        compilations and the seconds it took."""
+        backend the prefill call (with and without the prompt's scores), the decode step and the prefix block copy
+        (two requests with one prompt at once: the second copies the first's blocks); elsewhere one short request.
+        Returns the compilations and the seconds it took."""
         t0, compiles = time.perf_counter(), self.runtime.compile_count()
-        lengths = self.prompt_buckets() if self.static else [1]
         sampled = RowSampling(1.0, 0.9, torch.Generator().manual_seed(0))
+        ids = [0] * min(PREFIX_BLOCK + 1, self.max_seq_length - 1)
+
+        def job(**kwargs: Any) -> Job:
+            return Job(list(ids), emit=lambda *a: None, **{"max_tokens": 2, **kwargs})
+
+        rounds = [[job(sampling=sampled)]]
+        if self.static:
+            rounds.append([job(max_tokens=0, logprobs=1, echo_scores=True)])
+            if self.prefix_cache and self.slots > 1:
+                rounds.append([job(), job()])
         with self.runtime.inference_context():
-            for i, length in enumerate(lengths):
-                ids = [0] * min(length, self.max_seq_length - 1)
-                jobs = [Job(ids, max_tokens=2, emit=lambda *a: None, sampling=sampled if i == 0 else RowSampling())]
-                if self.static:  # a prompt scored (echo with logprobs) is another prefill graph per bucket
-                    jobs.append(Job(ids, max_tokens=0, emit=lambda *a: None, logprobs=1, echo_scores=True))
-                for job in jobs:
-                    self.submit([job])
-                    while self.busy():
-                        self.iterate()
-        self.stats = {"steps": 0, "tokens": 0, "admitted": 0}
+            for jobs in rounds:
+                self.submit(jobs)
+                while self.busy():
+                    self.iterate()
+        self.stats = self.new_stats()
+        self.row_tokens = [[] for _ in range(self.slots)]  # the warm-up's prompts are nobody's prefix
+        self.row_hashes = [[] for _ in range(self.slots)]
         self.warm_compiles = self.runtime.compile_count()
         return {"compiles": self.runtime.compile_count() - compiles, "seconds": time.perf_counter() - t0,
-                "buckets": len(lengths)}
+                "chunk": self.chunk, "rows": self.prefill_rows}
 
 
 def _score(logits: torch.Tensor, chosen: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -1,0 +1,122 @@
+"""The serving engine's scheduling (lit_gpt/recipes/serving.py), in this process on the tiny checkpoint: chunked
+prefill between decode steps, several prompts in one prefill call, and the prefix cache, each against the engine
+that prefills whole prompts and shares nothing (the same greedy tokens, the same scores). The same behaviours
+through the real `openai` client on the real SmolLM2 server: tests/test_serve.py (`test_shared_prefix_...`,
+`test_long_prompt_...`); on XLA: tests/xla/test_xla_serve_chunked.py."""
+
+from typing import Any, Dict, List, Optional
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_dir):
+    from lit_gpt.recipes.evaluate import load_eval_model
+
+    return load_eval_model(tiny_dir, accelerator="cpu", precision="32-true")
+
+
+def engine(loaded: Any, **kwargs: Any) -> Any:
+    from lit_gpt.recipes.serving import Engine
+
+    return Engine(loaded, **{"slots": 4, "max_seq_length": 128, "max_queue": 64, **kwargs})
+
+
+def job(ids: List[int], max_tokens: int = 6, **kwargs: Any) -> Any:
+    from lit_gpt.recipes.serving import Job
+
+    events: List[Any] = []
+    j = Job(list(ids), max_tokens=max_tokens, emit=lambda *e: events.append(e), **kwargs)
+    j.events = events  # what the HTTP layer would receive
+    return j
+
+
+def drain(eng: Any, jobs: List[Any]) -> List[str]:
+    eng.submit(jobs)
+    with torch.inference_mode():
+        while eng.busy():
+            eng.iterate()
+    return ["".join(e[1] for e in j.events if e[0] == "text") + "|" + j.events[-1][1] for j in jobs]
+
+
+def prompts(loaded: Any) -> List[Dict[str, Any]]:
+    """Five prompts sharing a 40-token prefix (two of them equal: a request's `n` choices), two others, one scored
+    (echo with logprobs) and one with logprobs."""
+    tok = loaded.tokenizer
+    system = tok.encode("You are a careful assistant who answers in one short sentence. " * 3).tolist()[:40]
+    out = [dict(ids=system + tok.encode(f"Question {i}: what is {i} plus {i}?").tolist()) for i in range(4)]
+    out.append(dict(ids=out[0]["ids"]))
+    out.append(dict(ids=tok.encode("Once upon a time").tolist(), logprobs=2))
+    out.append(dict(ids=system + tok.encode("Score me.").tolist(), max_tokens=0, logprobs=1, echo_scores=True))
+    out.append(dict(ids=tok.encode("The capital of France is " * 12).tolist(), max_tokens=10))
+    return out
+
+
+def run(loaded: Any, **flags: Any) -> Any:
+    eng = engine(loaded, **flags)
+    jobs = [job(**p) for p in prompts(loaded)]
+    return eng, jobs, drain(eng, jobs)
+
+
+def test_chunked_prefill_and_the_prefix_cache_keep_the_greedy_tokens_and_scores(loaded):
+    whole, whole_jobs, expected = run(loaded, prefill_chunk=0, prefix_cache=False)
+    eng, jobs, got = run(loaded, prefill_chunk=8, prefix_cache=True)
+    assert got == expected
+    for a, b in zip(jobs, whole_jobs):
+        assert a.generated_ids == b.generated_ids
+        for mine, ref in ((a.scores, b.scores), (a.prompt_scores or [], b.prompt_scores or [])):
+            assert len(mine) == len(ref), (a, b)
+            assert [s[0] for s in mine] == pytest.approx([s[0] for s in ref], abs=1e-4)
+            assert [[i for i, _ in s[1]] for s in mine][:3] == [[i for i, _ in s[1]] for s in ref][:3]
+    assert len(jobs[6].prompt_scores) == len(jobs[6].prompt_ids) - 1  # every prompt token after the first
+    total = sum(len(p["ids"]) for p in prompts(loaded))
+    assert whole.stats["prefill_tokens"] == total and whole.stats["cached_tokens"] == 0
+    # the shared 32 tokens (two blocks of 16) computed once, the equal prompt reused but for its last token
+    assert eng.stats["prefill_tokens"] + eng.stats["cached_tokens"] == total
+    assert eng.stats["cached_tokens"] >= 4 * 32 + 16, eng.stats
+    # 8-token chunks: the long prompt alone takes several calls
+    assert eng.stats["prefill_calls"] > len(prompts(loaded)[-1]["ids"]) // 8
+
+
+def test_a_long_prompt_is_prefilled_between_the_decode_steps_of_the_streams_in_flight(loaded):
+    eng = engine(loaded, prefill_chunk=8, prefix_cache=False)
+    short = job(loaded.tokenizer.encode("Hello").tolist(), max_tokens=40)
+    eng.submit([short])
+    with torch.inference_mode():
+        eng.iterate()
+        assert short.generated == 2  # prefill's token and one decode step
+        long = job(loaded.tokenizer.encode("A long story. " * 20).tolist(), max_tokens=3)
+        eng.submit([long])
+        steps = 0
+        while long.prefilling or long.row is None:
+            before = short.generated
+            eng.iterate()
+            steps += 1
+            assert short.generated == before + 1  # the stream got its token at every step boundary
+    assert steps == -(-len(long.prompt_ids) // 8)  # one chunk of 8 per step boundary
+    assert eng.stats["prefill_tokens"] == len(short.prompt_ids) + len(long.prompt_ids)
+
+
+def test_waiting_prompts_share_one_prefill_call(loaded):
+    """With nothing decoding, the waiting prompts are prefilled whole in one call; while rows decode, one call
+    of `prefill_chunk` tokens per step boundary, shared first come first served."""
+    tok = loaded.tokenizer
+    eng = engine(loaded, prefill_chunk=8, prefix_cache=False)
+    first = [job(tok.encode(f"Prompt number {i} is here").tolist(), max_tokens=30) for i in range(3)]
+    eng.submit(first)
+    with torch.inference_mode():
+        eng.iterate()
+        assert eng.stats["prefill_calls"] == 1 and all(not j.prefilling for j in first)
+        late = [job(list(range(100, 120)), max_tokens=2)]  # 20 tokens
+        eng.submit(late)
+        eng.iterate()
+        assert eng.stats["prefill_calls"] == 2 and late[0].done_pos == 8  # one chunk of 8 while rows decode
+
+
+def test_a_negative_prefill_chunk_is_one_line():
+    from lit_gpt.recipes.serve import check_serve_args
+    from lit_gpt.utils import LitError
+
+    with pytest.raises(LitError, match=r"^--prefill_chunk must be >= 0 \(0: whole prompts\), got -1$"):
+        check_serve_args(prefill_chunk=-1)
