@@ -13,9 +13,18 @@ Decode: batch 1, greedy, `--prompt_tokens` then `--new_tokens` tokens, steady de
   over the experts that were hit).
 Training step: forward + backward of `--batch` x `--seq` tokens through the whole model, all weights trainable,
 summed logits as the loss, seconds per step of
-  `ours` (moe_dispatch "auto": on the CPU and CUDA the rows grouped by expert, exact),
+  `ours` (moe_dispatch "auto": on the CPU and CUDA the rows grouped by expert, exact: one `torch._grouped_mm` per
+      projection where it runs, on the CPU in float32 and on CUDA in bf16 on sm90+, no host read),
+  `ours_loop` (moe_dispatch "loop", what "auto" ran before: the same sorted rows, one matmul per expert, one host
+      read of the group sizes per layer),
   `ours_capacity` (capacity buffers of ceil(2.0 * N * k / E) rows per expert: what a traced XLA step runs),
   `ours_dense`, `transformers` and `transformers_eager`.
+MXFP4 (`--mxfp4`): the same model's experts as MXFP4 values in bf16, then packed (lit_gpt.mxfp4.pack_experts_mxfp4):
+the experts' bytes in memory both ways, and whether 16 greedy tokens are equal.
+XLA eval FLOPs (`--xla_flops`, one XLA:CPU process): XLA's cost analysis of the traced eval forward of the same
+model on `--batch` x `--seq` tokens, with the dropless tiles ("auto" in evaluation since issue 38), the capacity
+buffers of C = N (what evaluation ran before) and the gather path (each token through its k experts only: the
+routed computation), as ratios to the routed forward.
 Contenders alternate; each does one warm-up, then `--runs` timed runs; medians, and ratios of medians to `ours`.
 The greedy tokens of every contender are compared with transformers' (equal weights, fp32: they must match).
 """
@@ -98,6 +107,75 @@ def train_step(forward: Callable[[], torch.Tensor], params: List[torch.nn.Parame
     return time.perf_counter() - t0
 
 
+XLA_PROBE = r'''
+import json, sys, torch, torch_xla, _XLAC, jax
+from jax._src.lib import xla_client
+from lit_gpt.config import Config
+from lit_gpt.model import GPT
+from lit_gpt.moe import moe_layers
+shape, batch, seq = json.loads(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+config = Config.from_name("Qwen3-30B-A3B", **shape)
+torch.manual_seed(0)
+with torch.device(torch_xla.device()):
+    model = GPT(config).eval()
+ids = torch.randint(0, config.vocab_size, (batch, seq)).to(torch_xla.device())
+torch_xla.sync()  # the weights' initialisation runs here, not inside the graphs counted below
+client = jax.devices("cpu")[0].client
+out = {}
+for path in ("auto", "dropless", "capacity", "gather"):
+    for m in moe_layers(model):
+        m.dispatch = path
+    with torch.no_grad():
+        logits = model(ids)
+    module = xla_client.XlaComputation(_XLAC._get_xla_tensors_hlo_proto([logits])).get_hlo_module()
+    out[path] = xla_client._xla.hlo_module_cost_analysis(client, module)["flops"]
+print("RESULT " + json.dumps(out))
+'''
+
+
+def mxfp4_memory(model: torch.nn.Module, prompt: torch.Tensor) -> Dict[str, float]:
+    """Experts' bytes in bf16 and packed as MXFP4, and the greedy tokens of both (16, from `prompt`)."""
+    import copy
+
+    from lit_gpt.generate import generate
+    from lit_gpt.moe import ExpertLinear
+    from lit_gpt.mxfp4 import dequantize_mxfp4, pack_experts_mxfp4, packed_bytes, quantize_mxfp4
+
+    from lit_gpt.moe import clear_routing
+
+    clear_routing(model)  # the last training step's routing (tensors of its graph) cannot be deep-copied
+    bf16 = copy.deepcopy(model).eval()
+    with torch.no_grad():
+        for m in bf16.modules():
+            if type(m) is ExpertLinear:  # MXFP4 values, as a converted gpt-oss checkpoint's experts are
+                m.weight.copy_(dequantize_mxfp4(*quantize_mxfp4(m.weight), torch.float32))
+    bf16 = bf16.to(torch.bfloat16)
+    expert_bytes = sum(m.weight.numel() * 2 for m in bf16.modules() if type(m) is ExpertLinear)
+    packed = copy.deepcopy(bf16)
+    pack_experts_mxfp4(packed)
+    with torch.inference_mode():
+        same = torch.equal(generate(bf16, prompt, 16, temperature=0.0), generate(packed, prompt, 16, temperature=0.0))
+    return {"mxfp4_expert_mib_bf16": expert_bytes / 2**20, "mxfp4_expert_mib_packed": packed_bytes(packed) / 2**20,
+            "mxfp4_tokens_equal_to_bf16": same}
+
+
+def xla_eval_flops(n_expert: int, k: int, batch: int, seq: int) -> Dict[str, float]:
+    """XLA's cost analysis of the eval forward's traced graph on XLA:CPU (traced, not run), per MoE path."""
+    import json
+    import os
+    import subprocess
+
+    shape = {**SHAPE, "n_expert": n_expert, "n_expert_per_token": k}
+    env = {key: v for key, v in os.environ.items() if not key.startswith(("PJRT_", "XLA_", "TPU_"))}
+    env.update(PJRT_DEVICE="CPU", CPU_NUM_DEVICES="1", JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="2")
+    proc = subprocess.run([sys.executable, "-c", XLA_PROBE, json.dumps(shape), str(batch), str(seq)], env=env,
+                          capture_output=True, text=True, check=True)
+    flops = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    routed = flops["gather"]
+    return {"xla_eval_flops_routed": routed, **{f"xla_eval_flops_{p}_ratio_to_routed": flops[p] / routed
+                                                for p in ("auto", "dropless", "capacity")}}
+
+
 def setup(
     results_file: Optional[Path] = None,
     note: Optional[str] = None,
@@ -110,6 +188,8 @@ def setup(
     seq: int = 256,
     runs: int = 3,
     threads: Optional[int] = None,
+    xla_flops: bool = True,
+    mxfp4: bool = True,
 ) -> Dict[str, float]:
     """Measure decode tokens/s and the training step of our dispatch, the dense fallback and transformers."""
     if threads:
@@ -160,7 +240,8 @@ def setup(
                 "ours_dense": ours_decode("dense"),
                 "transformers": lambda: decode_theirs(theirs, prompt, new_tokens),
                 "transformers_eager": lambda: decode_theirs(theirs_eager, prompt, new_tokens)}
-    trainers = {"ours": ours_train("auto", 2.0), "ours_capacity": ours_train("capacity", 2.0),
+    trainers = {"ours": ours_train("auto", 2.0), "ours_loop": ours_train("loop", 2.0),
+                "ours_capacity": ours_train("capacity", 2.0),
                 "ours_dense": ours_train("dense", None), "transformers": theirs_train(theirs),
                 "transformers_eager": theirs_train(theirs_eager)}
     for r in range(runs + 1):  # run 0: warm-up
@@ -185,6 +266,10 @@ def setup(
         results[f"tokens_{name}_equal_to_transformers"] = texts[name] == texts["transformers"]
     for name in train:
         results[f"train_{name}_ratio_to_ours"] = results[f"train_{name}_s_per_step"] / results["train_ours_s_per_step"]
+    if xla_flops:
+        results.update(xla_eval_flops(n_expert, k, batch, seq))
+    if mxfp4:
+        results.update(mxfp4_memory(ours, prompt))
     for key, value in results.items():
         print(f"{key}: {value:.3f}" if isinstance(value, float) else f"{key}: {value}")
     settings = dict(shape={**SHAPE, "n_expert": n_expert, "n_expert_per_token": k}, device=device,

@@ -26,11 +26,12 @@ from typing import Any, Callable, Iterator, Literal, Optional, Sequence
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from lit_gpt.config import Config as BaseConfig
 from lit_gpt.convert import HF_SIDE_FILES
 from lit_gpt.model import GPT as BaseModel
-from lit_gpt.moe import ExpertLinear, MoE, grouped_mm
+from lit_gpt.moe import ExpertLinear, MoE, grouped_mm, grouped_mm_offsets
 from lit_gpt.peft import base_config, load_variant_model
 from lit_gpt.quantize import is_quantized, linear
 from lit_gpt.utils import LitError, cannot_write, copy_file_atomic, write_text_atomic
@@ -241,6 +242,28 @@ class LoRAExpertLinear(_Merge, ExpertLinear):
             return y
         a = grouped_mm(self.lora_dropout(x), self.lora_A, bounds)  # (S, r)
         return y + grouped_mm(a, self.lora_B, bounds) * self.scaling
+
+    def forward_offsets(self, x: torch.Tensor, experts: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+        """x: (S, in) rows sorted by expert, ends: (E,) their groups' end rows (`torch._grouped_mm`) -> (S, out)."""
+        y = super().forward_offsets(x, experts, ends)
+        if self.merged or self.adapters_off:
+            return y
+        a = grouped_mm_offsets(self.lora_dropout(x), self.lora_A, ends)  # (S, r)
+        return y + grouped_mm_offsets(a, self.lora_B, ends) * self.scaling
+
+    def forward_tiles(self, x: torch.Tensor, tile_experts: torch.Tensor) -> torch.Tensor:
+        """x: (T, m, in) tiles of one expert each (`lit_gpt.moe` dropless) -> (T, m, out)."""
+        y = super().forward_tiles(x, tile_experts)
+        if self.merged or self.adapters_off:
+            return y
+        E = self.n_expert
+        lora_a = F.embedding(tile_experts, self.lora_A.reshape(E, -1)).view(-1, self.r, self.in_features)
+        lora_b = F.embedding(tile_experts, self.lora_B.reshape(E, -1)).view(-1, self.out_features, self.r)
+        a = torch.bmm(self.lora_dropout(x), lora_a.transpose(1, 2))  # (T, m, r)
+        return y + torch.bmm(a, lora_b.transpose(1, 2)) * self.scaling
+
+    def widths(self) -> tuple:
+        return self.in_features, self.out_features, self.r
 
     def forward_selected(self, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """x: (M, in), experts: (M,) -> (M, out)."""

@@ -13,15 +13,28 @@ indexing, so that XLA compiles one graph per bucket; "auto" picks per forward, b
       experts: a one-token step of Qwen3-30B-A3B reads 8 of its 128 experts. In eager CPU inference
       (`lit_gpt.cpu_layout`) it multiplies with views of those experts' weights instead of gathered copies.
   "grouped" (auto otherwise, in eager mode on the CPU and CUDA): the assignments sorted by expert, each expert's
-      rows multiplied with its weights (`grouped_mm`: one host read of the group sizes per layer, the output
-      shape static). Exact, nothing dropped, no expert computes for a token it was not given.
-  "capacity" (auto otherwise where the step is a traced graph: XLA, torch.compile): GShard/Switch expert buffers
+      rows multiplied with its weights by `torch._grouped_mm` (one kernel for all experts; the group ends a device
+      tensor: no host read, the output shape static), where it runs: CUDA, and the CPU in float32 (its CPU kernel
+      refuses bf16 rows of other than 16-byte strides; `grouped_mm_runs`). Elsewhere "loop". Exact, nothing
+      dropped, no expert computes for a token it was not given.
+  "loop": the reference of "grouped": the same sorted rows, one `mm` per expert with rows (`grouped_mm`: one host
+      read of the group sizes per layer).
+  "capacity" (auto otherwise where a training step is a traced graph: XLA, torch.compile): GShard/Switch buffers
       of static size (n_expert, C, n_embd). An assignment's row in its expert's buffer is a cumulative count over
       the assignments, first choices of all tokens before second choices (a token keeps its best expert first);
       the experts run as batched matmuls over their buffers. In training C = ceil(moe_capacity_factor * N * k /
       n_expert): an assignment beyond its expert's C is dropped (the token gets that expert's share as zero: its
-      other experts and the residual still carry it), and the fraction dropped is logged. In evaluation,
-      generation, and with moe_capacity_factor=None, C = N, which no routing can exceed: nothing is dropped.
+      other experts and the residual still carry it), and the fraction dropped is logged. Chosen explicitly, in
+      evaluation and with moe_capacity_factor=None C = N, which no routing can exceed: nothing is dropped (every
+      expert computes every token, E/k x the routed FLOPs: "auto" runs "dropless" there instead).
+  "dropless" (auto otherwise in a traced graph in evaluation, generation and with moe_capacity_factor=None): the
+      sorted, blocked layout of megablox with static shapes: the N*k assignments sorted by expert, each expert's
+      group padded to a multiple of a tile of m rows, at most ceil((N*k + min(E, N*k)*(m-1)) / m) tiles (a bound of
+      N only), each tile one expert's matmul (`ExpertLinear.forward_tiles`). m = ceil(N*k / (2E)) keeps the padding
+      under half the assignments: the experts compute about 1.5x the routed rows (capacity C = N computes E/k x).
+      Exact, nothing dropped, no host read. The tiles' weights are gathered per tile (T <= ~3E matrices per
+      projection, held while the layer runs): that is the price of XLA's batched matmul; torch_xla's Pallas `gmm`
+      (TPU) would read each expert's weights in place, and is not wired in.
   "dense": every expert on every token, weighted by the routing (zero for experts not chosen): the reference the
       bench compares the dispatch against.
 
@@ -31,7 +44,7 @@ each MoE layer keeps from its last training forward (`MoE.routing`), exactly as 
 """
 
 import math
-from typing import Any, Dict, List, NamedTuple, Optional, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -39,7 +52,7 @@ import torch.nn.functional as F
 
 ROUTINGS = ("softmax_topk", "topk_softmax")
 MOE_ACTIVATIONS = ("silu", "clamped_swiglu")
-DISPATCHES = ("auto", "grouped", "capacity", "gather", "dense")
+DISPATCHES = ("auto", "grouped", "loop", "capacity", "dropless", "gather", "dense")
 
 
 Bounds = List[Tuple[int, int, int]]  # (expert, first row, end row) of each non-empty group of expert-sorted rows
@@ -74,6 +87,37 @@ class _GroupedMM(torch.autograd.Function):
             for e, s, t in ctx.bounds:
                 torch.mm(grad[s:t].t(), x[s:t], out=grad_w[e])
         return grad_x, grad_w, None
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward hands on a contiguous gradient: `torch._grouped_mm`'s CPU backward refuses the
+    expanded (stride 0) gradient a `sum()` gives ("Invalid strides/sizes")."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
+def grouped_mm_runs(x: torch.Tensor, widths: Sequence[int]) -> bool:
+    """Whether `torch._grouped_mm` takes rows x (S, in) and experts' matrices whose widths (in, out, LoRA's r) are
+    `widths` here: CUDA (bf16 on sm90+, rows of 16-byte multiples), or the CPU in float32. Never in a traced graph
+    (XLA has no lowering; torch.compile keeps the static paths)."""
+    if not hasattr(torch, "_grouped_mm") or torch.compiler.is_compiling():
+        return False
+    if x.device.type == "cuda":
+        return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0) and \
+            all(d * x.element_size() % 16 == 0 for d in widths)
+    return x.device.type == "cpu" and x.dtype == torch.float32
+
+
+def grouped_mm_offsets(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """x: (S, in) rows sorted by expert, weight: (E, out, in), ends: (E,) int32 end row of each expert's group (a
+    device tensor) -> (S, out), one `torch._grouped_mm`."""
+    return _ContiguousGrad.apply(torch._grouped_mm(x, weight.transpose(1, 2), offs=ends))
 
 
 def grouped_mm(x: torch.Tensor, weight: torch.Tensor, bounds: Bounds) -> torch.Tensor:
@@ -132,6 +176,23 @@ class ExpertLinear(nn.Module):
         y = torch.bmm(x.unsqueeze(1), w.transpose(1, 2)).squeeze(1)
         return y if self.bias is None else y + F.embedding(experts, self.bias)
 
+    def forward_tiles(self, x: torch.Tensor, tile_experts: torch.Tensor) -> torch.Tensor:
+        """x: (T, m, in) tiles of rows, tile_experts: (T,) the expert of each tile -> (T, m, out). The tiles' weights
+        are gathered by index (one (out, in) matrix per tile), so a tile costs one expert's matmul on m rows."""
+        w = F.embedding(tile_experts, self.weight.view(self.n_expert, -1)).view(-1, self.out_features, self.in_features)
+        y = torch.bmm(x, w.transpose(1, 2))
+        return y if self.bias is None else y + F.embedding(tile_experts, self.bias).unsqueeze(1)
+
+    def forward_offsets(self, x: torch.Tensor, experts: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+        """x: (S, in) rows sorted by expert, experts: (S,), ends: (E,) int32 end row of each expert's group (a
+        device tensor) -> (S, out), by `torch._grouped_mm` (see `grouped_mm_runs`)."""
+        y = grouped_mm_offsets(x, self.weight, ends)
+        return y if self.bias is None else y + F.embedding(experts, self.bias)
+
+    def widths(self) -> Tuple[int, ...]:
+        """The matrices' row widths (`grouped_mm_runs`)."""
+        return self.in_features, self.out_features
+
     def forward_grouped(self, x: torch.Tensor, experts: torch.Tensor, bounds: Bounds) -> torch.Tensor:
         """x: (S, in) rows sorted by expert, experts: (S,) their experts, `bounds` of `group_bounds` -> (S, out)."""
         y = grouped_mm(x, self.weight, bounds)
@@ -169,6 +230,16 @@ class Experts(nn.Module):
         """x: (M, n_embd), experts: (M,) -> (M, n_embd)."""
         h = self.act(self.fc_1.forward_selected(x, experts), self.fc_2.forward_selected(x, experts))
         return self.proj.forward_selected(h, experts)
+
+    def forward_tiles(self, x: torch.Tensor, tile_experts: torch.Tensor) -> torch.Tensor:
+        """x: (T, m, n_embd) tiles, tile_experts: (T,) -> (T, m, n_embd)."""
+        h = self.act(self.fc_1.forward_tiles(x, tile_experts), self.fc_2.forward_tiles(x, tile_experts))
+        return self.proj.forward_tiles(h, tile_experts)
+
+    def forward_offsets(self, x: torch.Tensor, experts: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+        """x: (S, n_embd) rows sorted by expert, ends: (E,) int32 group ends -> (S, n_embd)."""
+        h = self.act(self.fc_1.forward_offsets(x, experts, ends), self.fc_2.forward_offsets(x, experts, ends))
+        return self.proj.forward_offsets(h, experts, ends)
 
     def forward_grouped(self, x: torch.Tensor, experts: torch.Tensor, bounds: Bounds) -> torch.Tensor:
         """x: (S, n_embd) rows sorted by expert -> (S, n_embd)."""
@@ -208,6 +279,14 @@ def capacity(n_tokens: int, k: int, n_expert: int, factor: Optional[float]) -> i
     return max(1, min(n_tokens, math.ceil(factor * n_tokens * k / n_expert)))
 
 
+def dropless_tiling(n_assignments: int, n_expert: int) -> Tuple[int, int]:
+    """(tile rows m, tiles T) of the dropless layout for A = N*k assignments: m = ceil(A / (2E)), so that padding
+    each expert's group to a multiple of m adds fewer than A/2 rows; T = ceil((A + min(E, A)*(m-1)) / m) bounds the
+    tiles of any routing (at most min(E, A) experts have a group, each padded by at most m-1 rows)."""
+    m = max(1, math.ceil(n_assignments / (2 * n_expert)))
+    return m, math.ceil((n_assignments + min(n_expert, n_assignments) * (m - 1)) / m)
+
+
 class MoE(nn.Module):
     """router -> top-k experts -> their outputs weighted by the routing, summed (see the module docstring)."""
 
@@ -232,13 +311,20 @@ class MoE(nn.Module):
                 dispatch = "gather"
             elif x.device.type in ("cpu", "cuda") and not torch.compiler.is_compiling():
                 dispatch = "grouped"  # eager: exact, nothing dropped
+            elif self.training and self.capacity_factor is not None:
+                dispatch = "capacity"  # training in a traced graph (XLA, torch.compile): static buffers, drops
             else:
-                dispatch = "capacity"  # a traced graph (XLA, torch.compile): static buffers
+                dispatch = "dropless"  # a traced graph that must not drop: sorted tiles of static shapes
         kept = None
         if dispatch == "gather":
             y = self._gather(xf, weights, experts)
-        elif dispatch == "grouped":
+        elif dispatch == "grouped" and grouped_mm_runs(xf, [w for lin in (self.experts.fc_1, self.experts.proj)
+                                                             for w in lin.widths()]):
             y = self._grouped(xf, weights, experts)
+        elif dispatch in ("grouped", "loop"):
+            y = self._loop(xf, weights, experts)
+        elif dispatch == "dropless":
+            y = self._dropless(xf, weights, experts)
         elif dispatch == "dense":
             y = self._dense(xf, weights, experts)
         else:
@@ -258,10 +344,47 @@ class MoE(nn.Module):
         n, h = x.shape
         flat = experts.reshape(-1)  # (N * k,) token-major
         sorted_experts, order = torch.sort(flat, stable=True)
+        counts = torch.zeros(self.n_expert, dtype=torch.long, device=x.device).scatter_add(0, flat,
+                                                                                          torch.ones_like(flat))
+        ends = counts.cumsum(0).to(torch.int32)  # stays on the device: no host read
+        out = self.experts.forward_offsets(x.index_select(0, order // self.k), sorted_experts, ends)
+        out = torch.zeros_like(out).index_copy(0, order, out).view(n, self.k, h)  # back to token-major
+        return (out * weights.unsqueeze(-1).to(out.dtype)).sum(dim=1)
+
+    def _loop(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        n, h = x.shape
+        flat = experts.reshape(-1)  # (N * k,) token-major
+        sorted_experts, order = torch.sort(flat, stable=True)
         out = self.experts.forward_grouped(x.index_select(0, order // self.k), sorted_experts,
                                            group_bounds(sorted_experts, self.n_expert))
         out = torch.zeros_like(out).index_copy(0, order, out).view(n, self.k, h)  # back to token-major
         return (out * weights.unsqueeze(-1).to(out.dtype)).sum(dim=1)
+
+    def _dropless(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        n, h = x.shape
+        E, k = self.n_expert, self.k
+        m, n_tiles = dropless_tiling(n * k, E)
+        flat = experts.reshape(-1)  # (A,) token-major
+        counts = torch.zeros(E, dtype=torch.long, device=x.device).scatter_add(0, flat, torch.ones_like(flat))
+        padded = (counts + (m - 1)) // m * m  # each expert's group rounded up to whole tiles
+        padded_ends = padded.cumsum(0)
+        # indices derived from a sort go through `gather`, not `index_select`: torch_xla 2.9 aborts lowering an
+        # index_select by sort indices ("Check failed: buffer != nullptr")
+        order = torch.argsort(flat, stable=True)
+        sorted_experts = torch.gather(flat, 0, order)
+        # sorted assignment j of expert e is row j - start(e) of e's group, which starts at row padded_start(e)
+        shift = padded_ends - padded - (counts.cumsum(0) - counts)
+        sorted_rows = torch.arange(flat.numel(), device=x.device) + torch.gather(shift, 0, sorted_experts)
+        rows = torch.empty_like(sorted_rows).scatter(0, order, sorted_rows)  # (A,) token-major: each one's row
+        tokens = x.unsqueeze(1).expand(n, k, h).reshape(n * k, h)
+        buffer = x.new_zeros(n_tiles * m, h).index_copy(0, rows, tokens)
+        # tile t holds rows [t*m, (t+1)*m): the expert whose padded group contains them (the tiles past the last
+        # group hold zero rows; they take the last expert, and nothing reads them back)
+        tile_starts = torch.arange(n_tiles, device=x.device) * m
+        tile_experts = (padded_ends.unsqueeze(0) <= tile_starts.unsqueeze(1)).sum(dim=1).clamp(max=E - 1)
+        out = self.experts.forward_tiles(buffer.view(n_tiles, m, h), tile_experts).view(n_tiles * m, h)
+        picked = out.index_select(0, rows).view(n, k, h)
+        return (picked * weights.unsqueeze(-1).to(picked.dtype)).sum(dim=1)
 
     def _dense(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         dense_w = torch.zeros(x.size(0), self.n_expert, dtype=weights.dtype, device=x.device)

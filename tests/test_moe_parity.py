@@ -28,7 +28,7 @@ from lit_gpt.moe import MoE, route  # noqa: E402
 from lit_gpt.mxfp4 import FP4_VALUES, dequantize_mxfp4  # noqa: E402
 from lit_gpt.weights import find_weights, load_weights  # noqa: E402
 
-DISPATCHES = ["auto", "grouped", "gather", "capacity", "dense"]
+DISPATCHES = ["auto", "grouped", "gather", "capacity", "dropless", "dense"]
 PROMPT_LEN, NEW_TOKENS = 7, 8  # a prompt longer than gpt-oss's window (4)
 
 

@@ -316,8 +316,8 @@ def test_one_step_descends_mean_ce_plus_coef_times_mean_aux(ckpt, tmp_path, fami
 
 @pytest.mark.parametrize("family", list(MOE_FAMILIES))
 def test_lora_on_experts_merges_into_the_same_outputs_on_every_dispatch(ckpt, family):
-    """LoRA on the experts (and the dense MLP): the batched (capacity, dense) and the per-row (gather) expert paths
-    give the same outputs, and merging the updates into the weights keeps them (1e-5); the router is never adapted."""
+    """LoRA on the experts (and the dense MLP): the batched (capacity, dense), the sorted (grouped: torch._grouped_mm;
+    loop; dropless tiles) and the per-row (gather) expert paths give the same outputs, and merging the updates into the weights keeps them (1e-5); the router is never adapted."""
     import torch.nn as nn
 
     from lit_gpt import lora
@@ -344,7 +344,7 @@ def test_lora_on_experts_merges_into_the_same_outputs_on_every_dispatch(ckpt, fa
 
     def outputs():
         found = {}
-        for dispatch in ("grouped", "gather", "capacity", "dense"):
+        for dispatch in ("grouped", "loop", "gather", "capacity", "dropless", "dense"):
             for m in moes:
                 m.dispatch = dispatch
             with torch.no_grad():

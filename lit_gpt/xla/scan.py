@@ -29,28 +29,32 @@ loop ("auto") or is refused (True). Without dropout a scanned run equals the loo
 weights to 1e-6). Masks that are saved for the backward pass (bool) travel as uint8: see
 `_bool_activations_as_uint8`.
 
-Mixture-of-experts models (lit_gpt.moe) keep the loop ("auto") or are refused (True): each MoE layer keeps its
-routing as a module attribute for the load-balancing loss, a side effect that a traced scan body cannot carry out.
+Mixture-of-experts models (lit_gpt.moe): each MoE layer's routing (the router's probabilities, the chosen experts,
+what capacity dropped), which the load-balancing loss and the load report read after the forward, is returned
+through the scan as a per-layer output (`ys`, stacked over the layers, differentiable) and handed to the layers after
+the loop, so that the loss sees what the unscanned loop's layers keep (a module attribute set inside the traced
+body would be a tracer of the body). Per-block activation checkpointing (`checkpoint_block`, the strategy's
+wrapper) likewise returns the routing through the checkpointed function: torch_xla's `checkpoint_module` runs the
+first forward under no_grad, and the routing a layer kept there would have no gradient.
 
 Generation (a KV cache, `input_pos` given) keeps the loop: each layer's cache would have to become stacked,
 carried state of the scan, and decode graphs are small (one token) and compile once.
 """
 
 import functools
+import types
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn as nn
 
-from lit_gpt.moe import MoE
+from lit_gpt.moe import Routing, moe_layers
 from lit_gpt.utils import LitError
 
 # bench/xla_scan.py (bench/results/xla_scan_cpu1.json): at 16 layers the loop compiled faster, at 32 the scan
 AUTO_MIN_LAYERS = 32
 
 ScanSetting = Union[bool, str]
-MOE_SCAN_REFUSED = ("--scan_layers true cannot run a mixture-of-experts model (its layers keep their routing for the"
-                    " load-balancing loss, which torch_xla's scan cannot carry): use --scan_layers auto or false")
 
 
 def scan_unavailable() -> Optional[str]:
@@ -78,12 +82,6 @@ def resolve_scan_layers(setting: ScanSetting, module: nn.Module, spmd: bool = Tr
         if setting == "auto":
             return False
         raise LitError(f"--scan_layers runs lit_gpt's GPT blocks; {type(module).__name__} has none")
-    if any(isinstance(m, MoE) for m in module.transformer.h.modules()):
-        # an MoE layer keeps its routing as a module attribute for the load-balancing loss (lit_gpt.moe): inside
-        # the scan's traced body that is a side effect the scan cannot carry out of its loop
-        if setting == "auto":
-            return False
-        raise LitError(MOE_SCAN_REFUSED)
     n_layer = len(module.transformer.h)
     if setting == "auto" and n_layer < AUTO_MIN_LAYERS:
         return False
@@ -160,7 +158,11 @@ class ScannedBlocks:
         rope = (cos.expand(n, *cos.shape), sin.expand(n, *sin.shape))
         # is_fn_pure: torch_xla keeps the traced forward/backward graphs of `fn` (keyed by the function object and
         # the shapes) instead of tracing the block with AOTAutograd at every step
-        x, _ = scan(self._block_fn(group[0]), x, (stacked, rope), partition_fn=self.partition_fn, is_fn_pure=True)
+        x, routed = scan(self._block_fn(group[0]), x, (stacked, rope), partition_fn=self.partition_fn,
+                         is_fn_pure=True)
+        if routed:  # each layer's routing, as the loop's layers keep it (the loss reads it after the forward)
+            for i, block in enumerate(group):
+                _set_routings(block, [t[i] for t in routed])
         return x
 
     def _block_fn(self, template: nn.Module) -> Callable:
@@ -179,7 +181,8 @@ class ScannedBlocks:
             def fn(carry: torch.Tensor, layer: Tuple[Dict[str, torch.Tensor], Tuple[torch.Tensor, torch.Tensor]]):
                 params, (c, s) = layer
                 out = torch.func.functional_call(template, params, (carry, c, s))
-                return self._shard_batch(out, grads_too=True), None
+                # the MoE layers' routing of this layer leaves the body as an output (None without MoE layers)
+                return self._shard_batch(out, grads_too=True), _take_routings(template)
 
             self._fns[key] = fn
         return fn
@@ -206,6 +209,64 @@ class ScannedBlocks:
         spec = _prepare_spmd_partition_spec(torch.empty(t.shape[1:], device="meta"), shard_maximal=True)
         xs.mark_sharding(t, self.mesh, (None,) + tuple(spec))
         return t
+
+
+def _take_routings(block: nn.Module) -> Optional[Tuple[torch.Tensor, ...]]:
+    """The routing the MoE layers of `block` kept in its last forward, released from the modules: per layer one
+    float32 tensor (N, E + 2k) = [probs | experts | kept], the router's probabilities (differentiable) beside the
+    chosen experts and the capacity's kept flags as exact small floats. One tensor that requires a gradient: torch_xla's
+    scan differentiates every output of its body, which an integer or bool output cannot take. None when the block
+    has no MoE layer or kept no routing (evaluation)."""
+    packed = []
+    for m in moe_layers(block):
+        r = m.routing
+        m.routing = None
+        if r is None:
+            return None
+        kept = torch.ones_like(r.experts, dtype=torch.bool) if r.kept is None else r.kept
+        packed.append(torch.cat([r.probs, r.experts.to(r.probs.dtype), kept.to(r.probs.dtype)], dim=-1))
+    return tuple(packed) or None
+
+
+def _set_routings(block: nn.Module, packed: Sequence[torch.Tensor]) -> None:
+    """The inverse of `_take_routings`: the MoE layers of `block` keep the routing as their own forward keeps it."""
+    for m, t in zip(moe_layers(block), packed):
+        E, k = m.n_expert, m.k
+        m.routing = Routing(t[:, :E], t[:, E: E + k].long(), t[:, E + k:] > 0.5)
+
+
+def checkpoint_block(block: nn.Module) -> nn.Module:
+    """torch_xla's `checkpoint_module` for a block (recompute its activations in the backward pass), with the
+    routing of its MoE layers returned through the checkpointed function: its first forward runs under no_grad, so
+    a routing the layers kept there would carry no gradient to the router's load-balancing loss (the recomputation
+    in the backward pass comes too late for the loss). Returned, it is an output of the checkpoint, differentiable,
+    and the layers keep it after the forward as the unwrapped block's layers do. Blocks without MoE layers get
+    `checkpoint_module` itself."""
+    from torch_xla.distributed.fsdp import checkpoint_module
+    from torch_xla.utils.checkpoint import checkpoint
+
+    if not moe_layers(block):
+        return checkpoint_module(block)
+    original = block.forward
+
+    def run(*args: Any) -> Tuple[torch.Tensor, ...]:
+        out = original(*args)
+        routed = _take_routings(block)
+        return (out,) + (routed or ())
+
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if kwargs or not (block.training and torch.is_grad_enabled()) or not any(
+                isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+            # evaluation, generation, and (as checkpoint_module) a block whose inputs need no gradient (the first
+            # one under LoRA): the reentrant checkpoint would lose its parameters' gradients
+            return original(*args, **kwargs)
+        outs = checkpoint(run, *args)
+        if len(outs) > 1:
+            _set_routings(block, outs[1:])
+        return outs[0]
+
+    block.forward = types.MethodType(forward, block)  # a bound method, as FSDPv2 requires of what it wraps
+    return block
 
 
 def _bool_activations_as_uint8(partition: Callable, joint: Any, joint_inputs: Any, **kwargs: Any) -> Tuple[Any, Any]:

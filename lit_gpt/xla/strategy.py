@@ -333,7 +333,6 @@ class SPMDFSDPStrategy(XLAStrategy):
 
     # -------------------------------------------------------------- model
     def setup_module(self, module: nn.Module) -> nn.Module:
-        from torch_xla.distributed.fsdp import checkpoint_module
         from torch_xla.distributed.fsdp.wrap import transformer_auto_wrap_policy
         from torch_xla.experimental.spmd_fully_sharded_data_parallel import SpmdFullyShardedDataParallel as FSDPv2
 
@@ -343,7 +342,7 @@ class SPMDFSDPStrategy(XLAStrategy):
         # first block, whose input (the embedding of int ids) needs no gradient. Expected here, so not shown.
         warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed")
         from lit_gpt.xla.flash import tpu_segment_attention
-        from lit_gpt.xla.scan import ScannedBlocks, resolve_scan_layers
+        from lit_gpt.xla.scan import ScannedBlocks, checkpoint_block, resolve_scan_layers
 
         if hasattr(module, "segment_attention"):  # packed rows: the TPU's flash kernel with segment ids
             module.segment_attention = tpu_segment_attention(self.mesh, self.batch_axes)
@@ -361,7 +360,8 @@ class SPMDFSDPStrategy(XLAStrategy):
         layer_cls = self.layer_cls if self.layer_cls is not None else _default_layer_cls()
         policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls=layer_cls)
         def checkpointed(m: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
-            return FSDPv2(checkpoint_module(m), *args, **kwargs)
+            # checkpoint_module, with MoE layers' routing returned through the checkpoint (lit_gpt.xla.scan)
+            return FSDPv2(checkpoint_block(m), *args, **kwargs)
 
         wrapper = checkpointed if self.activation_checkpointing else None
 

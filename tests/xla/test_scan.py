@@ -3,7 +3,9 @@
 For full, LoRA (on every linear layer), LLaMA-Adapter (adapters from layer 1: two groups of blocks) and a Gemma-3-style
 model (sliding and global layers of equal parameters: groups by layer kind, traced bodies shared), on 1 XLA
 device and on the 8-device SPMD mesh (FSDPv2), with and without activation checkpointing: the same per-step losses
-and the same trained parameter after a few SGD steps (to 1e-6) as the loop, dropout 0. With dropout (LoRA) the
+and the same trained parameter after a few SGD steps (to 1e-6) as the loop, dropout 0. Mixture-of-experts models
+(Mixtral; Qwen3-MoE with a dense first layer) with the router's load-balancing loss in the objective: scanned,
+checkpointed and both, the loop's losses and trained router. With dropout (LoRA) the
 scan of torch_xla 2.9 repeats one mask in every layer: checked directly, and such models are refused (--scan_layers
 true) or keep the loop ("auto"). The compile-time ratio at 64 layers is a bench (bench/xla_scan.py),
 not a timing test.
@@ -35,7 +37,20 @@ def gemma3_config():
                             intermediate_size=64, vocab_size=128, block_size=32, sliding_window_size=4,
                             layer_types=GEMMA3_TYPES)
 
+# mixtures of experts (lit_gpt.moe): the router's load-balancing loss in the objective, capacity factor 1.0 so that
+# some assignments are dropped (the capacity path's `kept` travels out of the scan and the checkpoint too);
+# Qwen3-MoE's dense first layer makes two groups
+MOE = {"mixtral": ("Mixtral-8x7B-v0.1", {}), "qwen3_moe": ("Qwen3-30B-A3B", {"moe_dense_layers": [0]})}
+
+def moe_config(family):
+    name, extra = MOE[family]
+    return Config.from_name(name, n_layer=4, n_embd=32, n_head=4, n_query_groups=2, head_size=8, intermediate_size=64,
+                            vocab_size=128, block_size=32, n_expert=8, n_expert_per_token=2, moe_intermediate_size=16,
+                            moe_capacity_factor=1.0, router_aux_loss_coef=0.5, **extra)
+
 def build(method, dropout=0.0):
+    if method in MOE:
+        return GPT(moe_config(method))
     if method == "full":
         return GPT(Config(**BASE))
     if method == "gemma3":
@@ -66,10 +81,19 @@ def run(fabric, method, scan, ac=False, dropout=0.0, steps=3):
         x = torch.randint(0, 128, (8, 17), generator=torch.Generator().manual_seed(step))
         inp, tgt = lx.shard_batch(fabric, (x[:, :-1].contiguous(), x[:, 1:].contiguous()))
         loss = chunked_cross_entropy(wrapped(inp), tgt)
+        if method in MOE:  # + coef x the load-balancing loss, read from the layers' routing after the forward
+            from lit_gpt.moe import clear_routing, expert_load, load_balancing_loss
+            aux = load_balancing_loss(model)
+            loss = loss + model.config.router_aux_loss_coef * aux
+            dropped = expert_load(model)["dropped"].sum()
+            clear_routing(model)
         fabric.backward(loss); opt.step(); opt.zero_grad()
         losses.append(loss.item())
     trained = [p for p in model.parameters() if p.requires_grad]
     out = {"losses": losses, "param": trained[len(trained) // 2].detach().cpu().flatten().tolist()}
+    if method in MOE:  # a router's weights: trained by the CE and by the load-balancing loss
+        out["router"] = model.transformer.h[-1].mlp.router.weight.detach().cpu().flatten().tolist()
+        out["dropped"] = float(dropped.cpu())
     if scan:  # how the blocks were grouped, and how many block bodies were traced for them
         from lit_gpt.xla.scan import block_groups
         out["groups"] = [len(g) for g in block_groups(list(model.transformer.h))]
@@ -111,6 +135,11 @@ def main(fabric):
     for method in ("full", "lora", "adapter"):
         if method in cases:
             out[method] = {"loop": run(fabric, method, False), "scan": run(fabric, method, True)}
+    for family in MOE:  # Mixtral: scanned, checkpointed, both; Qwen3-MoE (two groups): both
+        if family in cases:
+            variants = {"scan": (True, False), "loop_ac": (False, True)} if family == "mixtral" else {}
+            variants.update(loop=(False, False), scan_ac=(True, True))
+            out[family] = {v: run(fabric, family, scan, ac=ac, steps=2) for v, (scan, ac) in variants.items()}
     if "lora_ac" in cases:
         out["lora_ac"] = {"loop": run(fabric, "lora", False, ac=True), "scan": run(fabric, "lora", True, ac=True)}
     out["gemma3"] = {"loop": run(fabric, "gemma3", False, steps=2), "scan": run(fabric, "gemma3", True, steps=2),
@@ -155,6 +184,7 @@ def results(xla_env, selected_devices, request):
 # the recipes' default loop, whose end-to-end runs are in the default suite), on 1 and 8 devices
 SLOW_DEVICES = (1, 8)
 CASES = ["full", "lora", "adapter", "lora_ac", "gemma3"]
+MOE_CASES = ["mixtral", "qwen3_moe"]
 
 
 @pytest.mark.parametrize("devices", [1, 8])
@@ -164,6 +194,23 @@ def test_scan_trains_like_the_loop(results, devices, case):
     assert scan["losses"] == pytest.approx(loop["losses"], rel=1e-6, abs=1e-6)
     assert loop["losses"][-1] != loop["losses"][0]  # the steps trained something
     assert scan["param"] == pytest.approx(loop["param"], rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.parametrize("devices", [1, 8])
+@pytest.mark.parametrize("case", MOE_CASES)
+def test_moe_scan_and_checkpointing_train_like_the_loop_with_the_router_loss(results, devices, case):
+    """The MoE layers' routing (the load-balancing loss's input) returns through the scan and through the
+    checkpoint: scanned, checkpointed, and both, the losses (CE + 0.5 x aux), the dropped assignments and the trained
+    router equal the plain loop's."""
+    r = results[devices][case]
+    loop = r["loop"]
+    assert loop["losses"][-1] != loop["losses"][0]
+    assert loop["dropped"] > 0  # capacity 1.0 dropped some assignments: `kept` is carried out too
+    for variant in [v for v in r if v != "loop"]:
+        assert r[variant]["losses"] == pytest.approx(loop["losses"], rel=1e-6, abs=1e-6), variant
+        assert r[variant]["dropped"] == loop["dropped"], variant
+        assert r[variant]["router"] == pytest.approx(loop["router"], rel=1e-5, abs=1e-6), variant
+        assert r[variant]["param"] == pytest.approx(loop["param"], rel=1e-5, abs=1e-6), variant
 
 
 @pytest.mark.parametrize("devices", [1, 8])

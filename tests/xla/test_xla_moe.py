@@ -11,8 +11,9 @@ The runs on 1 and 8 devices:
   device->host transfer in any step and no op that falls back to the CPU (torch_xla's `aten::` counters: `nonzero`,
   boolean indexing and data-dependent sizes would); on 8 devices every expert weight (n_expert, out, in) is split
   8 ways by FSDPv2;
-* the probe also shows why `--activation_checkpointing true` with a load-balancing loss is refused: under torch_xla's
-  `checkpoint_module` the routing the layers keep has no gradient (the forward ran under no_grad);
+* the probe also shows why `--activation_checkpointing true` wraps MoE blocks with `lit_gpt.xla.scan.checkpoint_block`:
+  under torch_xla's `checkpoint_module` the routing the layers keep has no gradient (the forward ran under no_grad),
+  returned through the checkpoint it has;
 * per family, one method (Mixtral LoRA on attention and the experts, Qwen3-MoE adapter, gpt-oss full) through
   `xla/finetune/<method>.py` on 1 and 8 devices, the router's load-balancing loss in the objective: the same
   logged losses as `finetune/<method>.py --precision 32-true` on the CPU (relative 1e-4), final weights within
@@ -24,8 +25,9 @@ The runs on 1 and 8 devices:
   devices): bit-identical final weights, the same logged loss;
 * per family, `xla/generate/base.py` on 1 and 8 devices: 2 compilations (prefill, decode) for the first prompt of a
   bucket, 0 for a second prompt of another length in it, and the same greedy text as `generate/base.py` on the CPU;
-* refusals (no XLA runtime needed): `--scan_layers true` on an MoE model, `--activation_checkpointing true` with a
-  router aux loss coefficient > 0; `--scan_layers auto` keeps the loop for an MoE model of any depth.
+* no refusals (no XLA runtime needed): `--scan_layers true` and `--activation_checkpointing true` pass the recipes'
+  checks on an MoE model with a load-balancing loss, and `--scan_layers auto` scans a deep one (their losses equal
+  the loop's: tests/xla/test_scan.py).
 
 The matrix: every family x LoRA / adapter / full on the three backends, and resume on XLA for each.
 """
@@ -168,21 +170,25 @@ def setup(checkpoint_dir: str = "", out: str = "", steps: int = 4) -> None:
         routed.append([m.routing.experts.cpu().tolist() for m in model.modules() if isinstance(m, MoE)])  # after
     fallbacks = sorted(n for n in met.counter_names() if n.startswith("aten::"))
 
-    # activation checkpointing as the strategy applies it (torch_xla's checkpoint_module on each block)
+    # activation checkpointing by torch_xla's checkpoint_module on each block, and as the strategy applies it
+    # (lit_gpt.xla.scan.checkpoint_block: the routing returned through the checkpoint)
     from torch_xla.distributed.fsdp import checkpoint_module
+
+    from lit_gpt.xla.scan import checkpoint_block
 
     device = torch_xla.device()
     aux_grad = {}
-    for checkpointed in (False, True):
+    for checkpointed, wrap in (("none", None), ("checkpoint_module", checkpoint_module),
+                               ("checkpoint_block", checkpoint_block)):
         torch.manual_seed(0)
         plain = GPT(config).to(device)
         plain.train()
-        if checkpointed:
+        if wrap is not None:
             for i, block in enumerate(plain.transformer.h):
-                plain.transformer.h[i] = checkpoint_module(block)
+                plain.transformer.h[i] = wrap(block)
         plain(ids[:, :-1].to(device))
         aux = load_balancing_loss(plain)
-        aux_grad[str(checkpointed)] = bool(aux.requires_grad)
+        aux_grad[checkpointed] = bool(aux.requires_grad)
     Path(out).write_text(json.dumps({"shardings": shardings, "steps": per_step, "fallbacks": fallbacks,
                                      "routing_differs": routed[0] != routed[1], "aux_requires_grad": aux_grad}))
 
@@ -286,11 +292,13 @@ def test_expert_weights_are_sharded_over_8_devices(default_runs, devices):
 
 
 @pytest.mark.parametrize("devices", [1, 8])
-def test_activation_checkpointing_loses_the_routing_gradient(default_runs, devices):
-    """What `check_moe` refuses: under torch_xla's checkpoint the kept routing has no gradient."""
+def test_activation_checkpointing_keeps_the_routing_gradient(default_runs, devices):
+    """Under torch_xla's checkpoint_module the routing a layer keeps has no gradient (its first forward runs under
+    no_grad); returned through the checkpoint (`checkpoint_block`, what the strategy wraps blocks with) it has. The
+    checkpointed losses equal the unwrapped ones: tests/xla/test_scan.py."""
     default_runs["workers"].result(devices, "probe")
     probe = json.loads((default_runs["root"] / f"probe{devices}.json").read_text())
-    assert probe["aux_requires_grad"] == {"False": True, "True": False}
+    assert probe["aux_requires_grad"] == {"none": True, "checkpoint_module": False, "checkpoint_block": True}
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -333,50 +341,24 @@ def test_moe_generation_compiles_twice_per_bucket_and_matches_cpu(default_runs, 
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# refusals (in this process: refused before any XLA runtime starts)
+# what was refused before the routing returned through the scan and the checkpoint (in this process, no XLA runtime)
 # ---------------------------------------------------------------------------------------------------------------
-REFUSALS = [
-    # (flags, the one line's substring)
-    (["--scan_layers", "true"], "--scan_layers true cannot run a mixture-of-experts model"),
-    # Mixtral's config has router_aux_loss_coef 0.02
-    (["--activation_checkpointing", "true"],
-     "--activation_checkpointing true with --moe.router_aux_loss_coef 0.02 on a mixture-of-experts model"),
-    (["--activation_checkpointing", "true", "--moe.router_aux_loss_coef", "0.3"],
-     "--activation_checkpointing true with --moe.router_aux_loss_coef 0.3 on a mixture-of-experts model"),
-]
-
-
-@pytest.mark.parametrize("flags, line", REFUSALS)
-def test_moe_settings_xla_cannot_train_are_refused_in_one_line(checkpoints, tmp_path, flags, line):
-    from lit_gpt.utils import LitError
-
-    out_dir = tmp_path / "out"
-    with pytest.raises(LitError) as e:
-        _cpu("xla/finetune/lora.py", _args(checkpoints, "mixtral", "lora", "xla1", out_dir, *flags))
-    assert line in str(e.value) and "\n" not in str(e.value), str(e.value)
-    assert not out_dir.exists()
-
-
-def test_check_moe_allows_checkpointing_without_the_loss_and_dense_models():
+def test_check_moe_passes_scan_and_checkpointing_with_the_router_loss():
     from lit_gpt import Config
     from lit_gpt.args import MoEArgs
     from lit_gpt.recipes.xla_finetune import check_moe
-    from lit_gpt.utils import LitError
     from words import family_config
 
     config = family_config("mixtral", 64)
     assert config.router_aux_loss_coef > 0
-    check_moe(MoEArgs(router_aux_loss_coef=0.0).apply(config), "auto", True)  # no loss: nothing to lose
-    check_moe(config, False, activation_checkpointing=False)
-    with pytest.raises(LitError, match="--moe.router_aux_loss_coef 0.5"):
-        check_moe(MoEArgs(router_aux_loss_coef=0.5).apply(config), "auto", activation_checkpointing=True)
-    dense = Config.from_name("Qwen3-0.6B", n_layer=1)
-    check_moe(dense, True, activation_checkpointing=True)  # not an MoE model: nothing to check
+    for scan in (True, "auto", False):
+        check_moe(config, scan, activation_checkpointing=True)
+        check_moe(MoEArgs(router_aux_loss_coef=0.5).apply(config), scan, activation_checkpointing=True)
+    check_moe(Config.from_name("Qwen3-0.6B", n_layer=1), True, activation_checkpointing=True)
 
 
-def test_scan_layers_auto_keeps_the_loop_for_moe_models_of_any_depth():
+def test_scan_layers_scans_moe_models_like_dense_ones():
     from lit_gpt import GPT
-    from lit_gpt.utils import LitError
     from lit_gpt.xla.scan import AUTO_MIN_LAYERS, resolve_scan_layers
     from words import family_config
 
@@ -384,9 +366,11 @@ def test_scan_layers_auto_keeps_the_loop_for_moe_models_of_any_depth():
     config.n_layer = AUTO_MIN_LAYERS  # deep enough for "auto" to scan a dense model
     with torch.device("meta"):
         model = GPT(config)
-    assert resolve_scan_layers("auto", model) is False
-    with pytest.raises(LitError, match="cannot run a mixture-of-experts model"):
-        resolve_scan_layers(True, model)
+    assert resolve_scan_layers("auto", model, spmd=False) is True
+    assert resolve_scan_layers(True, model, spmd=False) is True
+    config.n_layer = AUTO_MIN_LAYERS - 1
+    with torch.device("meta"):
+        assert resolve_scan_layers("auto", GPT(config), spmd=False) is False
 
 
 # ---------------------------------------------------------------------------------------------------------------
