@@ -9,6 +9,11 @@ requests sharing a context (as the choices of one question do). Both models get 
 per forward, float32, one run each (ours first, after one warm-up batch each). Reported: requests/s and tokens/s
 (context + continuation tokens per second), the ratio to HFLM, and the largest relative difference of the
 log-likelihoods (they must agree: the suite checks 1e-4) and whether every greedy flag agrees.
+
+The generation row: `--gen_requests` `generate_until` requests, prompts of 8 to `--max_context` words cut from the
+same text (mixed lengths), greedy, stopped at a blank line or after `--max_gen_toks` tokens; ours runs them as rows
+of one continuous batch of `--batch_size` rows (lit_gpt.generate's `Batch`), HFLM as left-padded batches of
+`--batch_size`. Reported: requests/s, new tokens/s (the tokens of the texts returned), and how many texts are equal.
 """
 
 import random
@@ -40,6 +45,23 @@ def make_requests(n: int, max_context_words: int, seed: int = 0) -> List[Tuple[s
     return pairs
 
 
+def make_prompts(n: int, max_context_words: int, seed: int = 1) -> List[str]:
+    words = HELDOUT.read_text(encoding="utf-8").split()
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(n):
+        start = rng.randrange(0, len(words) - max_context_words - 10)
+        prompts.append(" ".join(words[start: start + rng.randint(8, max_context_words)]))
+    return prompts
+
+
+def timed_generation(lm: Any, requests: List[Any]) -> Tuple[float, List[str]]:
+    lm.generate_until(requests[:2], disable_tqdm=True)  # warm-up
+    t0 = time.perf_counter()
+    out = lm.generate_until(requests, disable_tqdm=True)
+    return time.perf_counter() - t0, out
+
+
 def timed(lm: Any, requests: List[Any]) -> Tuple[float, List[Tuple[float, bool]]]:
     lm.loglikelihood(requests[:4], disable_tqdm=True)  # warm-up
     t0 = time.perf_counter()
@@ -52,6 +74,8 @@ def setup(
     requests: int = 128,
     batch_size: int = 8,
     max_context: int = 192,
+    gen_requests: int = 32,
+    max_gen_toks: int = 32,
     threads: Optional[int] = None,
     results_file: Optional[Path] = None,
     note: Optional[str] = None,
@@ -63,6 +87,8 @@ def setup(
         requests: How many (context, continuation) requests.
         batch_size: Requests per forward, for both.
         max_context: The longest context, in words of bench/heldout.txt (about 1.3 tokens each).
+        gen_requests: How many generate_until requests (0: no generation row).
+        max_gen_toks: New tokens per generation request at most.
         threads: torch threads (default: torch's).
         results_file: Also write the results, the machine and the versions to this JSON file (bench/result_files.py).
         note: A remark stored in the results file (e.g. what else ran on the machine).
@@ -78,15 +104,21 @@ def setup(
         torch.set_num_threads(threads)
     pairs = make_requests(requests, max_context)
     instances = [Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(pairs)]
+    gen_kwargs = {"until": ["\n\n"], "max_gen_toks": max_gen_toks, "do_sample": False}
+    generations = [Instance("generate_until", {}, (p, gen_kwargs), i)
+                   for i, p in enumerate(make_prompts(gen_requests, max_context))]
     loaded = load_eval_model(checkpoint_dir, accelerator="cpu", precision="32-true")
     ours = LitLM(loaded.model, loaded.tokenizer, loaded.runtime, batch_size=batch_size, progress=False)
     tokens = sum(len(ours.tok_encode(c + x)) for c, x in pairs)
     ours_s, ours_out = timed(ours, instances)
+    ours_gen_s, ours_texts = timed_generation(ours, generations) if generations else (0.0, [])
+    new_tokens = sum(len(ours.tok_encode(t)) for t in ours_texts)
     del ours, loaded
     with tempfile.TemporaryDirectory() as tmp:
         hf = convert_lit_checkpoint(checkpoint_dir, Path(tmp) / "hf")
         theirs = HFLM(pretrained=str(hf), dtype="float32", device="cpu", batch_size=batch_size)
         theirs_s, theirs_out = timed(theirs, instances)
+        theirs_gen_s, theirs_texts = timed_generation(theirs, generations) if generations else (0.0, [])
     rel = max(abs(a - b) / max(abs(b), 1e-12) for (a, _), (b, _) in zip(ours_out, theirs_out))
     results = {
         "ours_requests_per_s": len(pairs) / ours_s, "ours_tokens_per_s": tokens / ours_s, "ours_seconds": ours_s,
@@ -95,9 +127,18 @@ def setup(
         "max_relative_loglikelihood_difference": rel,
         "greedy_flags_agree": all(a[1] == b[1] for a, b in zip(ours_out, theirs_out)),
     }
+    if generations:
+        results.update({
+            "ours_gen_requests_per_s": len(generations) / ours_gen_s, "ours_gen_tokens_per_s": new_tokens / ours_gen_s,
+            "ours_gen_seconds": ours_gen_s, "hflm_gen_requests_per_s": len(generations) / theirs_gen_s,
+            "hflm_gen_tokens_per_s": new_tokens / theirs_gen_s, "hflm_gen_seconds": theirs_gen_s,
+            "ours_gen_speedup": theirs_gen_s / ours_gen_s,
+            "gen_texts_equal": sum(a == b for a, b in zip(ours_texts, theirs_texts, strict=True)),
+        })
     settings = {"checkpoint": "/".join(Path(checkpoint_dir).parts[-2:]), "requests": len(pairs), "tokens": tokens,
                 "batch_size": batch_size, "max_context_words": max_context, "dtype": "float32", "device": "cpu",
-                "torch_threads": torch.get_num_threads(), "runs": 1}
+                "torch_threads": torch.get_num_threads(), "runs": 1,
+                "gen_requests": len(generations), "max_gen_toks": max_gen_toks, "new_tokens": new_tokens}
     for k, v in results.items():
         print(f"{k}: {v:.4g}" if isinstance(v, float) else f"{k}: {v}", file=sys.stderr)
     result_files.write(results_file, "eval_throughput", settings, results, note)

@@ -101,8 +101,13 @@ def tiny_hf(tiny_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def tiny_reference(tiny_hf, manager):
-    return run(hflm(tiny_hf), manager)
+def tiny_hflm(tiny_hf):
+    return hflm(tiny_hf)
+
+
+@pytest.fixture(scope="module")
+def tiny_reference(tiny_hflm, manager):
+    return run(tiny_hflm, manager)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -198,6 +203,10 @@ BAD = [  # (case, flags, expected substring of the one line)
     ("both weights", ["--tasks", "lit_mc", "--lora_path", "LORA", "--adapter_path", "LORA"], "not both"),
     ("missing checkpoint", ["--tasks", "lit_mc", "--checkpoint_dir", "NOWHERE"], "does not exist"),
     ("unknown accelerator", ["--tasks", "lit_mc", "--accelerator", "tpu"], "--accelerator must be"),
+    ("devices 0", ["--tasks", "lit_mc", "--devices", "0"], "--devices must be >= 1"),
+    ("multiturn without a template", ["--tasks", "lit_mc", "--fewshot_as_multiturn", "true"],
+     "--fewshot_as_multiturn true needs --apply_chat_template"),
+    ("unknown prompt style", ["--tasks", "lit_mc", "--apply_chat_template", "nosuchstyle"], "unknown prompt style"),
 ]
 
 
@@ -289,29 +298,49 @@ def test_loglikelihood_batches_are_one_forward_each(tiny_dir, manager, monkeypat
         assert a == pytest.approx(b, rel=REL) and ga == gb
 
 
-def test_generation_runs_prompts_of_one_length_together(tiny_dir, manager, monkeypatch):
-    """generate_until: prompts of equal token length are one batch of the generation loop; the texts are those of
-    one prompt at a time (cut at the stop string)."""
+MIXED_PROMPTS = ["one two three", "Question: what is the capital of France?\nAnswer:", "a",
+                 "A much longer prompt than the other ones, about rivers, mountains and the weather in the valley",
+                 "four five six", "Bees make honey and", "x y"]
+
+
+def mixed_requests(prompts=MIXED_PROMPTS):
+    """generate_until requests of mixed prompt lengths, with two settings of stop strings and new-token budgets."""
     from lm_eval.api.instance import Instance
 
+    settings = [{"until": ["\n", "."], "max_gen_toks": 12, "do_sample": False},
+                {"until": [","], "max_gen_toks": 5, "do_sample": False}]
+    return [Instance("generate_until", {}, (p, settings[i % 2]), i) for i, p in enumerate(prompts)]
+
+
+def test_generation_batches_mixed_lengths_in_one_batch_as_the_hf_backend(tiny_dir, tiny_hflm, manager, monkeypatch):
+    """generate_until: requests of mixed prompt lengths, each with its own stop strings and max_gen_toks, are rows of
+    one continuous `Batch` (fewer rows than requests: rows are reused as requests end); the greedy texts are the
+    harness's `--model hf` texts (left-padded batches of its own) and those of one request at a time."""
     from lit_gpt.recipes import harness
 
-    lm = ours(tiny_dir, manager, batch_size=4)
-    prompts = ["one two three", "four five six", "seven eight nine", "a much longer prompt than the other ones"]
-    lengths = [len(lm.tok_encode(p)) for p in prompts]
-    assert lengths[0] == lengths[1] == lengths[2] != lengths[3]
-    shapes = []
-    real = harness.generate_stream
+    lm = ours(tiny_dir, manager, batch_size=3)
+    requests = mixed_requests()
+    lengths = {len(lm.tok_encode(r.args[0])) for r in requests}
+    assert len(lengths) >= 5  # mixed lengths
+    batches, joins = [], []
+    real = harness.Batch
 
-    def spy(model, prompt, *args, **kwargs):
-        shapes.append(tuple(prompt.shape))
-        return real(model, prompt, *args, **kwargs)
+    class Spy(real):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            batches.append(self.rows)
 
-    monkeypatch.setattr(harness, "generate_stream", spy)
-    kwargs = {"until": ["\n", "."], "max_gen_toks": 12, "do_sample": False}
-    requests = [Instance("generate_until", {}, (p, kwargs), i) for i, p in enumerate(prompts)]
+        def join(self, rows, prompt, *args, **kwargs):
+            joins.append(prompt.size(1))
+            return super().join(rows, prompt, *args, **kwargs)
+
+    monkeypatch.setattr(harness, "Batch", Spy)
     batched = lm.generate_until(requests, disable_tqdm=True)
-    assert sorted(shapes) == sorted([(1, lengths[3]), (3, lengths[0])])
-    one_by_one = [lm.generate_until([r], disable_tqdm=True)[0] for r in requests]
-    assert batched == one_by_one and any(batched)
-    assert not any("\n" in t or "." in t for t in batched)
+    assert batches == [3] and sorted(joins) == sorted(len(lm.tok_encode(r.args[0])) for r in requests)
+    assert joins == sorted(joins, reverse=True)  # longest first, as the harness orders them
+    expected = tiny_hflm.generate_until(mixed_requests(), disable_tqdm=True)  # its batches of 4, left-padded
+    assert batched == expected and sum(bool(t) for t in batched) >= 4
+    assert not any("\n" in t or "." in t for t in batched[::2]) and not any("," in t for t in batched[1::2])
+    assert all(len(lm.tok_encode(t)) <= 5 for t in batched[1::2])  # each request's own budget
+    monkeypatch.setattr(harness, "Batch", real)
+    assert [lm.generate_until([r], disable_tqdm=True)[0] for r in requests] == batched

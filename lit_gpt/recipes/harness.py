@@ -11,16 +11,23 @@ What the harness asks, and how it is answered:
   continuations); never the (B, T, vocab) logits.
 * `loglikelihood_rolling(text)`: the harness's disjoint rolling windows (`lm_eval.utils.get_rolling_token_windows`,
   `make_disjoint_window`) of at most `block_size` tokens, scored as above and summed per text in window order.
-* `generate_until(context, gen_kwargs)`: the project's one generation loop (`lit_gpt.generate.generate_stream`),
-  greedy unless the task asks for sampling; stopped once every row's text holds a stop string (or after
-  `max_gen_toks`, or at a stop token), the text cut at the first stop string, as HFLM cuts it. The loop takes a
-  batch of prompts of one length (it has no attention mask for left padding): prompts of equal token length run
-  together, up to `batch_size`; others one at a time.
+* `generate_until(context, gen_kwargs)`: the project's one generation loop (`lit_gpt.generate.Batch`, the server's
+  continuous batch): every request a row of one batch of `batch_size` rows (one batch per sampling setting), each
+  row with its own prompt length, positions, stop strings and `max_gen_toks`; a request joins a free row (its
+  prompt prefilled there), every step decodes one token for every row, and a request leaves once its text holds a
+  stop string, it produced a stop token or `max_gen_toks` tokens. Requests start longest first (as HFLM orders
+  them); texts are cut at the first stop string, as HFLM cuts them. Greedy unless the task asks for sampling.
+* Chat templates (`--apply_chat_template`): `apply_chat_template` renders the harness's chat history with the
+  checkpoint's template as transformers does (`lit_gpt.prompts.ChatTemplate`), or with a named prompt style.
+* Several processes (`--devices N`): `rank` / `world_size`, and the harness's `all_gather`, `gather_object`,
+  `barrier` over the gloo group eval/lm_eval.py starts; the harness splits the examples and gathers the results.
 * On a tracing backend (XLA) the shapes are bucketed: a scoring batch is padded to `batch_size` rows and its
   length to a power of two (`lit_gpt.runtime.bucket_length`), so the scoring step compiles once per length bucket;
-  generation pads the batch to `batch_size` rows too, and the loop pads prompts to buckets (2 graphs per bucket).
+  generation joins a prompt padded to its bucket (one prefill graph per bucket) into a batch whose KV cache has a
+  power-of-two length (one decode graph): after the warm-up, nothing compiles (`compiles_per_bucket` counts it).
 """
 
+import time
 import warnings
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -31,7 +38,7 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.utils import Collator, handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
 from tqdm import tqdm
 
-from lit_gpt.generate import generate_stream, unwrap
+from lit_gpt.generate import Batch, unwrap
 from lit_gpt.runtime import Runtime, bucket_length
 from lit_gpt.utils import LitError
 
@@ -71,7 +78,7 @@ class LitLM(TemplateLM):
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any, runtime: Optional[Runtime] = None,
                  batch_size: int = 1, max_gen_toks: int = 256, name: str = "lit_gpt", seed: int = 1234,
-                 progress: bool = True) -> None:
+                 progress: bool = True, prompt_style: Optional[Any] = None, rank: int = 0, world_size: int = 1) -> None:
         super().__init__()
         if int(batch_size) < 1:
             raise LitError(f"--batch_size must be >= 1, got {batch_size}")
@@ -85,8 +92,14 @@ class LitLM(TemplateLM):
         self.name = name
         self.seed = seed
         self.progress = progress
+        # what `apply_chat_template` renders with, when the harness asks for a chat template (--apply_chat_template):
+        # a `lit_gpt.prompts.PromptStyle`, or its name; None: the checkpoint's own chat template
+        self.prompt_style = prompt_style
         self._device = self.runtime.device
-        self._rank, self._world_size = 0, 1
+        # data parallel over processes (eval/lm_eval.py --devices N: a gloo group): the harness gives each rank its
+        # share of every task's examples and gathers the results on rank 0 (all_gather / gather_object below)
+        self._rank, self._world_size = int(rank), int(world_size)
+        self.task_seconds: Dict[str, float] = {}  # model time per task (`_timed`)
         self.compiles_per_bucket: Dict[Tuple[str, int], int] = {}  # (step, padded length) -> compilations seen
         # prompts per generation batch (on XLA padded to this many rows: one graph per prompt bucket)
         self.generate_rows = self.batch_size
@@ -101,6 +114,8 @@ class LitLM(TemplateLM):
 
         args = lm_utils.simple_parse_args_string(arg_string)
         extra = {k: v for k, v in (additional_config or {}).items() if k == "batch_size" and v is not None}
+        if "prompt_style" in args:  # a named style (--model_args prompt_style=alpaca): resolved on first use
+            args["prompt_style"] = str(args["prompt_style"])
         loader = {k: args.pop(k) for k in ("checkpoint_dir", "lora_path", "adapter_path", "precision", "accelerator",
                                            "allow_other_base") if k in args}
         if "checkpoint_dir" not in loader:
@@ -134,13 +149,55 @@ class LitLM(TemplateLM):
     def tokenizer_name(self) -> str:
         return str(self.tokenizer.checkpoint_dir).replace("/", "__")
 
+    # ------------------------------------------------------------------ chat templates (--apply_chat_template)
+    def style(self) -> Any:
+        """The prompt style chat histories are rendered with: `prompt_style` (a name is resolved against the
+        checkpoint: "chat" is its template), else the checkpoint's chat template."""
+        from lit_gpt.prompts import ChatTemplate, PromptStyle
+
+        if self.prompt_style is None:
+            self.prompt_style = ChatTemplate.from_checkpoint(self.tokenizer.checkpoint_dir)
+        elif isinstance(self.prompt_style, str):
+            self.prompt_style = PromptStyle.from_name(self.prompt_style, self.tokenizer.checkpoint_dir)
+        return self.prompt_style
+
+    def chat_template(self, chat_template: Any = False) -> Optional[str]:
+        """What the harness records as the chat template: the template's source, or the prompt style's name. A
+        string names a prompt style (`lit_gpt.prompts`: "chat", "alpaca", "raw")."""
+        if chat_template is False or chat_template is None:
+            return None
+        if isinstance(chat_template, str):
+            self.prompt_style = chat_template
+        style = self.style()
+        return getattr(style, "template_source", None) or style.name
+
+    def apply_chat_template(self, chat_history: List[Dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """The chat history as the prompt text, as HFLM renders it with transformers' `apply_chat_template`
+        (`continue_final_message` when no generation prompt is added: the text ends with the last message's
+        content); a template that refuses a system message is retried without it, as HFLM does."""
+        from lit_gpt.prompts import ChatTemplate
+
+        style = self.style()
+        if not isinstance(style, ChatTemplate):
+            return _apply_style(style, chat_history)
+        try:
+            text = style.render(chat_history, add_generation_prompt=add_generation_prompt)
+        except LitError:
+            chat_history = [m for m in chat_history if m["role"] != "system"]
+            text = style.render(chat_history, add_generation_prompt=add_generation_prompt)
+        if not add_generation_prompt:  # transformers' continue_final_message: cut after the final message
+            final = chat_history[-1]["content"].strip()
+            if final and final in text:
+                text = text[: text.rindex(final) + len(final)]
+        return text
+
     def get_model_info(self) -> Dict[str, Any]:
         return {"model_name": self.name, "model_num_parameters": sum(p.numel() for p in self.gpt.parameters()),
                 "model_dtype": str(self.gpt.transformer.wte.weight.dtype), "max_length": self.max_length}
 
     def tok_encode(self, string: str, add_special_tokens: Optional[bool] = None, **kwargs: Any) -> List[int]:
-        """As HFLM: None follows the checkpoint (a BOS where its tokenizer adds one, not doubled); True/False
-        force the special tokens on/off."""
+        """As HFLM: None follows the checkpoint (a BOS where its tokenizer adds one, not doubled: a chat-templated
+        text that starts with the BOS gets no second one); True/False force the special tokens on/off."""
         bos = None if add_special_tokens is None else (add_special_tokens and self.tokenizer.use_bos)
         return self.tokenizer.encode(string, bos=bos).tolist()
 
@@ -149,6 +206,57 @@ class LitLM(TemplateLM):
 
     def _count(self, key: Tuple[str, int], before: int) -> None:
         self.compiles_per_bucket[key] = self.compiles_per_bucket.get(key, 0) + self.runtime.compile_count() - before
+
+    # ------------------------------------------------------------------ several processes (the harness's DP API)
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.world_size == 1:
+            return tensor
+        import torch.distributed as dist
+
+        t = tensor.detach().cpu().reshape(-1)  # gloo: host tensors
+        out = [torch.empty_like(t) for _ in range(self.world_size)]
+        dist.all_gather(out, t)
+        return torch.cat(out)
+
+    def gather_object(self, obj: Any, dst: int = 0) -> Optional[List[Any]]:
+        if self.world_size == 1:
+            return [obj]
+        import torch.distributed as dist
+
+        out = [None] * self.world_size if self.rank == dst else None
+        dist.gather_object(obj, out, dst=dst)
+        return out
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            import torch.distributed as dist
+
+            dist.barrier()
+
+    # ------------------------------------------------------------------ time per task
+    def _timed(self, requests: List[Any], run: Any) -> Any:
+        """`run()` (one of the harness's request calls), its seconds shared among the requests' tasks in
+        proportion to their requests' text length (the requests of several tasks are batched together)."""
+        t0 = time.perf_counter()
+        out = run()
+        spent = time.perf_counter() - t0
+        weights: Dict[str, float] = {}
+        for r in requests:
+            name = getattr(r, "task_name", None) or "?"
+            weights[name] = weights.get(name, 0.0) + 1.0 + sum(len(a) for a in r.args if isinstance(a, str))
+        total = sum(weights.values()) or 1.0
+        for name, w in weights.items():
+            self.task_seconds[name] = self.task_seconds.get(name, 0.0) + spent * w / total
+        return out
+
+    def loglikelihood(self, requests: List[Any], disable_tqdm: bool = False) -> List[Tuple[float, bool]]:
+        return self._timed(requests, lambda: super(LitLM, self).loglikelihood(requests, disable_tqdm=disable_tqdm))
+
+    def loglikelihood_rolling(self, requests: List[Any], disable_tqdm: bool = False) -> List[float]:
+        return self._timed(requests, lambda: self._loglikelihood_rolling(requests, disable_tqdm))
+
+    def generate_until(self, requests: List[Any], disable_tqdm: bool = False) -> List[str]:
+        return self._timed(requests, lambda: self._generate_until(requests, disable_tqdm))
 
     # ------------------------------------------------------------------ scoring
     def _loglikelihood_tokens(self, requests: List[Pair], disable_tqdm: bool = False, **kwargs: Any
@@ -232,7 +340,7 @@ class LitLM(TemplateLM):
 
             yield answer
 
-    def loglikelihood_rolling(self, requests: List[Any], disable_tqdm: bool = False) -> List[float]:
+    def _loglikelihood_rolling(self, requests: List[Any], disable_tqdm: bool = False) -> List[float]:
         windows: List[Tuple[int, Pair]] = []
         for i, (text,) in enumerate(r.args for r in requests):
             token_windows = lm_utils.get_rolling_token_windows(
@@ -248,33 +356,37 @@ class LitLM(TemplateLM):
         return totals
 
     # ------------------------------------------------------------------ generation
-    def generate_until(self, requests: List[Any], disable_tqdm: bool = False) -> List[str]:
-        order = Collator([r.args for r in requests], sort_fn=lambda r: (-len(self.tok_encode(r[0])), r[0]),
-                         group_by="gen_kwargs", group_fn=lambda r: r[1])
+    def _generate_until(self, requests: List[Any], disable_tqdm: bool = False) -> List[str]:
+        """Every request a row of one continuous `Batch` (per setting of sampling): rows join as rows free up, each
+        with its own prompt length, stop strings and `max_gen_toks`, and leave when they end."""
         bar = tqdm(total=len(requests), disable=disable_tqdm or not self.progress,
                    desc="Running generate_until requests")
         eos = self.tok_decode([self.eot_token_id], skip_special_tokens=False)
-        results: List[str] = []
-        for chunk in order.get_batched(n=self.batch_size):
-            contexts, all_kwargs = zip(*chunk, strict=True)
-            kwargs = normalize_gen_kwargs(all_kwargs[0], self.max_gen_toks)
+        jobs: List[GenJob] = []
+        for i, (context, gen_kwargs) in enumerate(r.args for r in requests):
+            kwargs = normalize_gen_kwargs(gen_kwargs, self.max_gen_toks)
             until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
             max_gen = int(kwargs.pop("max_gen_toks"))
             if max_gen >= self.max_length:
                 raise LitError(f"the task asks for {max_gen} new tokens but the model's context is {self.max_length}"
                                " tokens: set max_gen_toks lower in the task's generation_kwargs")
-            sampling = self._sampling(kwargs)
-            encoded = [self.tok_encode(c)[-(self.max_length - max_gen):] for c in contexts]
-            texts: List[Optional[str]] = [None] * len(encoded)
-            for group in _equal_length_groups(encoded, self.generate_rows):
-                for i, text in zip(group, self._generate([encoded[i] for i in group], max_gen, until, sampling)):
-                    texts[i] = text
-            for context, text in zip(contexts, texts):
-                self.cache_hook.add_partial("generate_until", (context, all_kwargs[0]), text)
-                results.append(text)
+            ids = self.tok_encode(context)
+            # too long: cut from the left to leave room for the new tokens, as HFLM does
+            jobs.append(GenJob(i, ids[-(self.max_length - max_gen):], until, max_gen, self._sampling(kwargs),
+                               (context, gen_kwargs)))
+        texts: List[Optional[str]] = [None] * len(jobs)
+        groups: Dict[str, List[GenJob]] = {}
+        for job in jobs:
+            groups.setdefault(repr(sorted((k, v) for k, v in job.sampling.items() if k != "generator")), []).append(job)
+        for group in groups.values():
+            # longest first, as HFLM orders them (its first batch is its longest: memory errors come at once)
+            group.sort(key=lambda j: (-len(j.prompt), j.args[0]))
+            for job, text in self._generate(group):
+                texts[job.index] = text
+                self.cache_hook.add_partial("generate_until", job.args, text)
                 bar.update(1)
         bar.close()
-        return order.get_original(results)
+        return texts  # type: ignore[return-value]
 
     def _sampling(self, kwargs: Dict[str, Any]) -> Dict[str, Any]:
         """greedy, or the task's temperature / top_k / top_p (seeded); other generation kwargs are not supported."""
@@ -290,33 +402,89 @@ class LitLM(TemplateLM):
         return {"temperature": float(kwargs["temperature"]), "top_k": int(top_k) if top_k else None,
                 "top_p": float(kwargs.get("top_p", 1.0)), "generator": generator if self.device.type != "xla" else None}
 
-    def _generate(self, prompts: List[List[int]], max_gen: int, until: List[str], sampling: Dict[str, Any]
-                  ) -> List[str]:
-        """Texts of a batch of equal-length prompts, each cut at its first stop string."""
-        n = len(prompts)
-        rows = prompts + [prompts[0]] * (self.generate_rows - n if self.bucketed else 0)
-        prompt = torch.tensor(rows, dtype=torch.long)
-        tokens: List[List[int]] = [[] for _ in rows]
-        stops = [s for s in until if s]
-        compiles = self.runtime.compile_count()
-        stream = generate_stream(self.model, prompt, max_gen, stop_ids=self.tokenizer.stop_ids, runtime=self.runtime,
-                                 **sampling)
-        for chunk in stream:
-            for row, ids in zip(tokens, chunk.tolist()):
-                row.extend(ids)
-            texts = [self._text(t) for t in tokens[:n]]
-            if stops and all(any(s in t for s in stops) for t in texts):
-                stream.close()
-                break
-        if self.bucketed:
-            key = ("generate", self.runtime.prompt_bucket(prompt.size(1), self.max_length))
-            self._count(key, compiles)
-        return [postprocess_generated_text(self._text(t), until, None) for t in tokens[:n]]
+    def _cache_length(self, jobs: Sequence["GenJob"]) -> int:
+        """KV-cache positions for these rows: every prompt's bucket and its new tokens fit; on XLA a power of two
+        (the decode step's shape: one graph per cache bucket)."""
+        prompt_bucket = (lambda n: self.runtime.prompt_bucket(n, self.max_length)) if self.bucketed else (lambda n: n)
+        need = max(max(prompt_bucket(len(j.prompt)), len(j.prompt) + j.max_gen) for j in jobs)
+        return bucket_length(need, self.max_length) if self.bucketed else need
 
-    def _text(self, ids: List[int]) -> str:
-        stop = set(self.tokenizer.stop_ids)
-        cut = next((i for i, t in enumerate(ids) if t in stop), len(ids))
-        return self.tok_decode(ids[:cut], skip_special_tokens=True)
+    @torch.no_grad()
+    def _generate(self, jobs: List["GenJob"]) -> Iterator[Tuple["GenJob", str]]:
+        """Continuous batching of `jobs` (one sampling setting) through the generation loop's `Batch` of
+        `batch_size` rows: a job joins a free row (its prompt prefilled there, at its own length), every step
+        decodes one token for every row, and a job leaves once its text holds a stop string, it produced a stop
+        token, or it has `max_gen` tokens. Yields (job, its text cut at the first stop string) as jobs end."""
+        length = self._cache_length(jobs)
+        waiting = list(reversed(jobs))  # popped from the end: the longest first
+        running: Dict[int, GenJob] = {}
+        stop_ids = set(self.tokenizer.stop_ids)
+        with self.runtime.inference_context():
+            batch = Batch(self.model, self.generate_rows, length, runtime=self.runtime, stop_ids=None,
+                          uniform=jobs[0].sampling)
+            while waiting or running:
+                for row in batch.free_rows():
+                    if not waiting:
+                        break
+                    job = waiting.pop()
+                    before = self.runtime.compile_count()
+                    first = batch.join([row], torch.tensor([job.prompt], dtype=torch.long))
+                    if self.bucketed:
+                        self._count(("prefill", self.runtime.prompt_bucket(len(job.prompt), length)), before)
+                    running[row] = job
+                    if self._take(job, int(first.cpu()[0]), stop_ids):
+                        batch.leave(row)
+                        del running[row]
+                        yield job, job.text(self)
+                if not running:
+                    continue
+                before = self.runtime.compile_count()
+                tokens = batch.step().cpu().tolist()  # the one host read per step: every row's new token
+                if self.bucketed:
+                    self._count(("decode", length), before)
+                for row, job in list(running.items()):
+                    if self._take(job, tokens[row], stop_ids):
+                        batch.leave(row)
+                        del running[row]
+                        yield job, job.text(self)
+
+    def _take(self, job: "GenJob", token: int, stop_ids: Any) -> bool:
+        """A job's new token; whether the job has ended (a stop token, a stop string in its text, or max_gen)."""
+        if token in stop_ids:
+            return True
+        job.tokens.append(token)
+        if len(job.tokens) >= job.max_gen:
+            return True
+        stops = [s for s in job.until if s]
+        return bool(stops) and any(s in self.tok_decode(job.tokens) for s in stops)
+
+
+class GenJob:
+    """One generate_until request in the continuous batch: its prompt ids, stop strings, new-token budget,
+    sampling setting, and the tokens generated so far."""
+
+    def __init__(self, index: int, prompt: List[int], until: List[str], max_gen: int, sampling: Dict[str, Any],
+                 args: Tuple[str, Dict[str, Any]]) -> None:
+        self.index, self.prompt, self.until, self.max_gen, self.sampling, self.args = (
+            index, prompt, until, max_gen, sampling, args)
+        self.tokens: List[int] = []
+
+    def text(self, lm: LitLM) -> str:
+        """The new text, cut at the first stop string (as HFLM cuts it)."""
+        return postprocess_generated_text(lm.tok_decode(self.tokens, skip_special_tokens=True), self.until, None)
+
+
+def _apply_style(style: Any, chat_history: List[Dict[str, str]]) -> str:
+    """A chat history through a prompt style without a template (alpaca, raw): the last user message is the
+    prompt, the turns before it its history (system messages go first, as the style's history); an assistant
+    message after it (a prefilled answer) is appended to the prompt text."""
+    messages = list(chat_history)
+    tail = ""
+    if messages and messages[-1]["role"] == "assistant":
+        tail = messages.pop()["content"]
+    prompt = messages.pop()["content"] if messages and messages[-1]["role"] == "user" else ""
+    history = [(m["role"], m["content"]) for m in messages]
+    return style.apply(prompt, history) + tail
 
 
 def _replicated(t: torch.Tensor) -> torch.Tensor:
@@ -333,167 +501,4 @@ def _replicated(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _equal_length_groups(encoded: List[List[int]], size: int) -> List[List[int]]:
-    """Indices of the prompts, grouped by token length (the loop runs a batch of one length), `size` at most."""
-    groups: Dict[int, List[int]] = {}
-    for i, ids in enumerate(encoded):
-        groups.setdefault(len(ids), []).append(i)
-    return [g[k: k + size] for g in groups.values() for k in range(0, len(g), size)]
-
-
 register_model("lit_gpt")(LitLM)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# the recipe's steps (eval/lm_eval.py)
-# ---------------------------------------------------------------------------------------------------------------
-RESULTS_FILE = "lm_eval.json"
-LIST_HINT = "list them with `python eval/lm_eval.py --tasks list` (tasks of your own: --include_path DIR)"
-
-
-def task_names(tasks: str) -> List[str]:
-    names = [t.strip() for t in str(tasks or "").split(",") if t.strip()]
-    if not names:
-        raise LitError(f"--tasks is empty: name harness tasks, e.g. --tasks hellaswag,arc_easy ({LIST_HINT})")
-    return names
-
-
-def resolve_tasks(tasks: str, include_path: Optional[Any] = None,
-                  include_defaults: bool = True) -> Tuple[Any, List[str]]:
-    """(TaskManager, task names) for `--tasks a,b` and `--include_path DIR`; a name the harness does not know is one
-    LitError line, before any model is loaded. The harness's own ~14,000 task files take half a minute to index:
-    they are read only when a name is not among the `--include_path` tasks."""
-    from lm_eval.tasks import TaskManager
-
-    names = task_names(tasks)
-    if include_path is not None:
-        from pathlib import Path
-
-        if not Path(include_path).is_dir():
-            raise LitError(f"--include_path {str(include_path)!r} is not a folder: pass the folder of your task YAMLs")
-        manager = TaskManager(include_path=str(include_path), include_defaults=False)
-        if set(manager.match_tasks(names)) >= set(names) or not include_defaults:
-            return _checked(manager, names, include_path)
-        # a name missing from --include_path because its own file there does not parse: said now, before the
-        # harness's task files are indexed (which would only end in "unknown task")
-        missing = [n for n in names if n not in manager.match_tasks(names)]
-        broken = _broken_yaml(include_path, missing)
-        if broken is not None:
-            raise _yaml_error(broken, missing)
-    manager = TaskManager(include_path=None if include_path is None else str(include_path),
-                          include_defaults=include_defaults)
-    return _checked(manager, names, include_path)
-
-
-def _checked(manager: Any, names: List[str], include_path: Optional[Any] = None) -> Tuple[Any, List[str]]:
-    known = set(manager.all_tasks)
-    unknown = [n for n in names if n not in known and not manager.match_tasks([n])]
-    if unknown:
-        # the harness skips a task file it cannot parse (a log line): its task is then "unknown", the wrong cause
-        broken = _broken_yaml(include_path) if include_path is not None else None
-        if broken is not None:
-            raise _yaml_error(broken, unknown)
-        raise LitError(f"unknown task{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}: {LIST_HINT}")
-    return manager, [m for n in names for m in ([n] if n in known else manager.match_tasks([n]))]
-
-
-def _yaml_error(broken: Tuple[str, str], unknown: List[str]) -> LitError:
-    return LitError(f"task file {broken[0]!r} is not valid YAML ({broken[1]}): fix it (the harness skips it, so"
-                    f" {', '.join(map(repr, unknown))} {'is' if len(unknown) == 1 else 'are'} unknown)")
-
-
-def _broken_yaml(include_path: Any, names: Optional[List[str]] = None) -> Optional[Tuple[str, str]]:
-    """The first task file under `include_path` that is not valid YAML, and why (line and column); with `names`,
-    only a file named after one of them or whose text says `task: NAME`."""
-    import re
-    from pathlib import Path
-
-    import yaml
-
-    class Loader(yaml.SafeLoader):  # the harness's tags (!function ...) are not syntax errors
-        pass
-
-    Loader.add_multi_constructor("!", lambda loader, suffix, node: None)
-    for path in sorted(Path(include_path).rglob("*.yaml")):
-        try:
-            text = path.read_text(encoding="utf-8")
-            if names is not None and path.stem not in names and not any(
-                    re.search(rf"^task:\s*['\"]?{re.escape(n)}['\"]?\s*$", text, re.MULTILINE) for n in names):
-                continue
-            yaml.load(text, Loader=Loader)
-        except yaml.YAMLError as e:
-            mark = getattr(e, "problem_mark", None)
-            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-            return str(path), f"{getattr(e, 'problem', None) or e}{where}"
-        except (OSError, UnicodeDecodeError) as e:
-            return str(path), f"cannot read it: {e}"
-    return None
-
-
-def check_task_data(manager: Any, names: List[str], num_fewshot: Optional[int]) -> None:
-    """Every task's data loads and holds enough examples for its few-shot prompts: found before the model is
-    loaded (one LitError line), not as a traceback after it. The datasets library caches what is read here."""
-    from lm_eval.tasks import get_task_dict
-
-    try:
-        tasks = get_task_dict(names, manager)
-    except (OSError, ValueError) as e:  # a data file not found (FileNotFoundError), a dataset not cached offline
-        raise LitError(f"cannot load the data of task(s) {', '.join(map(repr, names))}: {str(e).splitlines()[0]}"
-                       " (check dataset_path / dataset_kwargs in the task's YAML)") from None
-
-    def leaves(d: Any) -> Iterator[Any]:
-        for value in d.values():
-            if isinstance(value, dict):
-                yield from leaves(value)
-            else:
-                yield value
-
-    for task in leaves(tasks):
-        shots = num_fewshot if num_fewshot is not None else getattr(task.config, "num_fewshot", None)
-        if not shots:
-            continue
-        docs = task.fewshot_docs()
-        available = len(docs) if docs is not None else 0
-        # the harness draws shots + 1 examples and drops the one being evaluated
-        if shots >= available:
-            name = getattr(task.config, "task", "?")
-            raise LitError(f"task {name!r} has {available} example(s) to draw few-shot prompts from, fewer than"
-                           f" {shots} + 1 (the one evaluated is left out): pass --num_fewshot {max(available - 1, 0)}"
-                           " or less")
-
-
-def list_tasks(include_path: Optional[Any] = None) -> str:
-    from lm_eval.tasks import TaskManager
-
-    return TaskManager(include_path=None if include_path is None else str(include_path)).list_all_tasks()
-
-
-def evaluate(lm: LitLM, manager: Any, names: List[str], num_fewshot: Optional[int] = None,
-             limit: Optional[float] = None, seed: int = 1234, bootstrap_iters: int = 100000) -> Dict[str, Any]:
-    """The harness's `simple_evaluate` on `lm`: its results dict (without the per-sample log)."""
-    from lm_eval import simple_evaluate
-
-    if limit is not None and float(limit) == int(limit):
-        limit = int(limit)
-    results = simple_evaluate(model=lm, tasks=names, num_fewshot=num_fewshot, batch_size=lm.batch_size, limit=limit,
-                              task_manager=manager, log_samples=False, bootstrap_iters=bootstrap_iters,
-                              random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
-                              fewshot_random_seed=seed)
-    results.pop("samples", None)
-    results["config"]["model"] = lm.name
-    return results
-
-
-def results_json(results: Dict[str, Any]) -> str:
-    """The harness's results dict as the JSON text of lm_eval.json (eval/lm_eval.py writes it with
-    `lit_gpt.recipes.outputs.write_results`: atomically, kept elsewhere if that fails)."""
-    import json
-
-    return json.dumps(results, indent=2, default=lm_utils.handle_non_serializable, ensure_ascii=False)
-
-
-def results_table(results: Dict[str, Any]) -> str:
-    table = lm_utils.make_table(results)
-    if results.get("groups"):
-        table += "\n" + lm_utils.make_table(results, "groups")
-    return table

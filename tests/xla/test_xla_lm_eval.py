@@ -1,7 +1,8 @@
 """eval/lm_eval.py --accelerator xla on XLA:CPU, 1 and 8 devices (SPMD: each device scores its rows of a batch):
 the CPU's scores on the three local harness tasks (tests/harness_tasks.py), and bounded compilations: one scoring
 graph per length bucket (batches padded to --batch_size rows, lengths to powers of two) and two generation graphs
-(prefill, decode) per prompt bucket, however many batches fall in a bucket.
+(a prefill per prompt bucket, one decode step per cache bucket), however many batches or joins fall in a bucket;
+generation of mixed prompt lengths (several buckets) compiles only while warming up.
 
 Both runs are started together by one fixture (each its own process: the XLA runtime reads PJRT_DEVICE and
 CPU_NUM_DEVICES once)."""
@@ -90,8 +91,58 @@ def test_xla_scores_equal_the_cpu_and_compilations_are_bounded_per_bucket(runs, 
             elif metric.endswith("perplexity,none") or metric.startswith("bits_per_byte,"):
                 assert got[metric] == pytest.approx(value, rel=REL), (task, metric)
     # lit_mc's 31 requests are 4 batches of 8 rows in the 16-token bucket; the long lit_ppl text fills 256-token
-    # windows; the generation prompts are all in the 16-token prompt bucket
+    # windows; the 6 generation prompts all join the continuous batch in the 16-token prompt bucket (one prefill
+    # graph for the 6 joins) and its rows decode in one graph over a 32-position cache (16 + max_gen_toks 16)
     per_bucket = config["xla_compilations_per_bucket"]
-    assert per_bucket == {"generate 16": 2, "score 16": 1, "score 256": 1}, per_bucket
+    assert per_bucket == {"prefill 16": 1, "decode 32": 1, "score 16": 1, "score 256": 1}, per_bucket
     assert config["xla_compilations"] == sum(per_bucket.values())
     assert f"XLA compilations: {config['xla_compilations']}" in log.read_text()
+
+
+MIXED_SCRIPT = """
+import json, sys
+from lm_eval.api.instance import Instance
+from lit_gpt.recipes.evaluate import load_eval_model
+from lit_gpt.recipes.harness import LitLM
+
+requests = json.loads(sys.argv[2])
+loaded = load_eval_model(sys.argv[1], accelerator=sys.argv[3])
+lm = LitLM(loaded.model, loaded.tokenizer, loaded.runtime, batch_size=4, progress=False)
+make = lambda order: [Instance("generate_until", {}, tuple(requests[i]), i) for i in order]
+c0 = loaded.runtime.compile_count()
+first = lm.generate_until(make(range(len(requests))), disable_tqdm=True)
+c1 = loaded.runtime.compile_count()
+second = lm.generate_until(make(reversed(range(len(requests)))), disable_tqdm=True)[::-1]
+print(json.dumps({"first": first, "second": second, "warm_up": c1 - c0, "after": loaded.runtime.compile_count() - c1,
+                  "per_bucket": {f"{k[0]} {k[1]}": v for k, v in lm.compiles_per_bucket.items()}}))
+"""
+
+
+@pytest.mark.slow
+def test_xla_generation_of_mixed_lengths_compiles_only_in_the_warm_up(tiny_dir, xla_env, tmp_path):
+    """generate_until on XLA:CPU: prompts of 1 to 52 tokens (three prompt buckets), two settings of stop strings and
+    max_gen_toks, 4 rows for 6 requests: one prefill graph per prompt bucket and one decode graph while warming up,
+    none in a second call (other order, the same buckets); the texts are the CPU's (which are the harness's HF
+    backend's: tests/test_lm_eval.py)."""
+    long = " ".join(f"word{i}" for i in range(12))
+    settings = [{"until": ["\n", "."], "max_gen_toks": 12, "do_sample": False},
+                {"until": [","], "max_gen_toks": 5, "do_sample": False}]
+    prompts = ["a", "one two three", long, long + " " + long, "Bees make honey and", long[:30]]
+    requests = json.dumps([[p, settings[i % 2]] for i, p in enumerate(prompts)])
+    script = tmp_path / "mixed.py"
+    script.write_text(MIXED_SCRIPT)
+
+    def launch(accelerator, env):
+        return subprocess.Popen([sys.executable, str(script), str(tiny_dir), requests, accelerator], cwd=REPO,
+                                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    procs = [launch("xla", xla_env(1)), launch("cpu", {k: v for k, v in xla_env(1).items() if k != "PJRT_DEVICE"})]
+    outs = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=TIMEOUT)
+        assert proc.returncode == 0, err[-3000:]
+        outs.append(json.loads(out.strip().splitlines()[-1]))
+    xla, cpu = outs
+    assert xla["first"] == xla["second"] == cpu["first"] and sum(bool(t) for t in xla["first"]) >= 4
+    assert xla["per_bucket"] == {"prefill 16": 1, "prefill 32": 1, "prefill 64": 1, "decode 64": 1}, xla["per_bucket"]
+    assert xla["warm_up"] == 4 and xla["after"] == 0, xla
