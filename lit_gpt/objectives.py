@@ -125,6 +125,16 @@ class Objective:
         """What the objective computes, recorded in finetune.json (a resumed run must match); None for SFT."""
         return None
 
+    def rollout(self, runtime: Any, model: nn.Module, batches: List[Dict[str, Any]], evaluate: bool = False
+                ) -> List[Dict[str, Any]]:
+        """The step's (or a validation) batches before they are counted: unchanged here; GRPO
+        (`lit_gpt.recipes.grpo`) samples and scores completions of their prompts."""
+        return batches
+
+    def logged(self, prefix: str = "") -> Dict[str, float]:
+        """Host values logged beside the loss since the last call (GRPO: rewards, lengths, times); none here."""
+        return {}
+
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -289,7 +289,7 @@ def validate(runtime: Runtime, model: nn.Module, batches: List[Dict[str, Any]], 
     total = runtime.zeros((1 + n_stats,))
     count = 0
     for batch in batches:
-        batch = objective.pad(batch, rows)
+        batch = objective.rollout(runtime, model, [objective.pad(batch, rows)], evaluate=True)[0]  # GRPO: greedy
         count += objective.count(batch)
         loss, stats = objective.eval_loss(model, runtime.place(objective.inputs(batch)))
         total += torch.cat([loss.float().reshape(1), stats.float()]) if stats is not None else loss.float().reshape(1)
@@ -298,7 +298,7 @@ def validate(runtime: Runtime, model: nn.Module, batches: List[Dict[str, Any]], 
     sums = sum_over_processes(runtime.fabric, total.cpu().tolist() + [count])
     count = sums[-1]
     out = {"val_loss": sums[0] / max(count, 1.0)}
-    out.update({f"val_{k}": v for k, v in objective.metrics(sums[1:-1], count).items()})
+    out.update({f"val_{k}": v for k, v in objective.metrics(sums[1:-1], count).items()}, **objective.logged("val_"))
     return out
 
 
@@ -444,7 +444,7 @@ def fit(
             c0 = runtime.compile_count()
             set_lr(optimizer, lr_at(step, total_steps, train.lr_warmup_steps, train.learning_rate, train.min_lr))
             # the whole step's micro-batches first: the loss is divided by the step's target count over all processes
-            batches = [objective.pad(next(data.train), data.rows) for _ in range(accum)]
+            batches = objective.rollout(runtime, model, [objective.pad(next(data.train), data.rows) for _ in range(accum)])
             # the units the step's loss is averaged over (target tokens; DPO: pairs), over all processes
             step_units = sum_over_processes(fabric, [sum(objective.count(b) for b in batches)])[0]
             scale = runtime.scalar(runtime.grad_scale / step_units)
@@ -527,7 +527,7 @@ def fit(
                     moe_metrics, load = moe.read(running_moe, combine)
                     metrics.update(moe_metrics)
                     running_moe = 0
-                fabric.log_dict(metrics, step=step)
+                fabric.log_dict({**metrics, **objective.logged()}, step=step)  # GRPO: + rewards, lengths, times
                 if moe is not None and fabric.global_rank == 0 and _log_dir(fabric) is not None:
                     write_expert_load(_log_dir(fabric), step, moe.layers, load)  # beside the logger's metrics
                 postfix = {"loss": f"{loss_value:.4f}", "lr": f"{metrics['lr']:.2e}"}

@@ -28,8 +28,8 @@ GROUPS = {
 EXPECTED = {
     "generate": {"base", "adapter", "adapter_v2", "lora", "full"},
     "xla_generate": {"base", "adapter", "lora"},
-    "finetune": {"adapter", "adapter_v2", "lora", "full", "dpo"},
-    "xla_finetune": {"adapter", "lora", "full", "dpo"},
+    "finetune": {"adapter", "adapter_v2", "lora", "full", "dpo", "grpo"},
+    "xla_finetune": {"adapter", "lora", "full", "dpo", "grpo"},
     "chat": {"base"},
 }
 
@@ -79,12 +79,23 @@ OWN: Dict[Tuple[str, str], str] = {
        for s in ("r", "alpha", "dropout", "query", "key", "value", "projection", "mlp", "head", "experts")},
     **{(f"{d}finetune/dpo.py", f): "DPO's own: LoRA or full finetuning (--method) and the preference loss (--dpo)"
        for d in ("", "xla/") for f in ("method", "dpo")},
+    # GRPO (finetune/grpo.py, xla/finetune/grpo.py): LoRA or full finetuning on rewards of sampled completions
+    **{(f"{d}finetune/grpo.py", "out_dir"): OUT_DIR for d in ("", "xla/")},
+    **{(f"{d}finetune/grpo.py", "train"): "GRPO's own hyperparameters (batches count prompts, each bringing a group"
+       " of completions)" for d in ("", "xla/")},
+    **{(f"{d}finetune/grpo.py", f"lora_{s}"): LORA_SETTINGS + " (GRPO with --method lora, its default)"
+       for d in ("", "xla/")
+       for s in ("r", "alpha", "dropout", "query", "key", "value", "projection", "mlp", "head", "experts")},
+    **{(f"{d}finetune/grpo.py", f): "GRPO's own: LoRA or full finetuning (--method), sampling and the loss (--grpo),"
+       " the reward functions (--reward)" for d in ("", "xla/") for f in ("method", "grpo", "reward")},
 }
 """(recipe, flag) -> why that recipe's flag is its method's own: the other recipes of its group may lack it or
 give it another default."""
 OWN_DEFAULT: Dict[Tuple[str, str], str] = {
     **{(f"{d}finetune/dpo.py", "data"): "DPO reads preference pairs (scripts/prepare_preferences.py writes"
        " data/preferences), not instruction data" for d in ("", "xla/")},
+    **{(f"{d}finetune/grpo.py", "data"): "GRPO reads prompts with answers (scripts/prepare_prompts.py writes"
+       " data/prompts), not instruction data" for d in ("", "xla/")},
 }
 """(recipe, flag) -> why that recipe gives a flag its group shares (same annotation and help) another default."""
 
