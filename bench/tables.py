@@ -16,7 +16,7 @@ import json
 import re
 import sys
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -153,8 +153,8 @@ def cpu_generate_gemma3() -> str:
              " transformers' `model.safetensors`), which the kernel can drop. Our anonymous part also holds the"
              " copies `use_cpu_inference_layout` makes at load, as generate/base.py does (the linear weights in"
              " oneDNN's packed layout, the tied head column-major), while the mapped originals stay resident. KV cache"
-             " = the bytes of the cache the call leaves (ours keeps every position in every layer, transformers'"
-             " sliding layers keep the window).\n")
+             " = the bytes of the cache the call leaves (sliding layers hold their window: ours a ring of"
+             " `sliding_window_size` entries, `lit_gpt.kv_cache`; transformers' its sliding-window cache layers).\n")
     return text + _source(r)
 
 
@@ -439,6 +439,7 @@ def tpu_plan() -> str:
     plans = []
     for path in sorted(RESULTS.glob("plan_*.json")):
         r = json.loads(path.read_text(encoding="utf-8"))
+        r = r["results"] if "bench" in r else r  # a bench result file (bench/result_files.py) holds the plan
         r["_file"] = path.name
         plans.append(r)
     if not plans:
@@ -454,14 +455,15 @@ def tpu_plan() -> str:
         peak = f"{gib(pc['peak_bytes'])} of {gib(r['hbm_per_chip_bytes'])}" if "peak_bytes" in pc else "n/a"
         fits = "yes" if r["fits"] else (f"no (over by {gib(r['over_by_bytes'])})" if "over_by_bytes" in r else "no")
         roof = r.get("roofline")
-        ram = max(h.get("trace_process_max_rss_gib", 0), h.get("compile_process_max_rss_gib", 0))
+        ram = h.get("max_rss_gib") or max(h.get("trace_process_max_rss_gib", 0), h.get("compile_process_max_rss_gib", 0))
         largest = r.get("largest_micro_batch_estimate")
         st = r["settings"]
         step = (f"{st['micro_batch_size']} x {st['max_seq_length']}"
                 + (", act. ckpt" if st.get("activation_checkpointing") else "") + (", scan" if st.get("scan_layers") else ""))
         lines.append(f"| {r['model']} | {r['method']} | {r['topology']} | {step} | {peak} | {fits} |"
-                     f" {'n/a' if largest is None else largest} | {r['model_flops_per_token'] / 1e9:.1f} G | {_f(roof and 100 * roof['mfu_bound'], '.0f')}% |"
-                     f" {_f(roof and roof['step_s'] * 1e3, '.0f')} ms ({roof['bound'] if roof else 'n/a'}) |"
+                     f" {'n/a' if largest is None else largest} | {r['model_flops_per_token'] / 1e9:.1f} G |"
+                     + (f" {100 * roof['mfu_bound']:.0f}% | {roof['step_s'] * 1e3:.0f} ms ({roof['bound']}) |"
+                        if roof else " n/a | n/a |") +
                      f" {ram:.1f} GiB, {h.get('wall_s', 0) / 60:.1f} min |")
     s = plans[0]["settings"]
     v = plans[0].get("host", {}).get("versions", {})
@@ -470,20 +472,37 @@ def tpu_plan() -> str:
             f" per chip as in each row, {s['precision']}, {s['optimizer']}, the recipes' default flags otherwise"
             f" (LoRA r {s.get('lora', {}).get('lora_r', 8)} on query and value for the LoRA rows; activation"
             " checkpointing and scan only where the row says so). Depth-truncated compiles (1 and 2 layers at the real width and"
-            " vocabulary) extrapolated per layer. Peak HBM per chip is the compiler's (weights, optimizer state,"
-            " gradients, activations and temporaries), against what libtpu lets a program use. The MFU bound is the"
+            f" vocabulary{_plan_depths(plans)}) extrapolated per layer. Peak HBM per chip is the compiler's (weights, optimizer state,"
+            " gradients, activations and temporaries) at its buffer assignment (the code generator not run: its"
+            " executable's peak was 3% lower for a layer of Llama-3.1-8B), against what libtpu lets a program use;"
+            " FLOPs and HBM bytes are XLA's HLO cost analysis of the optimized per-chip program. The MFU bound is the"
             " model FLOPs (forward + backward, 2 or 3 x the forward's) over the chip's peak, in the roofline step"
             " time (the slower of the compiled FLOPs at peak and the compiled HBM bytes at full bandwidth): an upper"
             " bound, not a prediction. The largest micro batch is an estimate from the same compile (temporaries"
             " taken as proportional to the rows; 0: not one row fits this slice: a bigger slice, or activation"
             " checkpointing where a row does not use it).\n\n")
     text += "\n".join(lines) + "\n"
+    if any(r.get("cost_not_counted") for r in plans):
+        text += ("\nn/a: a scanned step (`scan` rows) is an HLO while loop, whose body XLA's cost analysis counts once"
+                 " whatever the number of layers: its FLOPs and bytes, hence the roofline, are not given.\n")
     files = ", ".join(f"`bench/results/{r['_file']}`" for r in plans)
     dates = sorted({r.get("host", {}).get("date", "")[:10] for r in plans} - {""})
     text += (f"\nFrom {files} (libtpu {v.get('libtpu')}, jax {v.get('jax')}, torch_xla {v.get('torch_xla')};"
-             f" {', '.join(dates)}; host RAM is the larger of the tracing and the compiling process's peak RSS,"
-             " on a 2-core machine shared with other jobs).\n")
+             f" {', '.join(dates)}; host RAM is the plan's peak RSS (the planner and its larger child: the"
+             " tracing or the compiling process), time its wall time, on a 2-core machine shared with other jobs; the"
+             " v6e-8 rows reused the v5e-8 rows' traced steps, and a step compiled before for the same slice is not"
+             " compiled again (`--trace_cache`): their times are shorter than a first plan's).\n")
     return text
+
+
+def _plan_depths(plans: List[dict]) -> str:
+    """The plans compiled at other depths than 1 and 2, named (e.g. a model whose layers repeat in sixes)."""
+    other = {}
+    for r in plans:
+        depths = sorted(int(d) for d in r.get("depths", {}))
+        if depths and depths != [1, 2] and r.get("n_layer") not in depths:
+            other.setdefault(" and ".join(map(str, depths)), set()).add(r["model"])
+    return "".join(f"; {d} for {', '.join(sorted(m))}" for d, m in sorted(other.items()))
 
 
 _MOE_MODELS = ("Mixtral-8x7B-v0.1", "Qwen3-30B-A3B", "Qwen3-235B-A22B", "gpt-oss-20b", "gpt-oss-120b")
@@ -543,7 +562,8 @@ def moe_dispatch() -> str:
                                    " bench/results/moe_dispatch_cpu.json")
     res, s = r["results"], r["settings"]
     labels = {"ours": "ours (`moe_dispatch` auto: decode as generate/base.py runs it on the CPU, views of the chosen"
-                      " experts; training step: rows grouped by expert)",
+                      " experts; training step: rows grouped by expert, one `torch._grouped_mm` per projection)",
+              "ours_loop": "ours, training step by the loop over the experts (the reference; what auto ran before)",
               "ours_gather": "ours, decode by the static gather (what XLA and CUDA run)",
               "ours_capacity": "ours, training step with capacity buffers, factor 2.0 (what XLA runs)",
               "ours_dense": "ours, dense (every expert on every token)",
@@ -566,6 +586,18 @@ def moe_dispatch() -> str:
              f" a warm-up; ratios of medians to ours (decode: higher is faster; step: lower is faster). Greedy tokens "
              + ("identical to transformers' for every contender." if not same else f"DIFFER from transformers' for {same}.")
              + "\n")
+    if "xla_eval_flops_routed" in res:
+        text += (f"\nEvaluation on XLA (XLA's cost analysis of the traced eval forward of the same model on {s['batch']}"
+                 f" x {s['seq']} tokens, XLA:CPU): the dropless tiles (what auto runs) cost"
+                 f" {_f(res['xla_eval_flops_auto_ratio_to_routed'])}x the routed forward's FLOPs (each token through its"
+                 f" k experts only, {res['xla_eval_flops_routed'] / 1e9:.1f} GFLOP), the capacity buffers of C = N"
+                 f" (what evaluation ran before) {_f(res['xla_eval_flops_capacity_ratio_to_routed'])}x.\n")
+    if "mxfp4_expert_mib_packed" in res:
+        text += (f"\ngpt-oss's experts kept in MXFP4 (`lit_gpt.mxfp4.pack_experts_mxfp4`, decoded per matmul), on the same"
+                 f" model's experts as MXFP4 values: {_f(res['mxfp4_expert_mib_packed'], '.1f')} MiB instead of"
+                 f" {_f(res['mxfp4_expert_mib_bf16'], '.1f')} MiB in bf16; 16 greedy tokens "
+                 + ("equal to bf16's" if res.get("mxfp4_tokens_equal_to_bf16") else "DIFFERENT from bf16's") + ".\n")
+    text += "\nGPU: not measured (no GPU on the machines this table was made on; `--device cuda` measures one).\n"
     return text + _source(r)
 
 
@@ -657,16 +689,28 @@ def eval_throughput() -> str:
                 f" | {res['max_relative_loglikelihood_difference']:.1e} (relative) | {res['greedy_flags_agree']} |")
     head.append(f"| lm-eval `--model hf` | {_f(res['hflm_requests_per_s'])} | {_f(res['hflm_tokens_per_s'], '.0f')}"
                 f" | {_f(res['hflm_seconds'], '.1f')} | 1x | | |")
+    if "ours_gen_seconds" in res:  # the generation row (generate_until requests)
+        head += ["", "| generate_until (CPU) | requests / s | new tokens / s | seconds | speed vs hf | texts equal |",
+                 "| --- | --- | --- | --- | --- | --- |",
+                 f"| ours (`eval/lm_eval.py`, one continuous batch) | {_f(res['ours_gen_requests_per_s'])}"
+                 f" | {_f(res['ours_gen_tokens_per_s'], '.0f')} | {_f(res['ours_gen_seconds'], '.1f')}"
+                 f" | {_f(res['ours_gen_speedup'])}x | {res['gen_texts_equal']} of {s['gen_requests']} |",
+                 f"| lm-eval `--model hf` (left-padded batches) | {_f(res['hflm_gen_requests_per_s'])}"
+                 f" | {_f(res['hflm_gen_tokens_per_s'], '.0f')} | {_f(res['hflm_gen_seconds'], '.1f')} | 1x | |"]
     text = "\n".join(head) + "\n"
     text += (f"\n{s['checkpoint']} in {s['dtype']}, {s['requests']} loglikelihood requests ({s['tokens']} tokens),"
              f" batch size {s['batch_size']}, {s['torch_threads']} torch thread(s), {s['runs']} run(s) each.\n")
+    if "ours_gen_seconds" in res:
+        text += (f"Generation: {s['gen_requests']} greedy requests of mixed prompt lengths, up to {s['max_gen_toks']}"
+                 f" new tokens each ({s['new_tokens']} in all), the same batch size.\n")
     return text + _source(r)
 
 
 def serve() -> str:
     """bench/serve.py: serve/base.py under concurrent clients against one request at a time and against
     transformers' batched generate on the same prompts (every bench/results/serve*.json, one block of rows each)."""
-    records = _load_all(*sorted(p.stem for p in RESULTS.glob("serve*.json")))
+    records = [r for r in _load_all(*sorted(p.stem for p in RESULTS.glob("serve*.json")))
+               if r is not None and "levels" in r["results"]]  # the scheduling-only files: serve_scheduling()
     head = ["| server (`serve/base.py`) | requests in flight | tokens/s | x sequential | time to first token, median"
             " (p90) | transformers batched `generate`, batch = requests in flight: tokens/s | ours vs transformers |",
             "| --- | --- | --- | --- | --- | --- | --- |"]
@@ -700,6 +744,49 @@ def serve() -> str:
              " batches of N, in the same run after the server stopped, same threads. Greedy answers "
              + ("identical" if same else "NOT all identical") + " at every concurrency to the sequential ones, and "
              + ("identical" if same_hf else "NOT all identical") + " to transformers'.\n")
+    return text + _source(*records)
+
+
+def serve_scheduling() -> str:
+    """bench/serve.py's scheduling scenarios (the long-prompt burst, the shared prefix, sampled chat) on the server
+    that prefills whole prompts and shares nothing and on the default one (chunked prefill, prefix cache), in one
+    run: every bench/results/serve*.json with them."""
+    records = [r for r in _load_all(*sorted(p.stem for p in RESULTS.glob("serve*.json")))
+               if r is not None and "scheduling" in r["results"]]
+    head = ["| server (`serve/base.py`) | short streams' inter-token p90: alone | during the burst (x alone) |"
+            " burst run: tokens/s | shared prefix: prompt tokens computed (reused) | sampled chat: tokens/s one at"
+            " a time | all in flight (x one at a time) |",
+            "| --- | --- | --- | --- | --- | --- | --- |"]
+    if not records:
+        return _not_measured(head, "python bench/serve.py --throughput false --results_file"
+                                   " bench/results/serve_scheduling_cpu.json")
+    text = ""
+    for r in records:
+        sched, s = r["results"]["scheduling"], r["settings"]
+        rows = list(head)
+        for name, x in ((k, v) for k, v in sched.items() if isinstance(v, dict)):
+            b, p = x["burst"], x["prefix"]
+            burst_p90 = "-" if b["itl_in_burst_p90_s"] is None else (
+                f"{_f(b['itl_in_burst_p90_s'] * 1000, '.0f')} ms ({_f(b['itl_in_burst_x_alone'])}x)")
+            rows.append(f"| {name} | {_f(x['alone']['itl_p90_s'] * 1000, '.0f')} ms | {burst_p90}"
+                        f" | {_f(b['tokens_per_s'], '.1f')} | {p['prefill_tokens']} ({p['cached_tokens']})"
+                        f" | {_f(x['chat_sequential']['tokens_per_s'], '.1f')}"
+                        f" | {_f(x['chat_batched']['tokens_per_s'], '.1f')} ({_f(x['chat_x_sequential'])}x) |")
+        text += "\n".join(rows) + "\n"
+        text += (f"\n{s['checkpoint']}, {s['dtype']}, {s['threads']} threads, `--slots {s['scenario_slots']}`."
+                 f" Burst: 4 short greedy streams of {s['short_tokens']} tokens, then 4 prompts of"
+                 f" {s['burst_tokens']} tokens sent once each stream has 4 tokens; inter-token p90 of the short"
+                 " streams during the burst (from sending it to the last long prompt's first token) against the"
+                 f" streams alone; tokens/s over the whole burst run:"
+                 f" {_f(sched.get('burst_throughput_x_whole_prompts'))}x the whole-prompt server's. Shared prefix:"
+                 f" {s['prefix_requests']} greedy chat requests with one"
+                 f" {s['system_tokens']}-token system prompt, {s['scenario_slots']} at a time:"
+                 f" {_f(sched.get('prefix_fewer_prefill_tokens_x'), '.1f')}x fewer prompt tokens computed,"
+                 f" {sched.get('prefix_same_texts', 'n/a')}/{s['prefix_requests']} answers identical. Sampled chat:"
+                 f" {s['chat_requests']} chat requests (temperature {s['chat_temperature']}, seeded, {s['chat_tokens']}"
+                 " tokens, not streamed) one at a time and all at once; seeded answers identical both ways:"
+                 f" {sched.get('chat_same_texts', 'n/a')}/{s['chat_requests']}. The `openai` client ran on the same"
+                 " cores.\n")
     return text + _source(*records)
 
 
@@ -748,33 +835,65 @@ def packing() -> str:
 
 
 def long_context() -> str:
-    """bench/long_context.py: one packed LoRA train step at long row lengths, the dense document mask (old) against
-    attention one document at a time (new): peak memory above the model's, and step time."""
+    """bench/long_context.py: (a) one packed LoRA train step at long row lengths, the dense document mask (old) against
+    attention one document at a time (new), and XLA:CPU's new path (blockwise segment attention): peak memory above
+    the model's, and step time; (b) prefill + 64 decode steps with the old KV cache (every position) and the new one
+    (a sliding layer's cache holds its window)."""
     (r,) = _load_all("long_context_cpu")
     head = ["| row length | old (dense mask): peak MiB | step s | new (per document): peak MiB | step s |"
-            " new peak / previous length's |", "| --- | --- | --- | --- | --- | --- |"]
+            " new peak / previous length's | XLA:CPU new (blockwise): peak MiB | step s |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     if r is None:
         return _not_measured(head, "python bench/long_context.py --results_file"
                                  " bench/results/long_context_cpu.json")
     res, s = r["results"], r["settings"]
-    steps = {(x["path"], x["T"]): x for x in res["steps"]}
+    steps = {(x["path"], x["T"]): x for x in res["steps"] + res.get("decode", [])}
+
+    def cells(x: dict, peak: str, time: str, fmt: str = ".2f", scale: float = 1.0) -> Tuple[str, str]:
+        if not x:
+            return "-", "-"
+        if "skipped" in x:
+            return "skipped", "-"
+        return _f(x.get(peak), ".0f"), _f(x[time] * scale if x.get(time) is not None else None, fmt)
+
     new_ratios = res["peak_ratios"]["documents"]
     prev = None
     for T in s["lengths"]:
-        old, new = steps.get(("mask", T), {}), steps.get(("documents", T), {})
-        old_cells = ("skipped", "-") if "skipped" in old else (_f(old.get("peak_mib"), ".0f"), _f(old.get("step_s")))
+        old, new, xla = (steps.get((p, T), {}) for p in ("mask", "documents", "xla"))
         ratio = new_ratios.get(f"{T}/{prev}") if prev else None
-        head.append(f"| {T} | {old_cells[0]} | {old_cells[1]} | {_f(new.get('peak_mib'), '.0f')}"
-                    f" | {_f(new.get('step_s'))} | {_f(ratio) + 'x' if ratio else '-'} |")
+        head.append(f"| {T} | {' | '.join(cells(old, 'peak_mib', 'step_s'))} | {_f(new.get('peak_mib'), '.0f')}"
+                    f" | {_f(new.get('step_s'))} | {_f(ratio) + 'x' if ratio else '-'}"
+                    f" | {' | '.join(cells(xla, 'peak_mib', 'step_s'))} |")
         prev = T
-    skipped = [f"{x['T']} ({x['skipped']})" for x in res["steps"] if "skipped" in x]
+    skipped = [f"{x['T']} ({x['skipped']})" for x in res["steps"] if "skipped" in x and x["path"] == "mask"]
+    xla_skipped = [f"{x['T']} ({x['skipped']})" for x in res["steps"] if "skipped" in x and x["path"] == "xla"]
     speed = next((v for k, v in res.items() if k.startswith("old_over_new_time_at_")), None)
     text = "\n".join(head) + "\n"
     text += (f"\n{s['model']}, {s['method']}, {s['precision']}, {s['rows_per_step']} row per step of documents of"
              f" {s['documents']}; {s['threads'] or 'default'} thread(s). Peak: the step's resident memory above the"
              " process's before it (activations, gradients, temporaries); time: the second step. Old over new step"
              f" time at {s['lengths'][0]}: {_f(speed)}x."
-             + (f" Old path skipped at {', '.join(skipped)}." if skipped else "") + "\n")
+             + (f" Old path skipped at {', '.join(skipped)}." if skipped else "")
+             + (f" XLA:CPU ({s['xla']}; peak over three steps, compilation included; time: the third step, which"
+                " XLA:CPU does not optimise: memory is its measure here)"
+                + (f" skipped at {', '.join(xla_skipped)}." if xla_skipped else ".") if s.get("xla") else "") + "\n")
+    if res.get("decode"):
+        text += ("\n| prompt length | old KV cache: peak MiB | prefill s | decode ms/token | KV MiB | new KV cache:"
+                 " peak MiB | prefill s | decode ms/token | KV MiB |\n| --- | --- | --- | --- | --- | --- | --- | --- |"
+                 " --- |\n")
+        for T in s["lengths"]:
+            row = []
+            for p in ("decode_old", "decode_new"):
+                x = steps.get((p, T), {})
+                peak, prefill = cells(x, "peak_mib", "prefill_s")
+                row += [peak, prefill, cells(x, "peak_mib", "decode_token_s", ".1f", 1000)[1],
+                        "-" if not x or "skipped" in x else _f(x.get("kv_cache_mib"), ".1f")]
+            text += f"| {T} | " + " | ".join(row) + " |\n"
+        dec_skipped = [f"{x['T']} {x['path'][7:]} ({x['skipped']})" for x in res["decode"] if "skipped" in x]
+        text += (f"\nGeneration: {s['decode']}. Peak: resident memory above the process's before the KV cache was"
+                 " allocated (cache, prefill, steps). Greedy tokens equal with both caches:"
+                 f" {'yes' if res.get('decode_same_tokens') else 'no'}."
+                 + (f" Skipped: {', '.join(dec_skipped)}." if dec_skipped else "") + "\n")
     return text + _source(r)
 
 
@@ -782,6 +901,7 @@ TABLES: Dict[str, Callable[[], str]] = {
     "long-context": long_context,
     "packing": packing,
     "serve": serve,
+    "serve-scheduling": serve_scheduling,
     "eval-throughput": eval_throughput,
     "xla-moe-memory": xla_moe_memory,
     "moe-resources": moe_resources,
