@@ -448,8 +448,10 @@ SCRIPT_FLAGS = {
 def test_every_dataset_has_its_script_and_every_prepare_script_is_a_dataset():
     from lit_gpt.prepare import DATASETS
 
-    # prepare_preferences.py prepares pairs for DPO, not an instruction dataset (tests/test_prepare_preferences.py)
-    scripts = {p.stem[len("prepare_"):] for p in (ROOT / "scripts").glob("prepare_*.py") if p.stem != "prepare_preferences"}
+    # prepare_preferences.py prepares pairs for DPO and prepare_prompts.py prompts with answers for GRPO, not
+    # instruction datasets (tests/test_prepare_preferences.py, tests/test_grpo.py)
+    not_instructions = ("prepare_preferences", "prepare_prompts")
+    scripts = {p.stem[len("prepare_"):] for p in (ROOT / "scripts").glob("prepare_*.py") if p.stem not in not_instructions}
     assert scripts == set(DATASETS) == set(SCRIPT_FLAGS)
 
 
