@@ -27,7 +27,7 @@ second Ctrl-C exits at once.
 from typing import Any, List, Optional
 
 from lit_gpt.recipes.evaluate import EVAL_FLAGS, load_eval_model
-from lit_gpt.recipes.flags import Flag, command, values
+from lit_gpt.recipes.flags import ROPE_SCALING, Flag, command, values
 from lit_gpt.utils import run_cli
 
 FLAGS: List[Flag] = [
@@ -49,14 +49,16 @@ FLAGS: List[Flag] = [
     Flag("prompt_style", Optional[str], None,
          'How chat messages become the prompt: "chat" (the checkpoint\'s chat template), "alpaca" or "raw"\n'
          "(default: the checkpoint's template when the model stops on the token that ends its turns, else raw)."),
+    ROPE_SCALING,
 ]
 
 
 def main(**flags: Any) -> None:
     from lit_gpt.recipes.serve import check_serve_args, serve
 
+    rope_scaling = flags.pop("rope_scaling")
     check_serve_args(**flags)  # one line for bad flags, before any weights are read
-    loaded = load_eval_model(**values(flags, EVAL_FLAGS))
+    loaded = load_eval_model(**values(flags, EVAL_FLAGS), rope_scaling=rope_scaling)  # its context: --max_seq_length
     serve(loaded, **{k: v for k, v in flags.items() if k not in {f.name for f in EVAL_FLAGS}})
 
 

@@ -136,3 +136,61 @@ def test_generate_recipe_extends_the_context_with_the_flag(smollm2_dir, tmp_path
                           "block_size 17")
     assert_one_line_error(run_in_process(capsys, monkeypatch, *base, "--rope_scaling", '{"type": "dynamic", "factor": 2}'),
                           "type 'dynamic' cannot extend the context exactly")
+
+
+# --- finetune and serve: the same flag ---------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def short_context(smollm2_dir, tmp_path_factory):
+    """A tiny checkpoint with a 32-token context and prepared rows of up to 64 tokens (the real tokenizer)."""
+    from test_finetune import alpaca_rows
+    from tiny import make_tiny_checkpoint
+
+    from lit_gpt import data
+
+    root = tmp_path_factory.mktemp("rope_ft")
+    checkpoint = make_tiny_checkpoint(root / "ckpt", smollm2_dir, block_size=32)
+    src = root / "alpaca.json"
+    src.write_text(json.dumps(alpaca_rows(16)))
+    records, bad = data.read_records(src)
+    rows, bad2 = data.records_to_rows(records, data.instruction_rows())
+    data.prepare(rows, bad + bad2, checkpoint_dir=checkpoint, destination=root / "prepared", source=str(src),
+                 max_seq_length=64, val_split_fraction=0.25, seed=1)
+    return checkpoint, root / "prepared"
+
+
+def test_finetune_trains_past_the_checkpoints_context_with_the_flag_only(short_context, tmp_path):
+    """finetune/lora.py --train.max_seq_length 64 on a 32-token checkpoint: refused in one line without
+    --rope_scaling and past what it gives; trains with a factor of 2 (the same flag as generate and serve)."""
+    from test_finetune import load_recipe, run_args
+
+    checkpoint, data_dir = short_context
+    recipe = load_recipe("lora")
+    args = dict(steps=2, micro=2, global_batch=2, save_interval=2, eval_interval=2)
+
+    def train(length, scaling, out):
+        base = run_args("lora", checkpoint, data_dir, tmp_path / out, **args)
+        base["train"].max_seq_length = length
+        return recipe.setup(**base, rope_scaling=scaling)
+
+    with pytest.raises(LitError, match="exceeds the model's context length 32"):
+        train(64, None, "plain")
+    with pytest.raises(LitError, match=re.escape("exceeds what --rope_scaling gives (32 x 2 = 64)")):
+        train(96, {"type": "linear", "factor": 2}, "too_long")
+    train(64, {"type": "linear", "factor": 2}, "scaled")
+    assert (tmp_path / "scaled" / "final" / "lit_model.lora.safetensors").is_file()
+
+
+def test_serve_loads_the_model_with_the_scaled_rope(short_context):
+    """serve/base.py --rope_scaling: the loaded model's context and RoPE tables are the scaled config's."""
+    from lit_gpt.recipes.evaluate import load_eval_model
+
+    checkpoint, _ = short_context
+    linear = {"type": "linear", "factor": 2}
+    loaded = load_eval_model(checkpoint, accelerator="cpu", precision="32-true", rope_scaling=linear)
+    assert loaded.block_size == 64
+    expected = GPT(load_config(checkpoint, rope_scaling=linear))
+    n = loaded.gpt.cos.size(0)  # the tables are as long as the runtime sets them (the KV cache's length)
+    torch.testing.assert_close(loaded.gpt.cos, expected.cos[:n])
+    assert not torch.allclose(loaded.gpt.cos, GPT(load_config(checkpoint)).cos[:n])  # the scaling is in them
+    with pytest.raises(LitError, match="cannot extend the context exactly"):
+        load_eval_model(checkpoint, accelerator="cpu", rope_scaling={"type": "dynamic", "factor": 2})

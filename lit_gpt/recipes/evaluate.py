@@ -20,7 +20,7 @@ all of them), with `XLARuntime` as the runtime.
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, List, Optional, Union
+from typing import Any, Dict, List, Optional, Union
 
 import torch
 
@@ -137,24 +137,31 @@ def check_eval_args(checkpoint_dir: Union[str, Path], lora_path: Optional[Union[
 
 def load_eval_model(checkpoint_dir: Union[str, Path], lora_path: Optional[Union[str, Path]] = None,
                     adapter_path: Optional[Union[str, Path]] = None, precision: Optional[str] = None,
-                    accelerator: str = "auto", allow_other_base: bool = False) -> EvalModel:
+                    accelerator: str = "auto", allow_other_base: bool = False,
+                    rope_scaling: Optional[Dict[str, Any]] = None) -> EvalModel:
     """The model of the evaluation flags (`EVAL_FLAGS`), on its device, in eval mode, LoRA merged. Bad input (a
     missing checkpoint, both --lora_path and --adapter_path, a file of another method, finetuned weights of
     another base: `lit_gpt.peft.check_finetuned_base`, an unknown accelerator or precision) is one LitError line,
-    raised before any weights are read."""
+    raised before any weights are read. `rope_scaling` (serve/base.py's --rope_scaling): the context extended
+    (`lit_gpt.loading.scale_rope`), refused in one line where the model cannot extend."""
     checkpoint_dir = Path(checkpoint_dir)
     method, path = check_eval_args(checkpoint_dir, lora_path, adapter_path, precision, accelerator)
+    if rope_scaling:
+        from lit_gpt.config import load_config
+
+        load_config(checkpoint_dir, rope_scaling=rope_scaling)  # its refusals, before any weights are read
     if path is not None:
         from lit_gpt.peft import check_finetuned_base
 
         check_finetuned_base(path, checkpoint_dir, allow_other_base, method)  # before any weights are read
     if str(accelerator).lower() == "xla":
-        fabric, model, precision = _load_xla(checkpoint_dir, method, path, precision, allow_other_base)
+        fabric, model, precision = _load_xla(checkpoint_dir, method, path, precision, allow_other_base, rope_scaling)
         from lit_gpt.xla.runtime import XLARuntime
 
         runtime: Runtime = XLARuntime(fabric)
     else:
-        fabric, model, precision = _load_eager(checkpoint_dir, method, path, precision, accelerator, allow_other_base)
+        fabric, model, precision = _load_eager(checkpoint_dir, method, path, precision, accelerator, allow_other_base,
+                                               rope_scaling)
         runtime = Runtime(fabric)
     from lit_gpt.tokenizer import Tokenizer
 
@@ -171,7 +178,7 @@ def _variant(method: str) -> Any:
 
 
 def _load_eager(checkpoint_dir: Path, method: str, path: Optional[Path], precision: Optional[str], accelerator: str,
-                allow_other_base: bool) -> Any:
+                allow_other_base: bool, rope_scaling: Optional[Dict[str, Any]] = None) -> Any:
     """As generate/{base,lora,adapter,adapter_v2}.py load: on the meta device, the weights assigned as read, LoRA
     merged, then cast to the precision's dtype (the CPU's inference layout in 32-true) and set up by Fabric."""
     from lit_gpt.generate import compile_steps
@@ -191,12 +198,14 @@ def _load_eager(checkpoint_dir: Path, method: str, path: Optional[Path], precisi
                                        allow_other_base=allow_other_base)
             if method == "lora":  # folded in the precision's dtype (a bf16 base under 32-true: after the cast)
                 variant.merge_lora_weights(model, dtype=param_dtype(fabric.strategy.precision.precision))
-        model = prepare_for_device(fabric, model, compile_steps(None))
+        from lit_gpt.loading import scale_rope
+
+        model = prepare_for_device(fabric, scale_rope(model, rope_scaling), compile_steps(None))
     return fabric, model, fabric.strategy.precision.precision
 
 
 def _load_xla(checkpoint_dir: Path, method: str, path: Optional[Path], precision: Optional[str],
-              allow_other_base: bool) -> Any:
+              allow_other_base: bool, rope_scaling: Optional[Dict[str, Any]] = None) -> Any:
     """As xla/generate/*.py load: a Fabric over every PJRT device (SPMD), the weights block by block onto the
     devices (LoRA merged), set up by Fabric."""
     from lit_gpt.recipes.generate import loading
@@ -214,7 +223,9 @@ def _load_xla(checkpoint_dir: Path, method: str, path: Optional[Path], precision
             variant = _variant(method)
             model = load_variant_staged(fabric, variant.GPT, variant.Config, checkpoint_dir, path,
                                         allow_other_base=allow_other_base)
-        model.eval()
+        from lit_gpt.loading import scale_rope
+
+        model = scale_rope(model, rope_scaling).eval()
         model = fabric.setup_module(model)
     return fabric, model, precision
 

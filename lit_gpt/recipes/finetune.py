@@ -457,7 +457,9 @@ def finetune_command(
         check_launcher(flags["num_nodes"], flags["devices"], flags["accelerator"])  # before anything is loaded
         if check is not None:
             check(flags)
-        config = flags["moe"].apply(load_config(flags["checkpoint_dir"], config_cls, **values(flags, own)))
+        # --rope_scaling: the checkpoint's context extended, refused in one line where it cannot reach the rows' length
+        config = flags["moe"].apply(load_config(flags["checkpoint_dir"], config_cls, rope_scaling=flags["rope_scaling"],
+                                                max_seq_length=flags["train"].max_seq_length, **values(flags, own)))
         fabric = setup_fabric(
             flags["devices"], flags["precision"], flags["out_dir"], flags["logger_name"], flags["strategy"],
             block_cls=Block, accelerator=flags["accelerator"], num_nodes=flags["num_nodes"], resume=flags["resume"],

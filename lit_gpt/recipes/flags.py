@@ -38,6 +38,15 @@ _LOGGER_DOC = ('"csv", "tensorboard" or "wandb" (under out_dir/logs; W&B: projec
                "offline with WANDB_MODE=offline).")
 
 # ---------------------------------------------------------------------------------------------------------------
+# long context: the one definition of --rope_scaling (lit_gpt.config.with_rope_scaling; load_config takes it)
+# ---------------------------------------------------------------------------------------------------------------
+ROPE_SCALING = Flag(
+    "rope_scaling", Optional[Dict[str, Any]], None,
+    'Extend the checkpoint\'s context: RoPE scaled as transformers scales it, e.g. \'{"type": "yarn", "factor": 4}\'\n'
+    '("linear", "yarn" or "llama3"; the context becomes factor x the checkpoint\'s). Refused for a model\n'
+    "without RoPE or with its own scaling (it already reaches its context).")
+
+# ---------------------------------------------------------------------------------------------------------------
 # finetuning, CPU / CUDA (finetune/*.py)
 # ---------------------------------------------------------------------------------------------------------------
 FINETUNE: List[Flag] = [
@@ -65,6 +74,7 @@ FINETUNE: List[Flag] = [
          "checkpoint save makes the others wait at a barrier: keep it above your longest save)."),
     Flag("allow_other_base", bool, False, _ALLOW_OTHER_BASE_DOC),
     Flag("allow_other_data", bool, False, _ALLOW_OTHER_DATA_DOC),
+    ROPE_SCALING,
 ]
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -103,16 +113,8 @@ XLA_FINETUNE: List[Flag] = [
          'The PJRT device: "auto" (the TPU when there is one, else the CPU), "tpu", "cpu" or "cuda".'),
     Flag("allow_other_base", bool, False, _ALLOW_OTHER_BASE_DOC),
     Flag("allow_other_data", bool, False, _ALLOW_OTHER_DATA_DOC),
+    ROPE_SCALING,
 ]
-
-# ---------------------------------------------------------------------------------------------------------------
-# long context: the one definition of --rope_scaling (lit_gpt.config.with_rope_scaling; load_config takes it)
-# ---------------------------------------------------------------------------------------------------------------
-ROPE_SCALING = Flag(
-    "rope_scaling", Optional[Dict[str, Any]], None,
-    'Extend the checkpoint\'s context: RoPE scaled as transformers scales it, e.g. \'{"type": "yarn", "factor": 4}\'\n'
-    '("linear", "yarn" or "llama3"; the context becomes factor x the checkpoint\'s). Refused for a model\n'
-    "without RoPE or with its own scaling (it already reaches its context).")
 
 # ---------------------------------------------------------------------------------------------------------------
 # the methods' own flags (the same on every backend)

@@ -140,7 +140,9 @@ def xla_finetune_command(
         if check is not None:
             check(flags)
         flags["scan_layers"] = packing_scan_layers(flags["scan_layers"], flags["data"].packing)
-        config = flags["moe"].apply(load_config(flags["checkpoint_dir"], config_cls, **values(flags, own)))
+        # --rope_scaling: the checkpoint's context extended, refused in one line where it cannot reach the rows' length
+        config = flags["moe"].apply(load_config(flags["checkpoint_dir"], config_cls, rope_scaling=flags["rope_scaling"],
+                                                max_seq_length=flags["train"].max_seq_length, **values(flags, own)))
         check_moe(config, flags["scan_layers"], flags["activation_checkpointing"])
         fabric = setup_fabric(
             flags["devices"], flags["precision"], flags["train"], flags["out_dir"], flags["logger_name"],
