@@ -338,7 +338,9 @@ class Engine:
         if not order:
             return
         decoding = any(job is not None and not job.prefilling for job in self.jobs)
-        budget = self.chunk if decoding or self.static else self.max_seq_length
+        # eager backends: `chunk` tokens in all (their cost grows with the tokens); XLA: a chunk for each of the call's
+        # fixed rows (the graph computes all of them whatever they hold)
+        budget = self.chunk * self.prefill_rows if self.static else self.chunk if decoding else self.max_seq_length
         plan: List[Tuple[int, int, int]] = []  # (row, start, end)
         earlier: List[Job] = []
         for job in order:

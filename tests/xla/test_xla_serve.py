@@ -111,7 +111,7 @@ def reference(servers):
     return run_load(servers["cpu"].ready(START_TIMEOUT).url, "tiny-llama", concurrent=False)
 
 
-def check_server(server: Any, reference: List[Tuple[str, str]]) -> None:
+def check_server(server: Any, reference: List[Tuple[str, str]], compiles: int = 4) -> None:
     url = server.ready(START_TIMEOUT).url
     answers = run_load(url, "tiny-llama", concurrent=True)
     assert len(answers) == 32
@@ -124,7 +124,7 @@ def check_server(server: Any, reference: List[Tuple[str, str]]) -> None:
     assert warm and warm.group(2, 3) == ("4", "32"), server.log()[-2000:]  # --prefill_chunk's default, 4 rows
     # chunked prefill (lit_gpt/recipes/serving.py): the prefill call, the same keeping every position's scores
     # (echo with logprobs), the decode step, the prefix cache's block copy; no prompt-length buckets
-    assert int(warm.group(1)) == 4
+    assert int(warm.group(1)) == compiles
 
 
 def test_1_device_concurrent_clients_get_the_cpu_answers_and_nothing_compiles_after_warm_up(servers, reference):
@@ -160,7 +160,9 @@ def test_8_devices_concurrent_clients_get_the_cpu_answers_and_nothing_compiles_a
 
     servers["xla8"] = ServerProcess(servers["tiny_dir"], *servers["flags"], accelerator="xla",
                                     env=xla_vars(xla_env, 8)).start()
-    check_server(servers["xla8"], reference)
+    # 4 traced graphs as on 1 device (PT_XLA_DEBUG_LEVEL=1 reports the same four, each from a torch_xla.sync), and 2
+    # compilations no traced step triggers: the SPMD runtime's programs for the state the warm-up places sharded
+    check_server(servers["xla8"], reference, compiles=6)
 
 
 def test_cpu_server_concurrent_equals_alone(servers, reference):
