@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Tuple
 import pytest
 
 START_TIMEOUT = 600
-LOAD_TIMEOUT = 300
+LOAD_TIMEOUT = 600  # a hang guard: the 8-device load takes ~150 s alone, twice that beside the other worker
 SLOTS, LENGTH = 8, 128
 BUCKETS = 4  # prompt lengths 16, 32, 64, 128
 
