@@ -24,7 +24,6 @@ import importlib.util
 import json
 import math
 import re
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -188,6 +187,11 @@ class Reward:
 
 def _import(spec: str) -> RewardFn:
     module, _, function = spec.rpartition(":")
+    # a module beside where the command runs (`python finetune/grpo.py` puts the script's folder on sys.path, not
+    # the working one): read as its file, sys.path left as it is
+    beside = Path(f"{module}.py")
+    if not module.endswith(".py") and "." not in module and beside.is_file() and importlib.util.find_spec(module) is None:
+        module = str(beside)
     try:
         if module.endswith(".py"):
             loader = importlib.util.spec_from_file_location(Path(module).stem, module)
@@ -196,8 +200,6 @@ def _import(spec: str) -> RewardFn:
             mod = importlib.util.module_from_spec(loader)
             loader.loader.exec_module(mod)  # type: ignore[union-attr]
         else:
-            if "" not in sys.path and str(Path.cwd()) not in sys.path:
-                sys.path.insert(0, str(Path.cwd()))  # a module beside where the command runs
             mod = importlib.import_module(module)
     except Exception as e:  # any import failure is the user's reward module: one line
         raise LitError(f"--reward {spec}: cannot import {module!r} ({type(e).__name__}: {e})") from None

@@ -100,6 +100,18 @@ def test_rewards_builtin_custom_weighted_and_raising(tmp_path, monkeypatch):
         load_rewards(["my_rewards:missing"])
 
 
+def test_a_reward_module_in_the_working_folder_is_found_without_touching_sys_path(tmp_path, monkeypatch):
+    import sys
+
+    from lit_gpt.grpo import load_rewards
+
+    (tmp_path / "beside_rewards.py").write_text("def one(prompts, completions, **kw):\n    return [1.0] * len(completions)\n")
+    monkeypatch.chdir(tmp_path)
+    before = list(sys.path)
+    (reward,) = load_rewards(["beside_rewards:one"])
+    assert reward.fn(["p"], ["a", "b"]) == [1.0, 1.0] and sys.path == before
+
+
 def test_group_advantages_by_hand():
     from lit_gpt.grpo import group_advantages
 
