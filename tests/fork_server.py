@@ -40,6 +40,10 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Uni
 # what the commands import anyway: torch and Lightning are most of an interpreter's start-up
 PRELOAD = ("jsonargparse", "lightning", "torch", "lit_gpt.adapter", "lit_gpt.adapter_v2", "lit_gpt.data",
            "lit_gpt.generate", "lit_gpt.lora", "lit_gpt.tokenizer", "lit_gpt.training")
+# an XLA server (`--xla`) also imports torch_xla (~4 s more per process; the runtime is not started: the child's
+# PJRT_DEVICE, CPU_NUM_DEVICES and XLA_FLAGS are read when its first XLA computation starts the runtime)
+PRELOAD_XLA = PRELOAD + ("torch_xla", "torch_xla.core.xla_model", "torch_xla.runtime", "torch_xla.distributed.spmd",
+                         "torch_xla.debug.metrics", "lit_gpt.xla.strategy")
 Arg = Union[str, bytes, os.PathLike]
 Rewrite = Callable[[List[str], str], List[str]]
 
@@ -78,10 +82,11 @@ class ForkServer:
     """A server process (this file, or `command` for one with a rewrite function) and its client."""
 
     def __init__(self, socket_path: Union[str, Path], env: Mapping[str, str], cwd: Union[str, Path],
-                 command: Optional[List[str]] = None) -> None:
+                 command: Optional[List[str]] = None, xla: bool = False) -> None:
         self.socket_path = str(socket_path)
         self.proc = subprocess.Popen(
-            [*(command or [sys.executable, str(Path(__file__).resolve())]), self.socket_path], cwd=cwd, env=dict(env),
+            [*(command or [sys.executable, str(Path(__file__).resolve())]), self.socket_path, *(["--xla"] if xla else [])],
+            cwd=cwd, env=dict(env),
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True,
         )
         if self.proc.stdout.readline() != b"ready\n":
@@ -121,6 +126,18 @@ def run_captured(server: "ForkServer", argv: Sequence[Arg], cwd: Union[str, Path
     if code is None:
         raise subprocess.TimeoutExpired(["python", *map(str, argv)], timeout, stdout, stderr)
     return subprocess.CompletedProcess(["python", *map(str, argv)], code, stdout, stderr)
+
+
+def popen(server: "ForkServer", argv: Sequence[Arg], cwd: Union[str, Path, None] = None,
+          env: Optional[Mapping[str, str]] = None, stdout: Optional[io.IOBase] = None,
+          stderr: Union[io.IOBase, int, None] = None, timeout: Optional[float] = None) -> "Started":
+    """`subprocess.Popen([sys.executable, *argv], cwd=, env=, stdin=DEVNULL, stdout=FILE, stderr=FILE or STDOUT)` in
+    the server: `stdout`/`stderr` are open files (None: this process's own), `stderr=subprocess.STDOUT` joins them."""
+    out = stdout.fileno() if stdout is not None else 1
+    err = out if stderr == subprocess.STDOUT else (stderr.fileno() if stderr is not None else 2)
+    with open(os.devnull) as null_in:
+        return server.start(argv, cwd if cwd is not None else os.getcwd(), env if env is not None else os.environ,
+                            (null_in.fileno(), out, err), timeout)
 
 
 class Started:
@@ -193,8 +210,8 @@ class Captured(Started):
 # ---------------------------------------------------------------------------------------------------------------
 # the server
 # ---------------------------------------------------------------------------------------------------------------
-def serve(socket_path: str, rewrite: Optional[Rewrite] = None) -> None:
-    for name in PRELOAD:
+def serve(socket_path: str, rewrite: Optional[Rewrite] = None, xla: bool = False) -> None:
+    for name in PRELOAD_XLA if xla else PRELOAD:
         importlib.import_module(name)
     # a fresh python's stdio: the encodings it would choose here (the server's own stdio are pipes, like a case's)
     encodings = {n: (getattr(sys, n).encoding, getattr(sys, n).errors) for n in ("stdin", "stdout", "stderr")}
@@ -214,7 +231,7 @@ def serve(socket_path: str, rewrite: Optional[Rewrite] = None) -> None:
             with lock:  # a shutdown in between would miss the child
                 pid = os.fork()
                 if pid == 0:
-                    _child(req, fds, encodings, rewrite)
+                    _child(req, fds, encodings, rewrite, xla)
                 running[pid] = None
             try:
                 os.setpgid(pid, pid)  # also done by the child: whichever runs first (a kill needs the group)
@@ -279,7 +296,25 @@ def _stdio(fd: int, mode: str, encoding: str, errors: str, line_buffering: bool)
     return io.TextIOWrapper(buffered, encoding=encoding, errors=errors, line_buffering=line_buffering)
 
 
-def _child(req: dict, fds: List[int], encodings: Dict[str, Tuple[str, str]], rewrite: Optional[Rewrite]) -> None:
+def _xla_child_setup() -> None:
+    """What `import torch_xla` and tests/xla/one_at_a_time/sitecustomize.py do at a fresh XLA process's start, redone
+    in a child whose environment was just replaced: torch_xla's environment defaults (XLA_FLAGS gets
+    --xla_cpu_enable_fast_math=false unless set; private functions of torch_xla/__init__.py:
+    tests/test_fork_server.py fails when they change), then the 8-device lock when the environment names one."""
+    import torch_xla
+
+    torch_xla._setup_default_env()
+    torch_xla._setup_xla_flags()
+    # the sitecustomize module a fresh 8-device process would import: it takes the lock when the environment names
+    # one, and holds it (a file in its namespace, kept here) until this process ends
+    _XLA_LOCK.append(runpy.run_path(str(Path(__file__).resolve().parent / "xla" / "one_at_a_time" / "sitecustomize.py")))
+
+
+_XLA_LOCK: List[dict] = []
+
+
+def _child(req: dict, fds: List[int], encodings: Dict[str, Tuple[str, str]], rewrite: Optional[Rewrite],
+           xla: bool = False) -> None:
     """In the forked child: become the requested command and exit with its status (never returns)."""
     code = 1
     try:
@@ -295,6 +330,11 @@ def _child(req: dict, fds: List[int], encodings: Dict[str, Tuple[str, str]], rew
         os.chdir(req["cwd"])
         os.environ.clear()
         os.environ.update(req["env"])
+        # the command's PYTHONPATH entries, importable as in a fresh python (after its script's folder)
+        extra = [p for p in req["env"].get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
+        sys.path[1:1] = extra
+        if xla:
+            _xla_child_setup()
         argv = [os.fsdecode(base64.b64decode(a)) for a in req["argv"]]
         code = 0
         try:
@@ -328,5 +368,5 @@ def _child(req: dict, fds: List[int], encodings: Dict[str, Tuple[str, str]], rew
         os._exit(code)
 
 
-if __name__ == "__main__":  # python tests/fork_server.py SOCKET
-    serve(sys.argv[1])
+if __name__ == "__main__":  # python tests/fork_server.py SOCKET [--xla]
+    serve(sys.argv[1], xla="--xla" in sys.argv[2:])

@@ -38,10 +38,13 @@ def _die_with_parent() -> None:
 
 class ServerProcess:
     """One `python serve/base.py --checkpoint_dir DIR --port 0 --accelerator ACCELERATOR ARGS` process, its log in a
-    file; `env`: variables over `child_env()` (PJRT_DEVICE, CPU_NUM_DEVICES, ... for --accelerator xla)."""
+    file; `env`: variables over `child_env()` (PJRT_DEVICE, CPU_NUM_DEVICES, ... for --accelerator xla); `forks`: a
+    fork server (tests/fork_server.py; tests/conftest.py `xla_forks`) to start it from, without a fresh interpreter's
+    imports."""
 
     def __init__(self, checkpoint_dir: Path, *args: str, accelerator: str = "cpu",
-                 env: Optional[Dict[str, str]] = None) -> None:
+                 env: Optional[Dict[str, str]] = None, forks: Any = None) -> None:
+        self.forks = forks
         self.argv: List[str] = [sys.executable, str(ROOT / "serve" / "base.py"), "--checkpoint_dir",
                                 str(checkpoint_dir), "--port", "0", "--accelerator", accelerator, *args]
         self.env = {**child_env(), **(env or {})}
@@ -51,6 +54,12 @@ class ServerProcess:
         self.model: Optional[str] = None
 
     def start(self) -> "ServerProcess":
+        if self.forks is not None:  # the fork server kills its commands when it ends with the test process
+            from fork_server import popen
+
+            self.proc = popen(self.forks, self.argv[1:], ROOT, self.env, stdout=self.log_file,
+                              stderr=subprocess.STDOUT)
+            return self
         self.proc = subprocess.Popen(self.argv, cwd=ROOT, env=self.env, stdin=subprocess.DEVNULL,
                                      stdout=self.log_file, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
         return self

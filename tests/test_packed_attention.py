@@ -199,25 +199,24 @@ json.dump(out, open(sys.argv[1], "w"))
 
 
 @pytest.mark.slow  # an XLA:CPU process (compiles two train steps)
-def test_the_xla_train_step_with_packed_rows_is_one_graph_without_a_t_by_t_mask(tmp_path):
+def test_the_xla_train_step_with_packed_rows_is_one_graph_without_a_t_by_t_mask(tmp_path, xla_forks):
     """Three packed train steps of a soft-capped, sliding-window model on XLA:CPU through the blockwise path, each
     row packed differently: the first two steps compile, the third reuses their graph; the graph holds no (T, T) mask;
     each step's loss is the eager CPU model's (same weights) within 1e-5."""
     import json
     import os
-    import subprocess
-    import sys
     from pathlib import Path
 
     from child_env import python_path
+    from fork_server import run_captured
 
     tests = Path(__file__).resolve().parent
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PJRT_", "XLA_", "TPU_"))}
     env.update(PJRT_DEVICE="CPU", CPU_NUM_DEVICES="1", TF_CPP_MIN_LOG_LEVEL="2",
                XLA_FLAGS="--xla_backend_optimization_level=0", PYTHONPATH=f"{python_path()}:{tests}")
     result = tmp_path / "out.json"
-    proc = subprocess.run([sys.executable, "-c", XLA_WORKER, str(result)], env=env, cwd=tests.parent,
-                          capture_output=True, text=True, timeout=600)
+    # a process of its own, forked from the XLA fork server (tests/conftest.py `xla_forks`: the imports done)
+    proc = run_captured(xla_forks, ["-c", XLA_WORKER, str(result)], tests.parent, env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(result.read_text())
     assert out["any_layer"]

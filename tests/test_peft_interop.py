@@ -13,7 +13,6 @@ import csv
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -479,18 +478,20 @@ def test_finetune_lora_continues_an_imported_peft_adapter(tiny_dir, tmp_path, ca
 
 @pytest.mark.slow  # an XLA:CPU recipe run in its own process (torch_xla imported, its train step compiled)
 @pytest.mark.skipif(importlib.util.find_spec("torch_xla") is None, reason="needs torch_xla")
-def test_xla_finetune_lora_continues_an_imported_peft_adapter(tiny_dir, tmp_path):
+def test_xla_finetune_lora_continues_an_imported_peft_adapter(tiny_dir, tmp_path, xla_forks):
     """The same on XLA:CPU (1 device): xla/finetune/lora.py --lora_init_from stages the import after the base."""
     from child_env import python_path
+    from fork_server import run_captured
 
     _, imported, data_dir = community_lora(tiny_dir, tmp_path)
     out = tmp_path / "out"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PJRT_", "XLA_", "TPU_"))}
     env.update(PJRT_DEVICE="CPU", CPU_NUM_DEVICES="1", TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=python_path(),
                XLA_FLAGS="--xla_backend_optimization_level=0")  # compiles faster: the loss is what is checked
-    proc = subprocess.run([sys.executable, "xla/finetune/lora.py", "--checkpoint_dir", str(tiny_dir),
-                           "--data.data_dir", str(data_dir), "--out_dir", str(out), "--lora_init_from", str(imported),
-                           *LORA_RUN], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    # a process of its own, forked from the XLA fork server (tests/conftest.py `xla_forks`: the imports done)
+    proc = run_captured(xla_forks, ["xla/finetune/lora.py", "--checkpoint_dir", str(tiny_dir), "--data.data_dir",
+                                    str(data_dir), "--out_dir", str(out), "--lora_init_from", str(imported), *LORA_RUN],
+                        ROOT, env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     first, start, base = first_loss_and_start(tiny_dir, imported, data_dir, out)
     assert abs(base - start) > 1e-2

@@ -12,12 +12,12 @@ import importlib.util
 import json
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
-from typing import Dict, List, Tuple
+from typing import Any, Dict, List, Tuple
 
 import pytest
+from fork_server import popen
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "worker.py"
@@ -30,11 +30,12 @@ MULTI_DEVICE_LOCK = None  # the run's lock file for 8-device processes (set belo
 
 @pytest.fixture(scope="session", autouse=True)
 def _multi_device_lock(tmp_path_factory):
-    """The lock file that 8-device XLA processes hold while they run, in the folder every xdist worker of this run
-    shares (the parent of the workers' own temp folders), so that the XLA modules can run on several workers."""
+    """The lock file that 8-device XLA processes hold while they run, in the folder the session's process made for
+    the run (tests/conftest.py `pytest_configure`, shared by every xdist worker), so that the XLA modules can run on
+    several workers; the processes log their waits and holds beside it (the run's summary prints them)."""
     global MULTI_DEVICE_LOCK
-    base = tmp_path_factory.getbasetemp()
-    MULTI_DEVICE_LOCK = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "xla-8-devices.lock"
+    folder = os.environ.get("LIT_GPT_TEST_XLA_LOCK_DIR")
+    MULTI_DEVICE_LOCK = Path(folder) / "xla-8-devices.lock" if folder else tmp_path_factory.getbasetemp() / "xla.lock"
     yield
     MULTI_DEVICE_LOCK = None
 
@@ -85,15 +86,15 @@ def xla_env(devices: int, **extra: str) -> Dict[str, str]:
 class Workers:
     """Worker processes started at once; `result(name)` waits for one and returns its JSON."""
 
-    def __init__(self, out: Path) -> None:
-        self.out = out
-        self.procs: Dict[str, Tuple[subprocess.Popen, float]] = {}
+    def __init__(self, out: Path, forks) -> None:
+        self.out, self.forks = out, forks
+        self.procs: Dict[str, Tuple[Any, float]] = {}
 
     def start(self, name: str, devices: int) -> None:
-        log = open(self.out / f"{name}.log", "w")
-        proc = subprocess.Popen(
-            [sys.executable, str(WORKER), name, str(self.out)], env=xla_env(devices), stdout=log, stderr=log
-        )
+        # from the XLA fork server (tests/conftest.py `xla_forks`): a process of its own without the imports' ~8 s
+        with open(self.out / f"{name}.log", "w") as log:
+            proc = popen(self.forks, [str(WORKER), name, str(self.out)], env=xla_env(devices), stdout=log,
+                         stderr=log)
         self.procs[name] = (proc, time.time())
 
     def wait(self, name: str) -> int:
@@ -123,7 +124,7 @@ class Workers:
 
 
 @pytest.fixture(scope="session")
-def xla_workers(tmp_path_factory, request):
+def xla_workers(tmp_path_factory, request, xla_forks):
     if not HAS_XLA:
         pytest.skip("torch_xla is not installed")
     import torch
@@ -148,7 +149,7 @@ def xla_workers(tmp_path_factory, request):
             (out / name).mkdir()
             torch.save(state, out / name / "lit_model.pth")
         del state
-    workers = Workers(out)
+    workers = Workers(out, xla_forks)
     workers.start("train8", 8)
     # the extra 8-device and the 4-device reshard workers serve tests of the slow suite only (tests/README.md)
     if any(item.get_closest_marker("slow") and item.fspath.basename == "test_xla.py" for item in request.session.items):

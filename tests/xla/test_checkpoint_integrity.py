@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from fork_server import popen
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -63,12 +64,13 @@ def worker(out: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory, xla_env):
+def saved(tmp_path_factory, xla_env, xla_forks):
     out = tmp_path_factory.mktemp("integrity")
     log = out / "worker.log"
     with open(log, "w") as f:
-        proc = subprocess.run([sys.executable, __file__, str(out)], env=xla_env(8), stdout=f, stderr=f,
-                              timeout=600, cwd=REPO)
+        # a process of its own, forked from the XLA fork server (tests/conftest.py `xla_forks`: the imports done)
+        proc = popen(xla_forks, [__file__, str(out)], REPO, xla_env(8), stdout=f, stderr=f)
+        proc.wait(timeout=600)
     if proc.returncode != 0:
         pytest.fail(f"worker failed (exit {proc.returncode}):\n{log.read_text()[-6000:]}")
     return out, json.loads((out / "integrity.json").read_text())

@@ -14,12 +14,11 @@ import csv
 import importlib.util
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from fork_server import run_captured
 
 from test_dpo import preference_rows
 from words import make_word_checkpoint
@@ -87,13 +86,13 @@ def cpu_runs(setup):
 
 
 @pytest.mark.parametrize("method, devices", CASES)
-def test_xla_dpo_equals_the_cpu_run(setup, cpu_runs, xla_env, method, devices):
+def test_xla_dpo_equals_the_cpu_run(setup, cpu_runs, xla_env, xla_forks, method, devices):
     tmp, words, data = setup
     out = tmp / f"xla_{method}{devices}"
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "xla/finetune/dpo.py"), "--checkpoint_dir", str(words), "--data.data_dir",
-         str(data), "--out_dir", str(out), *COMMON, *METHODS[method]],
-        cwd=REPO, capture_output=True, text=True, env=xla_env(devices), timeout=1200)
+    # a process of its own, forked from the XLA fork server (tests/conftest.py `xla_forks`: the imports done)
+    proc = run_captured(
+        xla_forks, [str(REPO / "xla/finetune/dpo.py"), "--checkpoint_dir", str(words), "--data.data_dir", str(data),
+                    "--out_dir", str(out), *COMMON, *METHODS[method]], REPO, xla_env(devices), timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
     cpu = cpu_runs[method]
     steps = 2 * 32 // 8

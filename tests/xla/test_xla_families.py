@@ -27,12 +27,12 @@ import io
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 from typing import Dict, List, Tuple
 
 import pytest
 import torch
+from fork_server import popen
 from words import FAMILIES, family_checkpoints, family_rows
 
 REPO = Path(__file__).resolve().parents[2]
@@ -120,7 +120,7 @@ def _weights(path: Path) -> Dict[str, torch.Tensor]:
 class Workers:
     """One worker process per XLA device count, started together; `result(devices, job)` waits for the process."""
 
-    def __init__(self, xla_env, out: Path, jobs: Dict[int, List[dict]]) -> None:
+    def __init__(self, xla_env, out: Path, jobs: Dict[int, List[dict]], forks) -> None:
         self.out = out
         self.procs = {}
         self.timeouts = {devices: 300 + TIMEOUT_PER_JOB * len(device_jobs) for devices, device_jobs in jobs.items()}
@@ -128,11 +128,12 @@ class Workers:
             folder = out / f"worker{devices}"
             folder.mkdir(parents=True)
             (folder / "jobs.json").write_text(json.dumps(device_jobs))
-            self.procs[devices] = subprocess.Popen(
-                [sys.executable, str(WORKER), str(folder / "jobs.json"), str(folder / "results.json")], cwd=REPO,
-                env=xla_env(devices, PYTHONPATH=str(REPO / "tests")), stdout=open(folder / "worker.log", "w"),
-                stderr=subprocess.STDOUT,
-            )
+            # from the XLA fork server (tests/conftest.py `xla_forks`): a process without the imports' ~8 s
+            with open(folder / "worker.log", "w") as log:
+                self.procs[devices] = popen(
+                    forks, [str(WORKER), str(folder / "jobs.json"), str(folder / "results.json")], cwd=REPO,
+                    env=xla_env(devices, PYTHONPATH=str(REPO / "tests")), stdout=log, stderr=subprocess.STDOUT,
+                )
         self.results: Dict[int, dict] = {}
 
     def result(self, devices: int, name: str) -> dict:
@@ -198,14 +199,14 @@ def checkpoints(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def default_runs(checkpoints, xla_env, selected_devices, request):
+def default_runs(checkpoints, xla_env, selected_devices, request, xla_forks):
     """The XLA workers (one per device count the selected tests need: 1; also 8 under -m slow): Gemma 3 generation
     in a fresh runtime; the CPU generation happens here meanwhile."""
     ckpt, root = checkpoints, checkpoints / "default"
     jobs = {devices: [{"name": f"gen_{key}", "script": "xla/generate/base.py", "args": _gen_args(ckpt, prompt)}
                       for key, prompt in GEN_PROMPTS.items()]
             for devices in selected_devices(request)}
-    workers = Workers(xla_env, root / "workers", jobs)
+    workers = Workers(xla_env, root / "workers", jobs, xla_forks)
     cpu_gen = {key: _cpu("generate/base.py", _gen_args(ckpt, prompt)) for key, prompt in GEN_PROMPTS.items()}
     yield {"ckpt": ckpt, "root": root, "workers": workers, "cpu_gen": cpu_gen}
     workers.stop()
@@ -305,14 +306,14 @@ MATRIX = [(f, m) for f in FAMILIES for m in METHODS]
 
 
 @pytest.fixture(scope="module")
-def matrix(checkpoints, xla_env):
+def matrix(checkpoints, xla_env, xla_forks):
     """Every family x method: the CPU runs (and resumes) here, the XLA ones (and resumes) in two workers (1 and 8
     devices). Marked slow: the README's default test command leaves it out (`-m "not slow"`), CI runs it."""
     ckpt, root = checkpoints, checkpoints / "matrix"
     jobs = {devices: [job for family, method in MATRIX if METHODS[method][2]
                       for job in _train_jobs(ckpt, root, family, method, devices, resume=True, micro=MICRO_SLOW)]
             for devices in (1, 8)}
-    workers = Workers(xla_env, root / "workers", jobs)
+    workers = Workers(xla_env, root / "workers", jobs, xla_forks)
     for family, method in MATRIX:
         _cpu_runs(ckpt, root, family, method)
     yield {"root": root, "workers": workers}

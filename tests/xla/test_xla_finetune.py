@@ -20,9 +20,9 @@ references run in this process meanwhile."""
 import csv
 import importlib.util
 import json
+import os
 import random
 import re
-import subprocess
 import sys
 import threading
 from dataclasses import dataclass
@@ -31,6 +31,7 @@ from typing import Dict, List, Optional, Tuple, Union
 
 import pytest
 import torch
+from fork_server import popen
 from words import GEN_PROMPT, alpaca_rows as _alpaca_rows, make_word_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
@@ -74,11 +75,11 @@ class Sequential:
     the next ones go on. One at a time: several processes with 8 virtual devices each on a small machine can starve
     a device thread past XLA:CPU's collective rendezvous timeout (10 s), which aborts the process."""
 
-    def __init__(self, jobs: List[Tuple[str, List[str], object, int]], env, log_dir: Path) -> None:
-        self.jobs, self.env, self.log_dir = jobs, env, log_dir
+    def __init__(self, jobs: List[Tuple[str, List[str], object, int]], env, log_dir: Path, forks) -> None:
+        self.jobs, self.env, self.log_dir, self.forks = jobs, env, log_dir, forks
         self.results: Dict[str, Result] = {}
         self.done = {name: threading.Event() for name, _, _, _ in jobs}
-        self.proc: Optional[subprocess.Popen] = None
+        self.proc = None
         self.stopped = False
         self.thread = threading.Thread(target=self._run_all, daemon=True)
         self.thread.start()
@@ -88,15 +89,18 @@ class Sequential:
             if self.stopped:
                 break
             stderr_path = self.log_dir / f"{name}.stderr"
-            with open(stderr_path, "w") as err:
-                self.proc = proc = subprocess.Popen(cmd, env=self.env(devices), cwd=REPO, stdout=subprocess.PIPE,
-                                                    stderr=err, text=True)
+            read_end, write_end = os.pipe()
+            with open(stderr_path, "w") as err, os.fdopen(write_end, "w") as out, os.fdopen(read_end) as stdout:
+                # from the XLA fork server (tests/conftest.py `xla_forks`): a process without the imports' ~8 s
+                self.proc = proc = popen(self.forks, cmd[1:], cwd=REPO, env=self.env(devices), stdout=out,
+                                         stderr=err)
+                out.close()  # the command has its copy: the pipe ends with it
                 lines, killed = [], []
                 timer = None
                 if isinstance(kill_on, float):  # SIGKILL after a delay: wherever the run is then
                     timer = threading.Timer(kill_on, lambda: killed.append(1) or proc.kill())
                     timer.start()
-                for line in proc.stdout:
+                for line in stdout:
                     lines.append(line)
                     if isinstance(kill_on, str) and kill_on in line and not killed:
                         proc.kill()  # SIGKILL right after the checkpoint, like a preempted TPU VM
@@ -162,7 +166,7 @@ def _selected(request) -> Tuple[set, bool]:
 
 
 @pytest.fixture(scope="module")
-def runs(xla_env, tmp_path_factory, request, forks):
+def runs(xla_env, tmp_path_factory, request, forks, xla_forks):
     """Prepare the data, then run the XLA jobs one after another in a background thread (1 or 8 devices per method,
     as the selected tests need; the LoRA-with-dropout reference, the killed and resumed soak runs) while the CPU
     references run here."""
@@ -202,16 +206,17 @@ def runs(xla_env, tmp_path_factory, request, forks):
             ("dropout8", cmd("lora", tmp / "dropout8", args=SOAK), None, 8),
             # killed right after a checkpoint, then at a random moment (maybe inside a save), then to the end
             ("soak_a", cmd("lora", bucket, args=SOAK), f"saved {bucket}/step-000004", 8),
-            ("soak_b", cmd("lora", bucket, "--resume", "auto", args=SOAK), rng.uniform(14.0, 24.0), 8),
+            # (a fresh interpreter took 14-24 s to the same point: forked, the imports' ~6 s are saved)
+            ("soak_b", cmd("lora", bucket, "--resume", "auto", args=SOAK), rng.uniform(8.0, 18.0), 8),
             ("soak_c", cmd("lora", bucket, "--resume", "auto", args=SOAK), None, 8),
         ]
-    seq = Sequential(jobs, xla_env, tmp)
+    seq = Sequential(jobs, xla_env, tmp, xla_forks)
     cpu = {}
     for method in METHODS:
         if any(m == method for m, _ in selected):
             cpu[method] = (tmp / f"{method}_cpu", _cpu_reference(method, tiny_dir, data_dir, tmp / f"{method}_cpu"))
     yield {"tmp": tmp, "seq": seq, "tiny_dir": tiny_dir, "data_dir": data_dir, "env": xla_env, "cpu": cpu,
-           "cmd": cmd, "forks": forks}
+           "cmd": cmd, "forks": forks, "xla_forks": xla_forks}
     seq.stop()
 
 
@@ -238,13 +243,14 @@ def generations(runs, request):
         else:
             xla_cmd = [sys.executable, str(REPO / xla_script), "--checkpoint_dir", str(tiny_dir), xla_flag,
                        str(final / weights_file), *sampling]
-        # the CPU generation forked from the fork server (tests/conftest.py `forks`: torch imported already); the
-        # XLA one a fresh process (the runtime reads its variables once per process)
+        # each forked from its fork server (tests/conftest.py `forks`, `xla_forks`: torch, torch_xla imported
+        # already; the XLA runtime starts in the child, which reads its variables then)
         procs[(method, n, "cpu")] = Captured(runs["forks"], cpu_cmd[1:], REPO, runs["env"](1),
                                              runs["tmp"] / f"gen_{method}{n}_cpu.out",
                                              runs["tmp"] / f"gen_{method}{n}_cpu.err")
-        procs[(method, n, "xla")] = subprocess.Popen(xla_cmd, cwd=REPO, env=runs["env"](1), text=True,
-                                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        procs[(method, n, "xla")] = Captured(runs["xla_forks"], xla_cmd[1:], REPO, runs["env"](1),
+                                             runs["tmp"] / f"gen_{method}{n}_xla.out",
+                                             runs["tmp"] / f"gen_{method}{n}_xla.err")
     yield procs
     for p in procs.values():
         if p.poll() is None:
@@ -402,9 +408,11 @@ def test_lora_with_dropout_survives_kills_bit_exactly_and_exports_its_own_step(r
     from lit_gpt.xla.consolidation import consolidate
 
     bucket = f"file://{soak}"
-    again = subprocess.run(runs["cmd"]("lora", bucket, "--resume", f"{bucket}/step-000004", "--train.max_steps", "4",
-                                       args=SOAK), cwd=REPO, env=runs["env"](8), capture_output=True, text=True,
-                           timeout=TIMEOUT)
+    from fork_server import run_captured
+
+    again = run_captured(runs["xla_forks"], runs["cmd"]("lora", bucket, "--resume", f"{bucket}/step-000004",
+                                                        "--train.max_steps", "4", args=SOAK)[1:],
+                         REPO, runs["env"](8), timeout=TIMEOUT)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "Nothing to do" in again.stdout
     step4_file = consolidate(f"{bucket}/step-000004", runs["tmp"] / "step4", key="model")  # read from the bucket

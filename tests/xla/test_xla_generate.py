@@ -13,6 +13,7 @@ from typing import Dict, List
 
 import pytest
 import torch
+from fork_server import Captured
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPT = "The capital of France is"
@@ -63,7 +64,7 @@ def _cli(script: str, checkpoint_dir: Path, max_new_tokens: int, *extra: str) ->
 
 
 @pytest.fixture(scope="module")
-def runs(tiny_dir, smollm2_dir, xla_env, tmp_path_factory, selected_devices, request):
+def runs(tiny_dir, smollm2_dir, xla_env, tmp_path_factory, selected_devices, request, forks, xla_forks):
     """Start every process the selected tests need at once (1 device; also 8 under -m slow); yield {name: Popen}."""
     from lit_gpt.tokenizer import Tokenizer
 
@@ -77,19 +78,20 @@ def runs(tiny_dir, smollm2_dir, xla_env, tmp_path_factory, selected_devices, req
         {"prompt": longer, "max_new_tokens": 8, "stop_ids": tok.stop_ids},
         {"prompt": prompt, "max_new_tokens": 64, "stop_ids": tok.stop_ids},
     ]
-    procs: Dict[str, subprocess.Popen] = {}
+    procs: Dict[str, Captured] = {}
     logs = {}
 
-    def start(name: str, cmd: List[str], env: dict) -> None:
+    def start(name: str, cmd: List[str], env: dict, server=xla_forks) -> None:
+        # each a process of its own, forked from a server with the imports done (tests/conftest.py `xla_forks`,
+        # and `forks` for the CPU run)
         logs[name] = out / f"{name}.log"
-        procs[name] = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=open(logs[name], "w"),
-                                       text=True)
+        procs[name] = Captured(server, cmd[1:], REPO, env, out / f"{name}.out", logs[name])
 
     for devices in selected_devices(request):
         start(f"tiny{devices}", [sys.executable, "-c", DRIVER, str(tiny_dir), json.dumps(requests),
                                  str(out / f"tiny{devices}.json")], xla_env(devices))
         start(f"real{devices}", _cli("xla/generate/base.py", smollm2_dir, 8), xla_env(devices))
-    start("real_cpu", _cli("generate/base.py", smollm2_dir, 8, "--accelerator", "cpu"), xla_env(1))
+    start("real_cpu", _cli("generate/base.py", smollm2_dir, 8, "--accelerator", "cpu"), xla_env(1), forks)
     yield {"procs": procs, "logs": logs, "out": out, "requests": requests}
     for p in procs.values():
         if p.poll() is None:

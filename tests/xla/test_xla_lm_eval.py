@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from fork_server import Captured, popen
 
 REPO = Path(__file__).resolve().parents[2]
 TIMEOUT = 900
@@ -22,7 +23,7 @@ BATCH = 8
 
 
 @pytest.fixture(scope="module")
-def runs(tiny_dir, xla_env, tmp_path_factory, selected_devices, request):
+def runs(tiny_dir, xla_env, tmp_path_factory, selected_devices, request, xla_forks):
     from harness_tasks import write_tasks
 
     root = tmp_path_factory.mktemp("xla_lm_eval")
@@ -33,9 +34,10 @@ def runs(tiny_dir, xla_env, tmp_path_factory, selected_devices, request):
         cmd = [sys.executable, str(REPO / "eval/lm_eval.py"), "--tasks", "lit_mc,lit_gen,lit_ppl", "--include_path",
                str(tasks), "--checkpoint_dir", str(tiny_dir), "--out_dir", str(out), "--batch_size", str(BATCH),
                "--bootstrap_iters", "0", "--accelerator", "xla"]
-        log = open(root / f"{devices}.log", "w")
-        procs[devices] = (subprocess.Popen(cmd, env=xla_env(devices, **OFFLINE), cwd=REPO, stdout=log, stderr=log),
-                          out, root / f"{devices}.log")
+        # a process of its own, forked from the XLA fork server (tests/conftest.py `xla_forks`: the imports done)
+        with open(root / f"{devices}.log", "w") as log:
+            procs[devices] = (popen(xla_forks, cmd[1:], REPO, xla_env(devices, **OFFLINE), stdout=log, stderr=log),
+                              out, root / f"{devices}.log")
     yield {"procs": procs, "tasks": tasks}
     for proc, _, _ in procs.values():
         if proc.poll() is None:
@@ -119,7 +121,7 @@ print(json.dumps({"first": first, "second": second, "warm_up": c1 - c0, "after":
 
 
 @pytest.mark.slow
-def test_xla_generation_of_mixed_lengths_compiles_only_in_the_warm_up(tiny_dir, xla_env, tmp_path):
+def test_xla_generation_of_mixed_lengths_compiles_only_in_the_warm_up(tiny_dir, xla_env, tmp_path, forks, xla_forks):
     """generate_until on XLA:CPU: prompts of 1 to 52 tokens (three prompt buckets), two settings of stop strings and
     max_gen_toks, 4 rows for 6 requests: one prefill graph per prompt bucket and one decode graph while warming up,
     none in a second call (other order, the same buckets); the texts are the CPU's (which are the harness's HF
@@ -132,11 +134,12 @@ def test_xla_generation_of_mixed_lengths_compiles_only_in_the_warm_up(tiny_dir, 
     script = tmp_path / "mixed.py"
     script.write_text(MIXED_SCRIPT)
 
-    def launch(accelerator, env):
-        return subprocess.Popen([sys.executable, str(script), str(tiny_dir), requests, accelerator], cwd=REPO,
-                                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    def launch(accelerator, env, server):  # forked from a fork server (tests/conftest.py): the imports done
+        return Captured(server, [str(script), str(tiny_dir), requests, accelerator], REPO, env,
+                        tmp_path / f"{accelerator}.out", tmp_path / f"{accelerator}.err")
 
-    procs = [launch("xla", xla_env(1)), launch("cpu", {k: v for k, v in xla_env(1).items() if k != "PJRT_DEVICE"})]
+    procs = [launch("xla", xla_env(1), xla_forks),
+             launch("cpu", {k: v for k, v in xla_env(1).items() if k != "PJRT_DEVICE"}, forks)]
     outs = []
     for proc in procs:
         out, err = proc.communicate(timeout=TIMEOUT)

@@ -16,10 +16,10 @@ positions), whose one-graph step at several blocks is tests/test_packed_attentio
 import json
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from fork_server import popen, run_captured
 
 REPO = Path(__file__).resolve().parents[2]
 TIMEOUT = 900
@@ -32,17 +32,17 @@ RECIPE = ["--train.global_batch_size", "8", "--train.micro_batch_size", "1", "--
 
 
 @pytest.fixture(scope="module")
-def workers(xla_env, tmp_path_factory, selected_devices, request):
+def workers(xla_env, tmp_path_factory, selected_devices, request, xla_forks):
     from child_env import python_path
 
     root = tmp_path_factory.mktemp("xla_packing")
     procs = {}
     for devices in selected_devices(request):  # 1; also 8 under -m slow
-        log = open(root / f"{devices}.log", "w")
         env = xla_env(devices, PYTHONPATH=f"{python_path()}:{REPO / 'tests'}")
-        procs[devices] = subprocess.Popen([sys.executable, str(REPO / "tests/xla/packing_worker.py"),
-                                           str(root / f"{devices}.json")], env=env, cwd=REPO, stdout=log,
-                                          stderr=subprocess.STDOUT)
+        # a process of its own, forked from the XLA fork server (tests/conftest.py `xla_forks`: the imports done)
+        with open(root / f"{devices}.log", "w") as log:
+            procs[devices] = popen(xla_forks, [str(REPO / "tests/xla/packing_worker.py"), str(root / f"{devices}.json")],
+                                   REPO, env, stdout=log, stderr=subprocess.STDOUT)
     yield root, procs
     for proc in procs.values():
         if proc.poll() is None:
@@ -65,7 +65,7 @@ def test_packed_equals_unpacked_on_xla(workers, devices):
 
 
 @pytest.fixture(scope="module")
-def recipe_runs(xla_env, tmp_path_factory):
+def recipe_runs(xla_env, tmp_path_factory, forks, xla_forks):
     """xla/finetune/lora.py --data.packing true on 8 devices (a subprocess) and finetune/lora.py on the CPU (here)."""
     from jsonargparse import CLI
     from words import GEN_PROMPT, WORDS, make_word_checkpoint
@@ -79,17 +79,18 @@ def recipe_runs(xla_env, tmp_path_factory):
              "output": " ".join(WORDS[(i + j) % len(WORDS)] for j in range(1 + i % 4))} for i in range(96)]
     (tmp / "alpaca.json").write_text(json.dumps(rows))
     data_dir = tmp / "data"
-    prep = subprocess.run([sys.executable, str(REPO / "scripts/prepare_alpaca.py"), "--checkpoint_dir", str(tiny_dir),
-                           "--data_file", str(tmp / "alpaca.json"), "--destination_path", str(data_dir),
-                           "--val_split_fraction", str(8 / 96)], cwd=REPO, capture_output=True, text=True,
-                          env=xla_env(1))
+    # forked from the fork servers (tests/conftest.py `forks`, `xla_forks`): processes without the imports' seconds
+    prep = run_captured(forks, [str(REPO / "scripts/prepare_alpaca.py"), "--checkpoint_dir", str(tiny_dir),
+                                "--data_file", str(tmp / "alpaca.json"), "--destination_path", str(data_dir),
+                                "--val_split_fraction", str(8 / 96)], REPO, xla_env(1))
     assert prep.returncode == 0, prep.stderr
     common = ["--checkpoint_dir", str(tiny_dir), "--data.data_dir", str(data_dir), *RECIPE]
-    proc = subprocess.Popen([sys.executable, str(REPO / "xla/finetune/lora.py"), *common, "--out_dir",
-                             str(tmp / "xla8")], env=xla_env(8), cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    with open(tmp / "xla8.log", "w") as log:
+        proc = popen(xla_forks, [str(REPO / "xla/finetune/lora.py"), *common, "--out_dir", str(tmp / "xla8")], REPO,
+                     xla_env(8), stdout=log, stderr=subprocess.STDOUT)
     CLI(load_recipe("lora").setup, args=[*common, "--out_dir", str(tmp / "cpu"), "--precision", "32-true"])
-    out, _ = proc.communicate(timeout=TIMEOUT)
+    proc.wait(timeout=TIMEOUT)
+    out = (tmp / "xla8.log").read_text()
     assert proc.returncode == 0, out[-4000:]
     return out, {name: (read_metrics(tmp / name), read_metrics(tmp / name, "val_loss")) for name in ("cpu", "xla8")}
 

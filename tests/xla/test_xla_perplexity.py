@@ -9,12 +9,12 @@ tests/xla/test_xla_lm_eval.py's (the same loading of the model for evaluation: l
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 from typing import Dict
 
 import pytest
 import torch
+from fork_server import Started, popen
 
 REPO = Path(__file__).resolve().parents[2]
 TIMEOUT = 900
@@ -55,7 +55,7 @@ def _words(n: int, seed: int) -> str:
 
 
 @pytest.fixture(scope="module")
-def setup(tiny_dir, xla_env, tmp_path_factory, selected_devices, request):
+def setup(tiny_dir, xla_env, tmp_path_factory, selected_devices, request, xla_forks):
     """A tiny model with O(1) logits and the SmolLM2 tokenizer, a LoRA file of it, a JSONL of three documents;
     the XLA processes started at once."""
     from tiny import tiny_llama_config, write_checkpoint
@@ -80,13 +80,14 @@ def setup(tiny_dir, xla_env, tmp_path_factory, selected_devices, request):
     data = root / "docs.jsonl"
     data.write_text("".join(json.dumps({"text": _words(n, seed)}) + "\n" for seed, n in enumerate((60, 7, 100))))
 
-    procs: Dict[int, subprocess.Popen] = {}
+    procs: Dict[int, Started] = {}
     for devices in selected_devices(request):  # 1; also 8 under -m slow
         out = root / f"out{devices}"
         out.mkdir()
-        log = open(out / "log.txt", "w")
-        procs[devices] = subprocess.Popen([sys.executable, "-c", DRIVER, str(lit), str(lora_path), str(data), str(out)],
-                                          env=xla_env(devices), cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+        # a process of its own, forked from the XLA fork server (tests/conftest.py `xla_forks`: the imports done)
+        with open(out / "log.txt", "w") as log:
+            procs[devices] = popen(xla_forks, ["-c", DRIVER, str(lit), str(lora_path), str(data), str(out)], REPO,
+                                   xla_env(devices), stdout=log, stderr=subprocess.STDOUT)
     yield {"lit": lit, "lora": lora_path, "data": data, "root": root, "procs": procs}
     for p in procs.values():
         if p.poll() is None:

@@ -6,11 +6,10 @@ the default suite runs 3 that cover every method, dtype and precision) go throug
 process (the XLA runtime starts once)."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from fork_server import run_captured
 from words import alpaca_rows, make_word_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
@@ -69,19 +68,18 @@ COVERING = [["full", "fp32", "bf16-true"], ["lora", "bf16", "32-true"], ["adapte
 
 @pytest.mark.parametrize("combinations", [pytest.param(COVERING, id="covering"),
                                           pytest.param(EVERY, id="every", marks=pytest.mark.slow)])
-def test_every_method_on_every_stored_dtype_and_precision(xla_env, tmp_path, combinations):
+def test_every_method_on_every_stored_dtype_and_precision(xla_env, tmp_path, combinations, forks, xla_forks):
     tiny_dir = make_word_checkpoint(tmp_path / "tiny-words")
     (tmp_path / "alpaca.json").write_text(json.dumps(alpaca_rows()[:20]))
-    prep = subprocess.run(
-        [sys.executable, str(REPO / "scripts/prepare_alpaca.py"), "--checkpoint_dir", str(tiny_dir),
-         "--data_file", str(tmp_path / "alpaca.json"), "--destination_path", str(tmp_path / "data"),
-         "--val_split_fraction", "0.2"],
-        cwd=REPO, capture_output=True, text=True, env=xla_env(1),
+    # processes of their own, forked from the fork servers (tests/conftest.py `forks`, `xla_forks`: the imports done)
+    prep = run_captured(
+        forks, [str(REPO / "scripts/prepare_alpaca.py"), "--checkpoint_dir", str(tiny_dir),
+                "--data_file", str(tmp_path / "alpaca.json"), "--destination_path", str(tmp_path / "data"),
+                "--val_split_fraction", "0.2"], REPO, xla_env(1),
     )
     assert prep.returncode == 0, prep.stderr
-    proc = subprocess.run([sys.executable, "-c", DRIVER, str(REPO), str(tiny_dir), str(tmp_path / "data"),
-                           str(tmp_path), json.dumps(combinations)], cwd=REPO, capture_output=True, text=True,
-                          env=xla_env(1), timeout=900)
+    proc = run_captured(xla_forks, ["-c", DRIVER, str(REPO), str(tiny_dir), str(tmp_path / "data"), str(tmp_path),
+                                    json.dumps(combinations)], REPO, xla_env(1), timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = json.loads((tmp_path / "results.json").read_text())
     assert sorted(results) == sorted("-".join(c) for c in combinations)

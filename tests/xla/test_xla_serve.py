@@ -86,7 +86,7 @@ def _one_device_selected(request) -> bool:
 
 
 @pytest.fixture(scope="module")
-def servers(tiny_dir, xla_env, request):
+def servers(tiny_dir, xla_env, request, xla_forks):
     """The CPU server and the 1-device XLA one (if a selected test needs it), started together (the 8-device one by
     its own, slow, test)."""
     from serve_client import ServerProcess
@@ -94,8 +94,10 @@ def servers(tiny_dir, xla_env, request):
     flags = ("--slots", str(SLOTS), "--max_seq_length", str(LENGTH))
     started = {"cpu": ServerProcess(tiny_dir, *flags).start()}
     if _one_device_selected(request):
-        started["xla1"] = ServerProcess(tiny_dir, *flags, accelerator="xla", env=xla_vars(xla_env, 1)).start()
-    started["flags"], started["tiny_dir"] = flags, tiny_dir
+        # forked from the XLA fork server (tests/conftest.py `xla_forks`): a process without the imports' ~8 s
+        started["xla1"] = ServerProcess(tiny_dir, *flags, accelerator="xla", env=xla_vars(xla_env, 1),
+                                        forks=xla_forks).start()
+    started["flags"], started["tiny_dir"], started["forks"] = flags, tiny_dir, xla_forks
     yield started
     for server in started.values():
         if hasattr(server, "stop"):
@@ -159,7 +161,7 @@ def test_8_devices_concurrent_clients_get_the_cpu_answers_and_nothing_compiles_a
     from serve_client import ServerProcess
 
     servers["xla8"] = ServerProcess(servers["tiny_dir"], *servers["flags"], accelerator="xla",
-                                    env=xla_vars(xla_env, 8)).start()
+                                    env=xla_vars(xla_env, 8), forks=servers["forks"]).start()
     # 4 traced graphs as on 1 device (PT_XLA_DEBUG_LEVEL=1 reports the same four, each from a torch_xla.sync), and 2
     # compilations no traced step triggers: the SPMD runtime's programs for the state the warm-up places sharded
     check_server(servers["xla8"], reference, compiles=6)

@@ -44,12 +44,13 @@ def run_load(server: Any, concurrent: bool) -> List[Tuple[Any, ...]]:
 
 @pytest.mark.slow  # two server processes and XLA:CPU's four compilations: about a minute on 2 cores
 def test_chunked_prefill_and_prefix_cache_on_xla_give_the_cpu_answers_and_compile_nothing_after_warm_up(
-        tiny_dir, xla_env):
+        tiny_dir, xla_env, xla_forks):
     from serve_client import ServerProcess
 
     env = {k: v for k, v in xla_env(1).items() if k.startswith(("PJRT_", "CPU_NUM", "XLA_", "TF_CPP"))}
     cpu = ServerProcess(tiny_dir, *FLAGS, "--prefill_chunk", "0", "--prefix_cache", "false").start()
-    xla = ServerProcess(tiny_dir, *FLAGS, "--prefill_chunk", "16", accelerator="xla", env=env).start()
+    xla = ServerProcess(tiny_dir, *FLAGS, "--prefill_chunk", "16", accelerator="xla", env=env,
+                        forks=xla_forks).start()  # forked from the XLA fork server: without the imports' ~8 s
     try:
         xla.ready(START_TIMEOUT)
         reference = run_load(cpu.ready(START_TIMEOUT), concurrent=False)

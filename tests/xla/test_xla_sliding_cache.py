@@ -3,12 +3,11 @@ lit_gpt.kv_cache), the prompt (longer than the window, padded to its bucket) com
 steps one graph, a second prompt in the same bucket compiles nothing, and the tokens equal the CPU loop's."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from fork_server import run_captured
 
 REPO = Path(__file__).resolve().parents[2]
 WINDOW = 8
@@ -42,7 +41,7 @@ fabric.launch(main)
 
 
 @pytest.mark.slow  # one XLA process: ~50 s of imports and compilations on 2 cores
-def test_sliding_caches_hold_the_window_with_one_decode_graph(tmp_path, xla_env):
+def test_sliding_caches_hold_the_window_with_one_decode_graph(tmp_path, xla_env, xla_forks):
     from tiny import random_model, tiny_llama_config, write_checkpoint
 
     from lit_gpt.generate import generate
@@ -57,9 +56,9 @@ def test_sliding_caches_hold_the_window_with_one_decode_graph(tmp_path, xla_env)
     write_checkpoint(model, tmp_path / "ckpt")
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (20, 27)]  # both in the 32 bucket
-    proc = subprocess.run([sys.executable, "-c", DRIVER, str(tmp_path / "ckpt"), json.dumps(prompts),
-                           str(tmp_path / "out.json"), str(NEW)], env=xla_env(1), cwd=REPO, capture_output=True, text=True,
-                          timeout=TIMEOUT)
+    # a process of its own, forked from the XLA fork server (tests/conftest.py `xla_forks`: the imports done)
+    proc = run_captured(xla_forks, ["-c", DRIVER, str(tmp_path / "ckpt"), json.dumps(prompts), str(tmp_path / "out.json"),
+                                    str(NEW)], REPO, xla_env(1), timeout=TIMEOUT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     got = json.loads((tmp_path / "out.json").read_text())
     # the sliding layer: the window; the global layer: the cache the bucket asks for (32 + 12 -> 64)
