@@ -51,7 +51,7 @@ PAGES = sorted((ROOT / "tutorials").glob("*.md")) + [ROOT / "README.md", ROOT / 
 PARSE_ONLY_REASONS = ("needs the network", "needs a GPU", "needs a TPU VM", "needs gcloud", "long run")
 TINY_MODEL_PAGES = ("tutorials/inference.md", "tutorials/finetune_adapter.md", "tutorials/finetune_lora.md", "tutorials/finetune_full.md",
                     "tutorials/convert.md", "tutorials/oom.md", "tutorials/tpu.md", "tutorials/resources.md", "tutorials/moe.md",
-                    "tutorials/finetune_dpo.md", "tutorials/finetune_grpo.md",
+                    "tutorials/finetune_dpo.md", "tutorials/finetune_grpo.md", "tutorials/distill.md",
                     "tutorials/serve.md",  # serving the real model: tests/test_serve.py
                     "xla/README.md")
 LONG_CONTEXT_PAGES = ("tutorials/serve.md",)  # --max_seq_length 1024 per slot: the tiny model with a 2048 context
@@ -74,7 +74,7 @@ BLOCK_TIMEOUT = 300
 # recipes' end-to-end runs are in the default suite through their own tests (tests/test_convert.py,
 # tests/test_peft_interop.py, tests/test_dpo.py, tests/test_lm_eval.py, tests/xla/)
 SLOW_PAGES = ("tutorials/convert.md", "xla/README.md", "tutorials/finetune_dpo.md", "tutorials/evaluate.md",
-              "tutorials/finetune_grpo.md")
+              "tutorials/finetune_grpo.md", "tutorials/distill.md")  # distill: tests/test_distill.py runs the recipe
 
 
 # ---------------------------------------------------------------------------------------------------------------

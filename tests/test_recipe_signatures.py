@@ -28,8 +28,8 @@ GROUPS = {
 EXPECTED = {
     "generate": {"base", "adapter", "adapter_v2", "lora", "full"},
     "xla_generate": {"base", "adapter", "lora"},
-    "finetune": {"adapter", "adapter_v2", "lora", "full", "dpo", "grpo"},
-    "xla_finetune": {"adapter", "lora", "full", "dpo", "grpo"},
+    "finetune": {"adapter", "adapter_v2", "lora", "full", "dpo", "grpo", "distill"},
+    "xla_finetune": {"adapter", "lora", "full", "dpo", "grpo", "distill"},
     "chat": {"base"},
 }
 
@@ -88,6 +88,15 @@ OWN: Dict[Tuple[str, str], str] = {
        for s in ("r", "alpha", "dropout", "query", "key", "value", "projection", "mlp", "head", "experts")},
     **{(f"{d}finetune/grpo.py", f): "GRPO's own: LoRA or full finetuning (--method), sampling and the loss (--grpo),"
        " the reward functions (--reward)" for d in ("", "xla/") for f in ("method", "grpo", "reward")},
+    # distillation (finetune/distill.py, xla/finetune/distill.py): a LoRA or full student learns a teacher's logits
+    **{(f"{d}finetune/distill.py", "out_dir"): OUT_DIR for d in ("", "xla/")},
+    **{(f"{d}finetune/distill.py", "train"): TRAIN + " (distillation's: LoRA's by default)" for d in ("", "xla/")},
+    **{(f"{d}finetune/distill.py", f"lora_{s}"): LORA_SETTINGS + " (distillation with --method lora, its default)"
+       for d in ("", "xla/")
+       for s in ("r", "alpha", "dropout", "query", "key", "value", "projection", "mlp", "head", "experts")},
+    **{(f"{d}finetune/distill.py", f): "distillation's own: LoRA or full student (--method), the teacher"
+       " (--teacher_dir) and the divergence (--distill)" for d in ("", "xla/")
+       for f in ("method", "teacher_dir", "distill")},
 }
 """(recipe, flag) -> why that recipe's flag is its method's own: the other recipes of its group may lack it or
 give it another default."""
