@@ -10,11 +10,10 @@ import contextlib
 import csv
 import io
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from fork_server import run_captured
 
 from words import GEN_PROMPT, WORDS, make_word_checkpoint
 
@@ -32,7 +31,7 @@ def metrics(out: Path, key: str) -> dict:
 
 
 @pytest.mark.slow  # an XLA:CPU process that compiles the train step with the teacher inside (~30 s on 2 cores)
-def test_xla_distill_compiles_nothing_after_warm_up(tmp_path, xla_env):
+def test_xla_distill_compiles_nothing_after_warm_up(tmp_path, xla_env, xla_forks):
     import importlib.util
 
     from lit_gpt.weights import load_weights, save_weights
@@ -53,15 +52,16 @@ def test_xla_distill_compiles_nothing_after_warm_up(tmp_path, xla_env):
         prepare.prepare(checkpoint_dir=student, data_file=tmp_path / "rows.json", destination_path=tmp_path / "data",
                         val_split_fraction=0.25)
     out = tmp_path / "out"
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "xla/finetune/distill.py"), "--checkpoint_dir", str(student), "--teacher_dir",
+    # a process of its own, forked from the XLA fork server (tests/conftest.py `xla_forks`: the imports done)
+    proc = run_captured(
+        xla_forks, [str(REPO / "xla/finetune/distill.py"), "--checkpoint_dir", str(student), "--teacher_dir",
          str(teacher), "--data.data_dir", str(tmp_path / "data"), "--out_dir", str(out), "--precision", "32-true",
          "--accelerator", "cpu", "--train.max_steps", "5", "--train.global_batch_size", "2",
          "--train.micro_batch_size", "1", "--train.learning_rate", "3e-2", "--train.log_interval", "1",
          "--train.save_interval", "5", "--eval.interval", "2", "--eval.max_iters", "2", "--eval.max_new_tokens", "0",
          "--distill.loss", "jsd", "--distill.beta", "0.5", "--distill.temperature", "2.0", "--distill.alpha", "0.8",
          "--lora_r", "4", "--lora_alpha", "8", "--lora_dropout", "0", "--lora_head", "true"],
-        cwd=REPO, capture_output=True, text=True, env=xla_env(1), timeout=600)
+        REPO, xla_env(1), timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
     compiles = metrics(out, "compiles")
     assert sorted(compiles) == [1, 2, 3, 4, 5], compiles
