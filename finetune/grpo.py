@@ -5,7 +5,7 @@ reward functions score them, and the model is pushed toward the completions that
     python scripts/prepare_prompts.py --checkpoint_dir checkpoints/HuggingFaceTB/SmolLM2-135M-Instruct \\
         --data_file additions.jsonl --destination_path data/prompts
     python finetune/grpo.py --checkpoint_dir checkpoints/HuggingFaceTB/SmolLM2-135M-Instruct --data.data_dir data/prompts \\
-        --grpo.group_size 8 --grpo.max_new_tokens 16 --reward answer_match --reward+ number_only=0.5
+        --grpo.group_size 8 --grpo.max_new_tokens 16 --reward answer_match --reward number_only=0.5
     python generate/lora.py --checkpoint_dir checkpoints/HuggingFaceTB/SmolLM2-135M-Instruct \\
         --lora_path out/grpo/prompts/final/lit_model.lora.safetensors --prompt "..."
 
@@ -21,6 +21,7 @@ The flags are every CPU/CUDA finetune recipe's (`lit_gpt.recipes.flags.FINETUNE`
 `--grpo.*` and `--reward`.
 """
 
+import sys
 from pathlib import Path
 
 import lightning as L
@@ -31,7 +32,7 @@ from lit_gpt.model import GPT
 from lit_gpt.peft import finetuned_filter, finetuned_metadata
 from lit_gpt.recipes.finetune import FinetuneRun, build_optimizer, finetune_command, fit, load_run_data, setup_model
 from lit_gpt.recipes.flags import LORA
-from lit_gpt.recipes.grpo import GRPO_FLAGS, attach, check, finish
+from lit_gpt.recipes.grpo import GRPO_FLAGS, attach, check, finish, reward_argv
 from lit_gpt.runtime import Runtime
 from lit_gpt.training import Method
 from lit_gpt.utils import run_cli
@@ -64,4 +65,4 @@ setup = finetune_command(
 )
 
 if __name__ == "__main__":
-    run_cli(setup)
+    run_cli(setup, args=reward_argv(sys.argv[1:]))  # a repeated --reward adds a reward (not the last wins)

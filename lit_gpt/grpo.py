@@ -123,17 +123,24 @@ def nanstd(x: torch.Tensor, dim: Optional[int] = None) -> torch.Tensor:
     return var.sqrt()
 
 
-def group_advantages(rewards_per_func: torch.Tensor, weights: torch.Tensor, group_size: int, scale_rewards: str
+def group_advantages(rewards_per_func: torch.Tensor, weights: torch.Tensor, group_size: int, scale_rewards: str,
+                     real: Optional[torch.Tensor] = None, gather: Optional[Callable[[Any], List[Any]]] = None
                      ) -> Tuple[torch.Tensor, torch.Tensor]:
     """(advantages (N,), rewards (N,)) of N = prompts x group_size completions (each prompt's group consecutive)
-    from (N, F) rewards per function (NaN: not scored), as TRL 1.16's `sum_then_normalize`."""
+    from (N, F) rewards per function (NaN: not scored), as TRL 1.16's `sum_then_normalize`. `scale_rewards`
+    "batch": the std of the step's rewards, the rows of `real` only (padding prompts count nothing), over all
+    processes when `gather` is given (`gather(obj)`: every process's obj in rank order), as TRL's is over the
+    gathered global batch: 2 processes give the advantages of 1."""
     unscorable = torch.isnan(rewards_per_func).all(dim=1)
     rewards = (rewards_per_func * weights.unsqueeze(0)).nansum(dim=1)
     rewards[unscorable] = torch.nan
     grouped = rewards.view(-1, group_size)
     mean = torch.nanmean(grouped, dim=1).repeat_interleave(group_size)
     if scale_rewards == "batch":
-        std = nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
+        counted = rewards if real is None else rewards[real]
+        if gather is not None:
+            counted = torch.cat([torch.as_tensor(t, dtype=rewards.dtype) for t in gather(counted)])
+        std = nanstd(counted).expand_as(rewards) if counted.numel() > 1 else torch.zeros_like(rewards)
     else:
         std = nanstd(grouped, dim=1).repeat_interleave(group_size) if group_size > 1 else torch.zeros_like(rewards)
     advantages = rewards - mean

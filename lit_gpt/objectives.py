@@ -20,7 +20,7 @@ is split into micro-batches and devices.
 """
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -305,36 +305,66 @@ def check_dpo(beta: float, loss_type: str, label_smoothing: float, reference: st
         raise LitError(f"--dpo.reference must be one of {', '.join(REFERENCES)}, got {reference!r}")
 
 
+def split_pass(compute: Callable[[int, int], List[Any]], n: int, rows: int, rank: int = 0, world_size: int = 1,
+               gather: Optional[Callable[[Any], List[Any]]] = None) -> Tuple[List[Any], int]:
+    """One pass over `n` items computed once across the processes: (the values of all n items in order, how many
+    this process computed). `compute(start, stop)` returns the values of items start..stop-1, a chunk of `rows`
+    consecutive items: chunk k is computed by process k % world_size (the chunks are those of one process, so each
+    value equals the one-process value: the same rows in the same forward), then `gather(obj)` (every process's
+    `obj` in rank order, e.g. `lit_gpt.training.gather_objects`) hands every process all values. Every process
+    runs the same number of chunks (one with fewer computes its first chunk again and drops it), so a backend that
+    steps processes in lockstep keeps them so. Used by DPO's precomputed reference; a teacher pass can use it too."""
+    starts = list(range(0, n, rows))
+    mine = starts[rank::world_size]
+    most = -(-len(starts) // world_size) if starts else 0
+    computed: Dict[int, List[Any]] = {}
+    for j in range(most):
+        start = mine[j] if j < len(mine) else (mine or starts)[0]
+        values = list(compute(start, min(start + rows, n)))
+        if j < len(mine):
+            computed[start] = values
+    count = sum(len(v) for v in computed.values())
+    if world_size > 1:
+        if gather is None:
+            raise ValueError("split_pass over several processes needs `gather`")
+        for other in gather(computed):
+            computed.update(other)
+    return [v for start in sorted(computed) for v in computed[start]], count
+
+
 @torch.no_grad()
 def reference_logps(model: nn.Module, objective: DPO, samples: Sequence[Sample], rows: int, max_seq_length: int,
                     place: Any, end_step: Any, pad_multiple: int = 1, pad_pow2: bool = False,
-                    progress: Any = None, targets_only: bool = False) -> List[torch.Tensor]:
+                    progress: Any = None, targets_only: bool = False, rank: int = 0, world_size: int = 1,
+                    gather: Optional[Callable[[Any], List[Any]]] = None) -> List[torch.Tensor]:
     """The reference log-probabilities (chosen, rejected) of every sample: the model as it is (before training),
-    without dropout, `rows` pairs per forward. `place` puts host tensors on the device; `end_step` ends a graph.
-    `targets_only` (eager backends): the head runs on the replies' positions only, as in the training step."""
+    without dropout, `rows` pairs per forward; the chunks of `rows` pairs are split over `world_size` processes and
+    gathered (`split_pass`); `progress(k)` after each forward of k pairs. `place` puts host tensors on the device;
+    `end_step` ends a graph. `targets_only` (eager backends): the head runs on the replies' positions only, as in
+    the training step."""
     from lit_gpt.losses import labelled_rows
 
     from lit_gpt.lora import adapters_disabled
 
+    plain = DPO(objective.beta, objective.loss_type, objective.label_smoothing, reference="adapters_off")
+
+    def chunk(start: int, stop: int) -> List[torch.Tensor]:
+        group = samples[start:stop]
+        batch = plain.pad(plain.collate(group, max_seq_length, pad_multiple, pad_pow2), rows)
+        input_ids, labels = place((batch["input_ids"], batch["labels"]))
+        head_rows = labelled_rows(batch["labels"]) if targets_only else None
+        head_rows = place(head_rows) if head_rows is not None else None
+        with adapters_disabled(model):  # the base model (a LoRA model's adapters may have been loaded)
+            logps = sequence_logps(model, input_ids, labels, head_rows)
+        end_step()
+        logps = logps.float().cpu()
+        if progress is not None:
+            progress(len(group))
+        return [torch.stack([logps[j], logps[rows + j]]) for j in range(len(group))]
+
     was_training = model.training
     model.eval()
-    plain = DPO(objective.beta, objective.loss_type, objective.label_smoothing, reference="adapters_off")
-    out: List[torch.Tensor] = []
     try:
-        for i in range(0, len(samples), rows):
-            group = samples[i : i + rows]
-            batch = plain.pad(plain.collate(group, max_seq_length, pad_multiple, pad_pow2), rows)
-            input_ids, labels = place((batch["input_ids"], batch["labels"]))
-            head_rows = labelled_rows(batch["labels"]) if targets_only else None
-            head_rows = place(head_rows) if head_rows is not None else None
-            with adapters_disabled(model):  # the base model (a LoRA model's adapters may have been loaded)
-                logps = sequence_logps(model, input_ids, labels, head_rows)
-            end_step()
-            logps = logps.float().cpu()
-            n = len(group)
-            out.extend(torch.stack([logps[j], logps[rows + j]]) for j in range(n))
-            if progress is not None:
-                progress(n)
+        return split_pass(chunk, len(samples), rows, rank, world_size, gather)[0]
     finally:
         model.train(was_training)
-    return out

@@ -229,7 +229,8 @@ def test_cli_error_is_one_line(words_dir, pairs_dir, tmp_path, forks):
 @pytest.mark.slow  # two processes (DDP over gloo): multi-process runs are in the slow suite (tests/README.md)
 def test_two_processes_ddp_match_one(words_dir, pairs_dir, tmp_path, forks):
     """2 CPU processes (DDP over gloo), each 1 pair per micro-batch, == 1 process with 2: the step's loss is the mean
-    over the pairs of all processes. Full finetuning: the precomputed reference is computed by each process."""
+    over the pairs of all processes. Full finetuning: the precomputed reference is split over the processes (each
+    computes half of the pairs and gathers the rest) and equals the one-process values."""
     one = tmp_path / "one"  # micro-batches of 1 pair, like each process's: the same validation batches
     load_recipe("dpo").setup(**dpo_args(words_dir, pairs_dir, one, method="full", steps=4, lr=2e-3, micro=1))
     two = tmp_path / "two"
@@ -245,6 +246,14 @@ def test_two_processes_ddp_match_one(words_dir, pairs_dir, tmp_path, forks):
 
     proc = run_captured(forks, cmd[1:], cwd=tmp_path, env={**os.environ, "PYTHONUNBUFFERED": "1"}, timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # each process ran 15 of the 30 pairs (1 pair per forward) through the model, not all 30
+    for rank in (0, 1):
+        assert f"Process {rank} of 2 computed the reference log-probabilities of 15 of 30 pairs" in proc.stdout, (
+            proc.stdout[-3000:])
+    ref_one = torch.load(one / "reference_logps.pt", weights_only=True)["logps"]
+    ref_two = torch.load(two / "reference_logps.pt", weights_only=True)["logps"]
+    assert ref_two.shape == ref_one.shape == (30, 2)
+    torch.testing.assert_close(ref_two, ref_one, rtol=1e-6, atol=1e-6)  # the same forwards: fp32 rounding at most
     for key in ("loss", "reward_margin", "val_loss"):
         a, b = read_metrics(one, key), read_metrics(two, key)
         assert a.keys() == b.keys() and all(b[s] == pytest.approx(a[s], abs=2e-4) for s in a), (key, a, b)

@@ -67,8 +67,8 @@ def with_reference(runtime: Any, model: nn.Module, data: RunData, run: FinetuneR
     """For `--dpo.reference precomputed`: the base model's log-probabilities of every pair's two replies, computed
     once before training (nothing for adapters_off), added to the samples (so every batch carries them) and kept in
     out_dir/reference_logps.pt: a resumed or repeated run with the same base, data, length and dtype reads them
-    instead of computing them again. Memory: two floats per pair; time: one forward pass over the data (every
-    process computes all pairs, rank 0 writes the file)."""
+    instead of computing them again. Memory: two floats per pair; time: one forward pass over the data, split over
+    the processes (each computes its chunks of `rows` pairs, all gather the rest; rank 0 writes the file)."""
     objective = run.objective
     if not isinstance(objective, DPO) or objective.reference != "precomputed":
         return
@@ -80,13 +80,29 @@ def with_reference(runtime: Any, model: nn.Module, data: RunData, run: FinetuneR
     if values is None:
         from tqdm import tqdm
 
-        bar = tqdm(total=len(samples), desc="reference log-probabilities", disable=fabric.global_rank != 0,
-                   dynamic_ncols=True, file=sys.stdout)
+        from lit_gpt.training import gather_objects
+
+        # DDP/FSDP processes each compute a share of the pairs and gather the rest; under SPMD (XLA, grad_scale 1)
+        # one process feeds all its devices: the mesh's data axis already splits each forward's pairs over them
+        split = fabric.world_size > 1 and runtime.grad_scale != 1.0
+        rank, processes = (fabric.global_rank, fabric.world_size) if split else (0, 1)
+        computed = [0]  # pairs this process ran through the model
+
+        def progress(k: int) -> None:
+            computed[0] += k
+            bar.update(k)
+
+        bar = tqdm(total=-(-len(samples) // processes), desc="reference log-probabilities",
+                   disable=fabric.global_rank != 0, dynamic_ncols=True, file=sys.stdout)
         values = reference_logps(
             model, objective, samples, data.rows, data.max_seq_length, runtime.place, runtime.end_step,
-            pad_multiple=data.val_args["pad_multiple"], pad_pow2=data.val_args["pad_pow2"], progress=bar.update,
-            targets_only=runtime.targets_only)
+            pad_multiple=data.val_args["pad_multiple"], pad_pow2=data.val_args["pad_pow2"], progress=progress,
+            targets_only=runtime.targets_only, rank=rank, world_size=processes,
+            gather=lambda obj: gather_objects(fabric, obj))
         bar.close()
+        if split:  # every process says its share (a test reads these lines)
+            print(f"Process {rank} of {processes} computed the reference log-probabilities of {computed[0]} of"
+                  f" {len(samples)} pairs", flush=True)
         if fabric.global_rank == 0:
             buffer = io.BytesIO()
             torch.save({"key": key, "logps": torch.stack(values)}, buffer)

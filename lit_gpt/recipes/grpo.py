@@ -13,9 +13,10 @@ prompts right-padded to buckets, a fixed KV cache and fixed `max_new_tokens` col
 prefill per bucket and one decode step); the completions are decoded and scored by the reward functions, the
 group-relative advantages computed over the whole step (`lit_gpt.grpo`), and the reference log-probabilities (beta >
 0) computed without gradient: the same model with its LoRA adapters off, or a frozen copy of the base for full
-finetuning. Then the loop runs `GRPO.loss` on each micro-batch of prompt + completion rows (one forward with
-gradient), TRL's loss (`lit_gpt.grpo.grpo_loss`). Validation generates one greedy completion per held-out prompt
-and logs its rewards (`val_reward`).
+finetuning (each process for its own rollouts only: with several processes every completion's reference is
+computed once; nothing is precomputed, the completions being new each step). Then the loop runs `GRPO.loss` on each
+micro-batch of prompt + completion rows (one forward with gradient), TRL's loss (`lit_gpt.grpo.grpo_loss`).
+Validation generates one greedy completion per held-out prompt and logs its rewards (`val_reward`).
 """
 
 import copy
@@ -72,7 +73,7 @@ REWARD_FLAG = Flag("reward", Union[List[str], str], ["answer_match", "number_onl
                    " row's answer, or its last number equals it; number_only: the completion is a number alone) or"
                    " module:function / file.py:function, called as TRL calls them (prompts=, completions=,"
                    " completion_ids= and the row's fields; one float or None per completion). One: --reward NAME;"
-                   " several: --reward NAME --reward+ NAME2 (or --reward '[NAME, NAME2]').")
+                   " several: --reward NAME --reward NAME2 (or --reward '[NAME, NAME2]').")
 GRPO_FLAGS = [METHOD, GRPO_FLAG, REWARD_FLAG]
 
 
@@ -84,6 +85,22 @@ def check(flags: Dict[str, Any]) -> None:
     check_grpo(g.loss, g.beta, g.epsilon, g.epsilon_high, g.scale_rewards, g.group_size, g.temperature, g.top_p,
                g.max_new_tokens)
     load_rewards(reward_specs(flags["reward"]))
+
+
+def reward_argv(argv: Sequence[str]) -> List[str]:
+    """The command line with a repeated `--reward NAME` accumulating: jsonargparse keeps the last value of a repeated
+    flag and appends only with `--reward+`, so the second and later `--reward` (or `--reward=NAME`) become
+    `--reward+` (the recipes' `__main__` passes their arguments through this)."""
+    out, seen = [], False
+    for arg in argv:
+        if arg == "--reward" or arg.startswith("--reward="):
+            if seen:
+                arg = "--reward+" + arg[len("--reward"):]
+            seen = True
+        elif arg == "--reward+" or arg.startswith("--reward+="):
+            seen = True
+        out.append(arg)
+    return out
 
 
 def reward_specs(value: Union[List[str], str]) -> List[str]:
@@ -201,8 +218,9 @@ class GRPO(Objective):
                     real.append(i < b["real"])
         per_func = score(self.rewards, prompts, texts, ids, fields)
         weights = torch.tensor([r.weight for r in self.rewards])
-        advantages, rewards = group_advantages(per_func, weights, G, self.args.scale_rewards)
         real_t = torch.tensor(real)
+        advantages, rewards = group_advantages(per_func, weights, G, self.args.scale_rewards, real=real_t,
+                                               gather=None if evaluate else _process_gather(runtime))
         self._record(per_func[real_t], rewards[real_t], [len(c) for c, r in zip(ids, real) if r], gen_time,
                      "val_" if evaluate else "")
         out, start = [], 0
@@ -346,6 +364,19 @@ class GRPO(Objective):
         from dataclasses import asdict
 
         return {**asdict(self.args), "reward": list(self.reward_specs), "reference": self.reference}
+
+
+def _process_gather(runtime: Any) -> Any:
+    """A gather over the processes for the batch std of the rewards (every process calls `rollout` once per step:
+    the collective is matched; validation's rollouts, whose counts may differ, never gather), or None for one
+    process. Each process (a DDP rank, or an XLA host) scores only its own prompts, so this is also right on
+    several XLA hosts; one XLA process already scores the prompts of all its devices."""
+    fabric = getattr(runtime, "fabric", None)
+    if fabric is None or fabric.world_size == 1:
+        return None
+    from lit_gpt.training import gather_objects
+
+    return lambda obj: gather_objects(fabric, obj)
 
 
 def _std(x: torch.Tensor) -> torch.Tensor:

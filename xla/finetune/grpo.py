@@ -16,6 +16,7 @@ The flags are every XLA finetune recipe's (`lit_gpt.recipes.flags.XLA_FINETUNE`)
 `--grpo.*` and `--reward`.
 """
 
+import sys
 from pathlib import Path
 
 from lit_gpt import lora
@@ -24,7 +25,7 @@ from lit_gpt.model import GPT
 from lit_gpt.peft import finetuned_filter, finetuned_metadata
 from lit_gpt.recipes.finetune import FinetuneRun, build_optimizer, load_run_data
 from lit_gpt.recipes.flags import LORA
-from lit_gpt.recipes.grpo import GRPO_FLAGS, attach, check, finish
+from lit_gpt.recipes.grpo import GRPO_FLAGS, attach, check, finish, reward_argv
 from lit_gpt.recipes.xla_finetune import fit, load_model, xla_finetune_command
 from lit_gpt.training import Method
 from lit_gpt.utils import run_cli
@@ -60,4 +61,4 @@ setup = xla_finetune_command(
 )
 
 if __name__ == "__main__":
-    run_cli(setup)
+    run_cli(setup, args=reward_argv(sys.argv[1:]))  # a repeated --reward adds a reward (not the last wins)
