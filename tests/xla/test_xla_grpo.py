@@ -10,11 +10,10 @@ loss and gradients are compared with TRL's on fixed completions in tests/test_gr
 
 import csv
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from fork_server import run_captured
 
 from test_grpo import ROWS, prepare_prompts
 
@@ -32,21 +31,22 @@ def metrics(out: Path, key: str) -> dict:
 
 
 @pytest.mark.slow  # an XLA:CPU process that compiles generation, reference and train graphs (~1-2 minutes)
-def test_xla_grpo_compiles_nothing_after_warm_up(tiny_dir, tmp_path, xla_env):
+def test_xla_grpo_compiles_nothing_after_warm_up(tiny_dir, tmp_path, xla_env, xla_forks):
     data = prepare_prompts(tiny_dir, ROWS, tmp_path / "prompts", val_split_fraction=0.25)
     (tmp_path / "rewards.py").write_text(
         "def short(prompts, completions, completion_ids, **kw):\n"
         "    return [sum(t % 2 == 0 for t in c) / len(c) for c in completion_ids]\n")
     out = tmp_path / "out"
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "xla/finetune/grpo.py"), "--checkpoint_dir", str(tiny_dir), "--data.data_dir",
+    # a process of its own, forked from the XLA fork server (tests/conftest.py `xla_forks`: the imports done)
+    proc = run_captured(
+        xla_forks, [str(REPO / "xla/finetune/grpo.py"), "--checkpoint_dir", str(tiny_dir), "--data.data_dir",
          str(data), "--out_dir", str(out), "--precision", "32-true", "--accelerator", "cpu",
          "--train.max_steps", "5", "--train.global_batch_size", "2", "--train.micro_batch_size", "1",
          "--train.learning_rate", "1e-3", "--train.log_interval", "1", "--train.save_interval", "5",
          "--eval.interval", "2", "--eval.max_iters", "2", "--eval.max_new_tokens", "0",
          "--grpo.group_size", "4", "--grpo.max_new_tokens", "8", "--grpo.beta", "0.04", "--grpo.loss", "grpo",
          "--reward", "answer_match", "--reward+", f"{tmp_path / 'rewards.py'}:short=0.5"],
-        cwd=REPO, capture_output=True, text=True, env=xla_env(1), timeout=1200)
+        REPO, xla_env(1), timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
     compiles = metrics(out, "compiles")
     assert sorted(compiles) == [1, 2, 3, 4, 5], compiles
