@@ -2,9 +2,14 @@
 document mask into SDPA) against the new one (one document at a time, lit_gpt.packing.document_attention), and the
 new path of XLA:CPU (1 device: lit_gpt.xla.flash's blockwise segment attention, what the XLA strategy installs off a
 TPU); (b) prefill of a T-token prompt + 64 greedy decode steps, the old KV cache (every position in every layer)
-against the new (a sliding layer's cache holds its window: lit_gpt.kv_cache); all in one run.
+against the new (a sliding layer's cache holds its window, and the prompt attends without a dense (T, S) mask:
+lit_gpt.kv_cache); all in one run, or (b) alone (`--train false --xla false`) and the XLA:CPU column alone (`--train
+false --decode false`), each in its own result file (bench/tables.py takes their rows from there when they exist).
 
     python bench/long_context.py --results_file bench/results/long_context_cpu.json
+    python bench/long_context.py --train false --xla false --results_file bench/results/long_context_decode_cpu.json
+    python bench/long_context.py --train false --decode false --lengths 2048,4096 --max_step_s 600 \
+        --results_file bench/results/long_context_xla_cpu.json
 
 For each row length T (default 2k, 4k, 8k, 16k, 32k) and each path, a fresh process builds the model, packs one row
 of T positions with documents of 200 to 2,000 tokens (the same documents at every T, cut to fit), and runs two
@@ -24,7 +29,9 @@ the backward (T^2 / 2 in all): it is projected and skipped like the old path.
 Generation (b): the same layout with its first layer sliding (window `--window`, a Gemma-3-like local layer) and the
 second global; a prompt of T random tokens in one forward (`prefill`), then 64 one-token steps (greedy); peak memory
 above the process's before the prefill (KV cache included), the prefill's time and the decode steps' mean. The old
-cache holds every position of the sliding layer too (its mask cuts the window, as before issue 36).
+cache holds every position of the sliding layer too (its mask cuts the window, as before issue 36), and its prompt
+attends with the dense (T, S) mask (`model.cache_prefill = "mask"`); the new prompt attends without it
+(`lit_gpt.kv_cache.Prefill`: causal SDPA on the global layer, chunks over the window on the sliding one).
 
 The model: random weights in SmolLM2-135M's layout (width 576, 9 heads, 3 KV groups, head 64, MLP 1536) with
 `--layers` layers and a `--vocab`-token vocabulary (the 49,152-token head at 32k positions alone would take 6 GB of
@@ -156,6 +163,7 @@ def one_decode(T: int, path: str, layers: int, vocab: int, window: int) -> Dict[
     Path("/proc/self/clear_refs").write_text("5")
     before = _status_kib("VmRSS")
     if path == "decode_old":  # the cache before issue 36: every position, the window cut by the mask alone
+        model.cache_prefill = "mask"  # and the prompt's dense (T, S) mask over it
         for block in model.transformer.h:
             block.attn.kv_cache = KVCache(1, config.n_query_groups, T + DECODE_STEPS, config.head_size)
             block.attn.kv_cache.sliding_window = block.attn.sliding_window
@@ -181,16 +189,17 @@ def one_decode(T: int, path: str, layers: int, vocab: int, window: int) -> Dict[
 
 def main(lengths: str = "2048,4096,8192,16384,32768", layers: int = 2, vocab: int = 2048, max_gib: float = 6.0,
          max_step_s: float = 120.0, max_prefill_s: float = 600.0, xla: bool = True, decode: bool = True,
-         window: int = 1024,
+         window: int = 1024, train: bool = True,
          results_file: Optional[Path] = None, note: Optional[str] = None, child: Optional[str] = None) -> None:
     """Measure both attention paths at every length (and XLA:CPU's new path, and generation with the old and new
-    KV caches); `child` is the internal "T,path" of one measurement."""
+    KV caches); `train` false leaves out the CPU train step's two paths; `child` is the internal "T,path" of one
+    measurement."""
     if child is not None:
         T, path = child.split(",")
         print(json.dumps(one_length(int(T), path, layers, vocab, window)))
         return
     Ts = [int(x) for x in str(lengths).split(",")]
-    paths = PATHS + ((XLA_PATH,) if xla else ()) + (DECODE_PATHS if decode else ())
+    paths = (PATHS if train else ()) + ((XLA_PATH,) if xla else ()) + (DECODE_PATHS if decode else ())
     rows: List[Dict[str, Any]] = []
     for path in paths:
         done: List[Dict[str, Any]] = []
@@ -244,11 +253,13 @@ def main(lengths: str = "2048,4096,8192,16384,32768", layers: int = 2, vocab: in
     settings = {"model": f"random SmolLM2-135M-Instruct layout, {layers} layers, vocab {vocab}",
                 "method": "LoRA r 8 (alpha 16) on q, k, v, projection and MLP; AdamW", "precision": "32-true",
                 "rows_per_step": 1, "documents": "200-2000 tokens each (bench/long_context.py document_lengths)",
-                "lengths": Ts, "threads": os.environ.get("OMP_NUM_THREADS"), "max_gib": max_gib,
+                "lengths": Ts, "threads": os.environ.get("OMP_NUM_THREADS"), "max_gib": max_gib, "train": train,
                 "max_step_s": max_step_s, "max_prefill_s": max_prefill_s,
                 "xla": "XLA:CPU, 1 device, --xla_backend_optimization_level=0" if xla else None,
                 "decode": (f"layer 0 sliding (window {window}), layer 1 global; prompt of T tokens, then"
-                           f" {DECODE_STEPS} greedy steps; no LoRA" if decode else None)}
+                           f" {DECODE_STEPS} greedy steps; no LoRA; old: every position cached, the prompt's dense"
+                           " (T, S) mask; new: the sliding layer's ring, the prompt without the mask"
+                           if decode else None)}
     print(json.dumps(results, indent=1))
     result_files.write(results_file, "long_context", settings, results, note)
 

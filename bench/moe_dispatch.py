@@ -141,9 +141,6 @@ def mxfp4_memory(model: torch.nn.Module, prompt: torch.Tensor) -> Dict[str, floa
     from lit_gpt.moe import ExpertLinear
     from lit_gpt.mxfp4 import dequantize_mxfp4, pack_experts_mxfp4, packed_bytes, quantize_mxfp4
 
-    from lit_gpt.moe import clear_routing
-
-    clear_routing(model)  # the last training step's routing (tensors of its graph) cannot be deep-copied
     bf16 = copy.deepcopy(model).eval()
     with torch.no_grad():
         for m in bf16.modules():

@@ -80,6 +80,12 @@ def check_same_run(saved: Dict[str, Any], current: Dict[str, Any], path: Path, a
     base or the same data found under another path is the same run."""
     a = json.loads(json.dumps(saved, default=str))
     b = json.loads(json.dumps(current, default=str))
+    if a.get("rope_scaling") != b.get("rope_scaling"):  # absent in both: the checkpoint's own RoPE (runs before)
+        raise LitError(
+            f"the run in {str(path)!r} started with --rope_scaling {json.dumps(a.get('rope_scaling'))}, this one has"
+            f" --rope_scaling {json.dumps(b.get('rope_scaling'))}: resume with the run's --rope_scaling, or start a new"
+            " run in a new --out_dir"
+        )
     ignored = set(RESUMABLE_CHANGES) | {"base", "prepared"}  # runs of earlier versions recorded neither
     if isinstance(a.get("base"), dict) and isinstance(b.get("base"), dict):
         check_base(a["base"], b.get("checkpoint_dir"), allow_other_base, f"the run in {str(path)!r}",

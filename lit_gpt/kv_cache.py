@@ -12,9 +12,14 @@ was *and* its own keys (so a prompt longer than the window attends over all of i
 keeps the last window of them. Such a forward's positions run on from its first, each one more than the last; the
 padding after a prompt (a length bucket) carries the position after the prompt's last (`Batch.join`), which the
 first decode step overwrites.
+
+A prompt (T > 1) on an eager backend attends without the dense (T, S) mask (`Prefill`, made by `GPT.forward`): plain
+causal SDPA over its own keys where that is exactly the mask, else chunks of queries over the keys they can see, each
+with its own small mask; tracing backends (XLA, torch.compile) keep `KVCache.mask`, whose graph does not depend on the
+positions' values.
 """
 
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -77,6 +82,19 @@ class KVCache(nn.Module):
         if self.ring is None:
             return cache_mask(input_pos, length, self.sliding_window)
         return ring_mask(input_pos, self.ring, min(self.ring, length))
+
+    def key_positions(self, input_pos: torch.Tensor, length: Optional[int] = None) -> torch.Tensor:
+        """The position each key of what `forward` returns for the same `input_pos` and `length` holds, (B or 1, S):
+        negative for an entry nothing was written to (a ring's); a plain cache's entry s holds position s (entries
+        past the queries' positions hold nothing of theirs: the causal condition drops them)."""
+        pos = input_pos if input_pos.dim() == 2 else input_pos.unsqueeze(0)
+        if self.ring is None:
+            S = self.k.size(2) if input_pos.dim() == 1 or length is None else min(length, self.k.size(2))
+            return torch.arange(S, device=pos.device).unsqueeze(0)
+        entries = self.ring if length is None else min(self.ring, length)
+        if pos.size(1) == 1:
+            return ring_positions(pos, self.ring, entries)
+        return torch.cat((ring_positions(pos[:, :1] - 1, self.ring, entries), pos), dim=1)
 
     def forward(
         self,
@@ -152,3 +170,71 @@ class KVCache(nn.Module):
             self.k[:B].copy_(new_k)
             self.v[:B].copy_(new_v)
         return out
+
+
+# a prefill's queries go in chunks whose (rows, keys) mask holds about this many entries (booleans, plus SDPA's float
+# copy of them on the CPU: ~80 MiB): O(rows x keys) per chunk instead of the whole prompt's (T, S)
+PREFILL_MASK_ENTRIES = 2**24
+
+
+class Prefill:
+    """A forward of T > 1 queries over a KV cache without its dense (T, S) mask (eager backends; `GPT.forward` makes
+    one per window kind, each layer's `CausalSelfAttention` calls `attend` after its cache write). The keys a query
+    may see: `key_positions` (B or 1, S) <= its position, >= 0, and within the window. Which keys each chunk of
+    queries can see is worked out once here (host reads of O(T + S) values, never O(T x S)):
+
+    - plain causal: the queries' keys are exactly their own positions in order (the first prompt of a plain cache, or a
+      ring's first prompt up to its window): one SDPA call with `is_causal`, no mask at all (the CPU's and CUDA's flash
+      kernels); not for soft-capped or sink layers, whose eager attention would build the (T, T) mask itself;
+    - otherwise chunks of queries, each over the contiguous range of keys any of its queries can see (a prefix in the
+      cache, a sliding window, a ring's old entries), with the chunk's own (rows, keys) mask: the same mask entries
+      as `KVCache.mask`, so the same softmax over the same keys."""
+
+    def __init__(self, input_pos: torch.Tensor, key_positions: torch.Tensor, window: Optional[int],
+                 causal_ok: bool) -> None:
+        self.q_pos = input_pos if input_pos.dim() == 2 else input_pos.unsqueeze(0)  # (B or 1, T)
+        self.k_pos = key_positions  # (B or 1, S)
+        self.window = window
+        T, S = self.q_pos.size(1), self.k_pos.size(1)
+        self.causal: Optional[Tuple[int, int]] = None  # the key range [lo, hi) of the plain causal case
+        lo, hi = self._columns(self.q_pos)
+        if causal_ok and hi - lo == T:
+            own = self.k_pos.expand(self.q_pos.size(0), -1)[:, lo:hi]
+            rising = T == 1 or bool((self.q_pos[:, 1:] > self.q_pos[:, :-1]).all())
+            span = int((self.q_pos[:, -1] - self.q_pos[:, 0]).max())
+            if rising and bool(torch.equal(own, self.q_pos)) and (window is None or span < window):
+                self.causal = (lo, hi)
+        rows = max(1, min(T, PREFILL_MASK_ENTRIES // max(S, 1)))
+        if window is not None:  # a chunk sees its own keys and the window's before them: chunks about the window's size
+            rows = min(rows, max(window, 256))
+        self.chunks = [] if self.causal else [(a, min(a + rows, T)) + self._columns(self.q_pos[:, a:a + rows])
+                                              for a in range(0, T, rows)]
+
+    def _columns(self, q_pos: torch.Tensor) -> Tuple[int, int]:
+        """The smallest contiguous range of keys that holds every key one of these queries may see (a superset: the
+        chunk's mask drops the rest)."""
+        lo_q, hi_q = q_pos.amin(dim=1, keepdim=True), q_pos.amax(dim=1, keepdim=True)
+        seen = (self.k_pos >= 0) & (self.k_pos <= hi_q)
+        if self.window is not None:
+            seen = seen & (lo_q - self.k_pos < self.window)
+        cols = seen.any(dim=0).nonzero()
+        return (int(cols[0]), int(cols[-1]) + 1) if cols.numel() else (0, 1)
+
+    def mask(self, q_pos: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        """(B or 1, 1, rows, hi - lo) booleans of these queries over keys lo..hi (`KVCache.mask`'s entries)."""
+        k = self.k_pos[:, lo:hi].unsqueeze(1)
+        q = q_pos.unsqueeze(-1)
+        m = (k >= 0) & (k <= q)
+        if self.window is not None:
+            m = m & (q - k < self.window)
+        return m.unsqueeze(1)
+
+    def attend(self, attention: Callable[..., torch.Tensor], q: torch.Tensor, k: torch.Tensor,
+               v: torch.Tensor) -> torch.Tensor:
+        """`attention(q, k, v, mask)` (a layer's `scaled_dot_product_attention`; mask None = causal) over what the
+        cache returned, chunk by chunk: q (B, heads, T, hs), k/v (B, groups, S, hs)."""
+        if self.causal is not None:
+            lo, hi = self.causal
+            return attention(q, k[:, :, lo:hi], v[:, :, lo:hi], None)
+        return torch.cat([attention(q[:, :, a:b], k[:, :, lo:hi], v[:, :, lo:hi],
+                                    self.mask(self.q_pos[:, a:b], lo, hi)) for a, b, lo, hi in self.chunks], dim=2)

@@ -6,7 +6,7 @@ load-balancing loss (`MoETerms`) and report each expert's load (`write_expert_lo
 
 import csv
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -80,13 +80,20 @@ class MoETerms:
     micro-batch once. The aux loss is a function of a whole micro-batch (fractions of its tokens), so it depends on
     how many rows one forward holds (micro_batch_size x the devices a forward spans); the CE does not.
 
+    The routing comes from the forward's return (`GPT.forward(..., return_routing=True)`), not from the modules:
+    the loop hands the objective `forward` (a `RoutedModel` of the loop's model), which calls the model that way,
+    gives the objective the logits as before and keeps the routing of the micro-batch's forward with gradient (not
+    DPO's no-grad reference forward) for `micro_batch`.
+
     Logs: the running sums (mean aux loss per step, assignments and drops per layer and expert) stay on the device
     and are read at log steps only, like the loss."""
 
-    def __init__(self, model: nn.Module, coef: float, accum: int, zeros: Callable[..., torch.Tensor]) -> None:
+    def __init__(self, model: nn.Module, coef: float, accum: int, zeros: Callable[..., torch.Tensor],
+                 wrapped: Optional[nn.Module] = None) -> None:
         from lit_gpt.moe import moe_layers
 
         config = model.config
+        self.forward = RoutedModel(model if wrapped is None else wrapped)  # what the objective calls
         self.model, self.coef, self.accum, self.zeros = model, float(coef), accum, zeros
         self.layers = [i for i in range(config.n_layer) if config.is_moe_layer(i)]
         self.n_expert = config.n_expert
@@ -95,32 +102,34 @@ class MoETerms:
         self.reset()
 
     @staticmethod
-    def of(model: nn.Module, accum: int, zeros: Callable[..., torch.Tensor]) -> Optional["MoETerms"]:
-        """The terms for `model` (the plain module), or None for a dense model."""
+    def of(model: nn.Module, accum: int, zeros: Callable[..., torch.Tensor], wrapped: Optional[nn.Module] = None
+           ) -> Optional["MoETerms"]:
+        """The terms for `model` (the plain module; `wrapped`: as the loop calls it, Fabric's), or None for a dense
+        model."""
         config = getattr(model, "config", None)
         if not getattr(config, "n_expert", 0):
             return None
-        return MoETerms(model, config.router_aux_loss_coef, accum, zeros)
+        return MoETerms(model, config.router_aux_loss_coef, accum, zeros, wrapped)
 
     def reset(self) -> None:
         self.aux = self.zeros(())
         self.assigned = self.zeros((len(self.layers), self.n_expert))
         self.dropped = self.zeros((len(self.layers), self.n_expert))
 
-    def micro_batch(self, mask: torch.Tensor) -> Optional[torch.Tensor]:
+    def micro_batch(self, mask: torch.Tensor, routing: Optional[Sequence[Any]] = None) -> Optional[torch.Tensor]:
         """After a micro-batch's forward: its term of the objective (None when the coefficient is 0), with the
-        routing it read added to the running sums and then released. `mask`: `token_mask` on the device."""
-        from lit_gpt.moe import clear_routing, expert_load, load_balancing_loss
+        routing its forward returned (default: what `forward` took from it) added to the running sums. `mask`:
+        `token_mask` on the device."""
+        from lit_gpt.moe import expert_load, load_balancing_loss
 
-        routed = [m.routing for m in self.moe_modules if m.routing is not None]
-        if not routed:
+        routing = self.forward.take() if routing is None else routing
+        if not routing:
             return None
-        n = routed[0].probs.size(0)
+        n = routing[0].probs.size(0)
         if mask.numel() != n:  # a forward on fewer positions (loss_sum's empty batch: the first one of each row)
             mask = mask[:, : n // mask.size(0)]
-        aux = load_balancing_loss(self.model, mask)
-        load = expert_load(self.model, mask)
-        clear_routing(self.model)
+        aux = load_balancing_loss(routing, mask)
+        load = expert_load(routing, mask)
         self.aux += aux.detach().float() / self.accum
         self.assigned += load["assigned"]
         self.dropped += load["dropped"]
@@ -143,6 +152,29 @@ class MoETerms:
         metrics = {"aux_loss": aux, "expert_load_max": float(share.max()), "expert_load_min": float(share.min()),
                    "expert_dropped": float(counts[..., 1].sum() / assigned.sum().clamp(min=1.0))}
         return metrics, counts
+
+
+class RoutedModel(nn.Module):
+    """A model as an objective calls it (the logits, `model(...)`'s signature), which asks the forward for the MoE
+    routing (`return_routing=True`) and keeps the one of the last forward with gradient until `take`: the loop's
+    way of reading what the forward returned without changing the objectives' calls. The model is a submodule, so
+    what walks its modules (DPO's `adapters_disabled`) sees it as it is."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+        self.routing: Tuple = ()
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        logits, routing = self.model(*args, return_routing=True, **kwargs)
+        if torch.is_grad_enabled():  # the forward the objective differentiates, not a no-grad reference one
+            self.routing = routing
+        return logits
+
+    def take(self) -> Tuple:
+        """The routing of the last forward with gradient since the previous call (empty if none)."""
+        routing, self.routing = self.routing, ()
+        return routing
 
 
 LOAD_FILE = "expert_load.csv"

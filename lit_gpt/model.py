@@ -29,10 +29,11 @@ import torch.nn.functional as F
 from lit_gpt.config import Config
 from lit_gpt.attention import sink_attention, softcap, softcapped_attention  # noqa: F401 (softcap: re-exported)
 from lit_gpt.attention import FlexMask, flex_attention_packed, flex_mask, packed_path
-from lit_gpt.kv_cache import KVCache, cache_mask  # noqa: F401 (re-exported)
+from lit_gpt.kv_cache import KVCache, Prefill, cache_mask  # noqa: F401 (re-exported)
 from lit_gpt.packing import DocumentSpans, SegmentIds, document_attention, document_mask, document_spans
 from lit_gpt.utils import LitError
 from lit_gpt.moe import ExpertLinear, MoE
+from lit_gpt.rope import apply_rope, build_rope_cache  # noqa: F401 (re-exported)
 
 
 class GPT(nn.Module):
@@ -63,6 +64,10 @@ class GPT(nn.Module):
         self.packed_attention = "auto"
         # the torch.compile backend of the flex path ("eager": the unfused reference the CPU tests run)
         self.flex_compile = "inductor"
+        # a prompt (T > 1) over the KV cache on an eager backend: "chunks" attends without the dense (T, S) mask
+        # (lit_gpt.kv_cache.Prefill: plain causal SDPA, or chunks of queries over the keys they can see); "mask" is
+        # the dense mask (the old path; bench/long_context.py compares them). XLA and torch.compile keep the mask.
+        self.cache_prefill = "chunks"
         # built here, explicitly, on the device the model is created on (free on the meta device): `forward`
         # never builds tables itself, which on a tracing backend would fold the computation into the first graph
         self.reset_rope_cache()
@@ -184,7 +189,8 @@ class GPT(nn.Module):
         cache_length: Optional[int] = None,
         positions: Optional[torch.Tensor] = None,
         segments: Optional[torch.Tensor] = None,
-    ) -> torch.Tensor:
+        return_routing: bool = False,
+    ) -> Any:
         """idx: (B, T) token ids. input_pos: required when a KV cache is set: (T,) positions shared by every row, or
         (B, T) positions per row (rows of a continuous batch are at different positions). Returns (B, T, vocab)
         logits, or fewer: the vocab projection is the largest matmul of a small model, so it can run on some
@@ -199,7 +205,9 @@ class GPT(nn.Module):
         `head_rows`: a 1-D index tensor into the flattened (B * T) positions: logits of those only, (len, vocab)
         (training needs the positions that have a label, which differ from row to row).
         `positions` and `segments` (without a KV cache): packed rows (`lit_gpt.packing`), (B, T) each: every token's
-        position within its document (RoPE) and its document's id; a document attends to itself only."""
+        position within its document (RoPE) and its document's id; a document attends to itself only.
+        `return_routing`: (logits, a tuple of one `lit_gpt.moe.Routing` per MoE layer in layer order, empty for a
+        dense model): what the router's load-balancing loss reads (`lit_gpt.losses.MoETerms`)."""
         T = idx.size(1)
         if self.cos.device != idx.device:
             raise RuntimeError(
@@ -244,10 +252,17 @@ class GPT(nn.Module):
             cache = self.transformer.h[0].attn.kv_cache
             if cache is None:
                 raise TypeError("input_pos was given but no KV cache is set: call model.set_kv_cache(...) first")
+            # a prompt without a (T, S) mask needs host reads of the positions (a few per forward, O(T + S) values):
+            # eager CPU and CUDA only (a traced graph must not depend on their values; the meta device has none)
+            prefill = T > 1 and self.cache_prefill == "chunks" and idx.device.type in ("cpu", "cuda") and \
+                not torch.compiler.is_compiling()
+            causal_ok = not (self.config.attention_sinks or self.config.attention_logit_softcapping)
             # once per forward and window, not per layer: small ops like these are a good part of a decode step
             for block in self.transformer.h:  # in layer order; each cache's own layout (a sliding layer's: a ring)
-                if block.attn.sliding_window not in masks:
-                    masks[block.attn.sliding_window] = block.attn.kv_cache.mask(input_pos, cache_length)
+                window, kv = block.attn.sliding_window, block.attn.kv_cache
+                if window not in masks:
+                    masks[window] = Prefill(input_pos, kv.key_positions(input_pos, cache_length), window, causal_ok) \
+                        if prefill else kv.mask(input_pos, cache_length)
         elif segments is not None:
             path = packed_path(self.packed_attention, idx.device.type)
             kernel = self.segment_attention if path != "mask" else None
@@ -267,13 +282,17 @@ class GPT(nn.Module):
         x = self.transformer.wte(idx)
         if self.config.scale_embeddings:
             x = x * torch.tensor(self.config.n_embd**0.5, dtype=x.dtype)
+        routed, routing = ({"return_routing": True} if return_routing else {}), ()  # default calls stay as they were
         if self.block_runner is not None and input_pos is None:
             if masks and not getattr(self.block_runner, "takes_masks", False):
                 raise ValueError("this block runner (e.g. --scan_layers) cannot take packed rows' document masks")
-            x = self.block_runner(self.transformer.h, x, cos, sin, *([masks] if masks else []))
+            # asked for the routing, a runner returns (x, routing) (a scanned body hands it out as an output)
+            x = self.block_runner(self.transformer.h, x, cos, sin, *([masks] if masks else []), **routed)
+            x, routing = x if return_routing else (x, ())
         else:
             for block in self.transformer.h:
-                x = block(x, cos, sin, input_pos, masks.get(block.attn.sliding_window), slots, cache_length)
+                x = block(x, cos, sin, input_pos, masks.get(block.attn.sliding_window), slots, cache_length, **routed)
+                x, routing = (x[0], routing + x[1]) if return_routing else (x, routing)
         if last_only is not None:
             x = x.index_select(1, last_only)
         if head_rows is not None:
@@ -282,7 +301,7 @@ class GPT(nn.Module):
         logits = self.lm_head(x)
         if self.config.final_logit_softcapping is not None:
             logits = softcap(logits, self.config.final_logit_softcapping)
-        return logits
+        return (logits, routing) if return_routing else logits
 
 
 class Block(nn.Module):
@@ -309,14 +328,18 @@ class Block(nn.Module):
         mask: Optional[torch.Tensor] = None,
         slots: Optional[torch.Tensor] = None,
         cache_length: Optional[int] = None,
-    ) -> torch.Tensor:
+        return_routing: bool = False,
+    ) -> Any:
+        """`return_routing`: (x, its MoE layer's `Routing` as a 1-tuple, else ()), as `GPT.forward` returns them."""
         n_1 = self.norm_1(x)
         h = self.post_attention_norm(self.attn(n_1, cos, sin, input_pos, mask, slots, cache_length))
-        if self.config.parallel_residual:
-            n_2 = n_1 if self.norm_2 is None else self.norm_2(x)
-            return x + h + self.post_mlp_norm(self.mlp(n_2))
-        x = x + h
-        return x + self.post_mlp_norm(self.mlp(self.norm_2(x)))
+        out = x + h
+        n_2 = (n_1 if self.norm_2 is None else self.norm_2(x)) if self.config.parallel_residual else self.norm_2(out)
+        if return_routing and isinstance(self.mlp, MoE):
+            m, routing = self.mlp(n_2, return_routing=True)
+            return out + self.post_mlp_norm(m), (routing,)
+        out = out + self.post_mlp_norm(self.mlp(n_2))
+        return (out, ()) if return_routing else out
 
     @property
     def layer_kind(self) -> Tuple[Optional[int], Optional[int]]:
@@ -398,6 +421,9 @@ class CausalSelfAttention(nn.Module):
             if mask is None:
                 mask = self.kv_cache.mask(input_pos, cache_length)
             k, v = self.kv_cache(input_pos, k, v, slots, cache_length)
+            if isinstance(mask, Prefill):  # a prompt without its (T, S) mask (GPT.forward)
+                y = mask.attend(self.scaled_dot_product_attention, q, k, v)
+                return self.proj(y.transpose(1, 2).reshape(B, T, c.n_head * c.head_size))
         elif mask is None and window is not None and T > window:
             pos = torch.arange(T, device=x.device)
             diff = pos.unsqueeze(-1) - pos
@@ -505,116 +531,3 @@ def build_mlp(config: Config, block_idx: int = 0) -> nn.Module:
     if config.is_moe_layer(block_idx):
         return MoE(config)
     return {"GptNeoxMLP": GptNeoxMLP, "LLaMAMLP": LLaMAMLP, "GemmaMLP": GemmaMLP}[config.mlp_class_name](config)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# RoPE
-# ---------------------------------------------------------------------------------------------------------------
-_NO_SCALING: Dict[str, Any] = {}
-
-
-def build_rope_cache(
-    seq_len: int,
-    config: Config,
-    device: Optional[torch.device] = None,
-    base: Optional[float] = None,
-    scaling: Optional[Mapping[str, Any]] = _NO_SCALING,
-) -> Tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin of shape (seq_len, rope_n_elem), in float32, with the frequency scaling of `config.rope_scaling`
-    (or of `scaling`; None: unscaled) and the base `config.rope_base` (or `base`)."""
-    n_elem = config.rope_n_elem
-    base = config.rope_base if base is None else base
-    scaling = config.rope_scaling if scaling is _NO_SCALING else scaling
-    exponents = torch.arange(0, n_elem, 2, device=device, dtype=torch.int64).float() / n_elem
-    inv_freq = 1.0 / (base**exponents)
-    attention_factor = 1.0
-    if scaling:
-        kind = scaling.get("type", "llama3")
-        if kind == "llama3":
-            inv_freq = _llama3_scale(inv_freq, scaling)
-        elif kind == "linear":
-            inv_freq = inv_freq / scaling["factor"]
-        elif kind == "yarn":
-            inv_freq, attention_factor = _yarn_scale(inv_freq, base, n_elem, scaling, device)
-        elif kind == "longrope":  # the short factors' table (GPT.reset_rope_cache builds the long one beside it)
-            inv_freq, attention_factor = _longrope_scale(base, exponents, config, scaling, device)
-        else:  # Config refuses unknown types; a hand-made dict must not pass silently either
-            raise ValueError(f"rope_scaling type {kind!r} is not implemented")
-    pos = torch.arange(seq_len, device=device, dtype=torch.int64).float()
-    freqs = torch.outer(pos, inv_freq)
-    emb = torch.cat((freqs, freqs), dim=-1)
-    if attention_factor != 1.0:
-        return emb.cos() * attention_factor, emb.sin() * attention_factor
-    return emb.cos(), emb.sin()
-
-
-def _yarn_scale(
-    inv_freq: torch.Tensor, base: float, dim: int, s: Mapping[str, Any], device: Optional[torch.device]
-) -> Tuple[torch.Tensor, float]:
-    """YaRN (arXiv:2309.00071) as transformers computes it: interpolated low frequencies, extrapolated high ones,
-    a linear ramp between, and cos/sin scaled by the attention factor."""
-    factor, old_ctx = float(s["factor"]), s["original_max_seq_len"]
-
-    def get_mscale(scale: float, mscale: float = 1.0) -> float:
-        return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
-
-    attention_factor = s.get("attention_factor")
-    if attention_factor is None:
-        if s.get("mscale") and s.get("mscale_all_dim"):
-            attention_factor = get_mscale(factor, s["mscale"]) / get_mscale(factor, s["mscale_all_dim"])
-        else:
-            attention_factor = get_mscale(factor)
-
-    def correction_dim(rotations: float) -> float:
-        return (dim * math.log(old_ctx / (rotations * 2 * math.pi))) / (2 * math.log(base))
-
-    low, high = correction_dim(s.get("beta_fast") or 32), correction_dim(s.get("beta_slow") or 1)
-    if s.get("truncate", True):
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, dim - 1)
-    if low == high:
-        high += 0.001  # no division by zero
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device=device) - low) / (high - low)).clamp(0, 1)
-    # interpolated (divided by the factor) where the ramp is 1, the original frequencies where it is 0
-    return inv_freq / factor * ramp + inv_freq * (1 - ramp), float(attention_factor)
-
-
-def _longrope_scale(
-    base: float, exponents: torch.Tensor, config: Config, s: Mapping[str, Any], device: Optional[torch.device]
-) -> Tuple[torch.Tensor, float]:
-    """LongRoPE (Phi-3.5, Phi-4-mini): per-dimension rescaling factors, short ones for sequences within the
-    pretraining context, long ones beyond it (`GPT.forward` chooses), and cos/sin scaled by the attention factor."""
-    old_ctx = s["original_max_seq_len"]
-    factor = s.get("factor") or config.block_size / old_ctx  # configs read from config.json store it
-    attention_factor = s.get("attention_factor")
-    if attention_factor is None:
-        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(old_ctx))
-    factors = torch.tensor(s["short_factor"], dtype=torch.float32, device=device)
-    return 1.0 / (factors * base**exponents), float(attention_factor)
-
-
-def _llama3_scale(inv_freq: torch.Tensor, s: Mapping[str, Any]) -> torch.Tensor:
-    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
-    old_ctx = s["original_max_seq_len"]
-    low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-    smooth = (old_ctx / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-    return torch.where(is_medium, smoothed, scaled)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_elem: int) -> torch.Tensor:
-    """Rotate the first `n_elem` dims of each head (HF's rotate_half convention); the rest pass through."""
-    if n_elem == 0:
-        return x
-    if n_elem < x.size(-1):
-        x_rope, x_pass = x[..., :n_elem], x[..., n_elem:]
-    else:
-        x_rope, x_pass = x, None
-    half = n_elem // 2
-    x1, x2 = x_rope[..., :half], x_rope[..., half:]
-    rotated = torch.cat((-x2, x1), dim=-1)
-    out = (x_rope * cos.to(x.dtype) + rotated * sin.to(x.dtype)).to(x.dtype)
-    return out if x_pass is None else torch.cat((out, x_pass), dim=-1)

@@ -33,14 +33,19 @@ indexing, so that XLA compiles one graph per bucket; "auto" picks per forward, b
       N only), each tile one expert's matmul (`ExpertLinear.forward_tiles`). m = ceil(N*k / (2E)) keeps the padding
       under half the assignments: the experts compute about 1.5x the routed rows (capacity C = N computes E/k x).
       Exact, nothing dropped, no host read. The tiles' weights are gathered per tile (T <= ~3E matrices per
-      projection, held while the layer runs): that is the price of XLA's batched matmul; torch_xla's Pallas `gmm`
-      (TPU) would read each expert's weights in place, and is not wired in.
+      projection, held while the layer runs): that is the price of XLA's batched matmul (XLA:CPU, GPUs). On a TPU
+      the backend layer installs a grouped-matmul kernel (`MoE.grouped_kernel`: torch_xla's Pallas `gmm`/`tgmm`,
+      megablox, lit_gpt.xla.moe_gmm) that multiplies the same sorted, padded rows with each expert's weights read
+      in place, one group per expert.
   "dense": every expert on every token, weighted by the routing (zero for experts not chosen): the reference the
       bench compares the dispatch against.
 
 The router's load-balancing loss (Switch Transformer, eqs. 4-6) is `load_balancing_loss`, computed from the routing
-each MoE layer keeps from its last training forward (`MoE.routing`), exactly as transformers'
-`load_balancing_loss_func` with an attention mask does (the fractions summed over all layers before their product).
+the forward returns when asked (`MoE.forward(x, return_routing=True)`, and so `Block` and `GPT.forward`: one
+`Routing` per MoE layer), exactly as transformers' `load_balancing_loss_func` with an attention mask does (the
+fractions summed over all layers before their product). Returned, not kept on the modules: a scanned body or a
+checkpointed function (lit_gpt.xla.scan) must hand it out as an output, and a value set on a module inside a traced
+body would be a tracer of that body; `pack_routing` / `unpack_routing` carry it there as one float tensor.
 """
 
 import math
@@ -183,6 +188,12 @@ class ExpertLinear(nn.Module):
         y = torch.bmm(x, w.transpose(1, 2))
         return y if self.bias is None else y + F.embedding(tile_experts, self.bias).unsqueeze(1)
 
+    def forward_kernel(self, x: torch.Tensor, sizes: torch.Tensor, experts: torch.Tensor, kernel: Any) -> torch.Tensor:
+        """x: (S, in) rows sorted by expert in groups of `sizes` (E,) int32, experts: (S,) -> (S, out), by a
+        backend's grouped matmul `kernel` (`MoE.grouped_kernel`)."""
+        y = kernel(x, self.weight, sizes)
+        return y if self.bias is None else y + F.embedding(experts, self.bias)
+
     def forward_offsets(self, x: torch.Tensor, experts: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
         """x: (S, in) rows sorted by expert, experts: (S,), ends: (E,) int32 end row of each expert's group (a
         device tensor) -> (S, out), by `torch._grouped_mm` (see `grouped_mm_runs`)."""
@@ -236,6 +247,17 @@ class Experts(nn.Module):
         h = self.act(self.fc_1.forward_tiles(x, tile_experts), self.fc_2.forward_tiles(x, tile_experts))
         return self.proj.forward_tiles(h, tile_experts)
 
+    def takes_kernel(self) -> bool:
+        """Whether the projections multiply through a grouped-matmul kernel as they are: plain experts (and MXFP4
+        ones, whose `weight` decodes); a LoRA projection adds its update in `forward_tiles` and keeps that path."""
+        return all(type(lin).forward_tiles is ExpertLinear.forward_tiles for lin in (self.fc_1, self.fc_2, self.proj))
+
+    def forward_kernel(self, x: torch.Tensor, sizes: torch.Tensor, experts: torch.Tensor, kernel: Any) -> torch.Tensor:
+        """x: (S, n_embd) rows sorted by expert in groups of `sizes` -> (S, n_embd), by `kernel`."""
+        h = self.act(self.fc_1.forward_kernel(x, sizes, experts, kernel),
+                     self.fc_2.forward_kernel(x, sizes, experts, kernel))
+        return self.proj.forward_kernel(h, sizes, experts, kernel)
+
     def forward_offsets(self, x: torch.Tensor, experts: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
         """x: (S, n_embd) rows sorted by expert, ends: (E,) int32 group ends -> (S, n_embd)."""
         h = self.act(self.fc_1.forward_offsets(x, experts, ends), self.fc_2.forward_offsets(x, experts, ends))
@@ -248,7 +270,8 @@ class Experts(nn.Module):
 
 
 class Routing(NamedTuple):
-    """One MoE layer's routing of its last training forward: what the load-balancing loss and the load report use."""
+    """One MoE layer's routing of a forward (`return_routing=True`): what the load-balancing loss and the load
+    report use."""
 
     probs: torch.Tensor  # (N, n_expert) float32 softmax over all router logits (differentiable)
     experts: torch.Tensor  # (N, k) chosen experts
@@ -298,9 +321,12 @@ class MoE(nn.Module):
         self.routing_kind, self.norm_topk_prob = config.moe_routing, config.moe_norm_topk_prob
         self.capacity_factor = config.moe_capacity_factor
         self.dispatch = config.moe_dispatch
-        self.routing: Optional[Routing] = None
+        # `kernel(x (S, in) sorted by expert, weight (E, out, in), group_sizes (E,) int32) -> (S, out)`: a backend's
+        # grouped matmul for the dropless layout (the TPU's Pallas gmm, lit_gpt.xla.moe_gmm); None: batched matmuls
+        self.grouped_kernel: Optional[Any] = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, return_routing: bool = False):
+        """x: (..., n_embd) -> the same shape; with `return_routing` (y, its `Routing`) for the router's loss."""
         shape = x.shape
         xf = x.reshape(-1, shape[-1])
         probs, weights, experts = route(self.router(xf), self.routing_kind, self.k, self.norm_topk_prob)
@@ -330,8 +356,8 @@ class MoE(nn.Module):
         else:
             factor = self.capacity_factor if self.training else None
             y, kept = self._capacity(xf, weights, experts, capacity(n, self.k, self.n_expert, factor))
-        # kept for the loss and the load report of a training step only (at inference nothing reads it)
-        self.routing = Routing(probs, experts, kept) if self.training else None
+        if return_routing:
+            return y.reshape(shape), Routing(probs, experts, kept)
         return y.reshape(shape)
 
     def _gather(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
@@ -382,7 +408,14 @@ class MoE(nn.Module):
         # group hold zero rows; they take the last expert, and nothing reads them back)
         tile_starts = torch.arange(n_tiles, device=x.device) * m
         tile_experts = (padded_ends.unsqueeze(0) <= tile_starts.unsqueeze(1)).sum(dim=1).clamp(max=E - 1)
-        out = self.experts.forward_tiles(buffer.view(n_tiles, m, h), tile_experts).view(n_tiles * m, h)
+        if self.grouped_kernel is not None and self.experts.takes_kernel():
+            # the same rows as groups of the kernel: each expert's padded group, the tiles past the last group
+            # (zero rows) counted in the last expert's, as the batched path gives them the last expert
+            sizes = padded + F.one_hot(torch.tensor(E - 1, device=x.device), E) * (n_tiles * m - padded.sum())
+            out = self.experts.forward_kernel(buffer, sizes.to(torch.int32), tile_experts.repeat_interleave(m),
+                                              self.grouped_kernel)
+        else:
+            out = self.experts.forward_tiles(buffer.view(n_tiles, m, h), tile_experts).view(n_tiles * m, h)
         picked = out.index_select(0, rows).view(n, k, h)
         return (picked * weights.unsqueeze(-1).to(picked.dtype)).sum(dim=1)
 
@@ -415,16 +448,13 @@ def moe_layers(model: nn.Module) -> List[MoE]:
     return [m for m in model.modules() if isinstance(m, MoE)]
 
 
-def _routings(model: nn.Module) -> List[Routing]:
-    return [m.routing for m in moe_layers(model) if m.routing is not None]
-
-
-def load_balancing_loss(model: nn.Module, token_mask: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
-    """transformers' `load_balancing_loss_func` over the MoE layers' last training forward: with f_e the fraction of
-    the (token, choice) assignments that went to expert e and P_e the mean router probability of e, both over all
-    MoE layers and the tokens of `token_mask` (B, T) (None: all), the loss is n_expert * sum_e f_e * P_e (k at
-    perfect balance, since the f_e sum to k). None when the model has no MoE layer or ran no training forward."""
-    routings = _routings(model)
+def load_balancing_loss(routings: Sequence[Routing], token_mask: Optional[torch.Tensor] = None
+                        ) -> Optional[torch.Tensor]:
+    """transformers' `load_balancing_loss_func` over the MoE layers' routing of one forward (what
+    `GPT.forward(..., return_routing=True)` returns): with f_e the fraction of the (token, choice) assignments that
+    went to expert e and P_e the mean router probability of e, both over all MoE layers and the tokens of
+    `token_mask` (B, T) (None: all), the loss is n_expert * sum_e f_e * P_e (k at perfect balance, since the f_e
+    sum to k). None without routing (a dense model)."""
     if not routings:
         return None
     n_expert = routings[0].probs.size(-1)
@@ -446,11 +476,11 @@ def load_balancing_loss(model: nn.Module, token_mask: Optional[torch.Tensor] = N
     return n_expert * torch.sum((counts / rows) * (prob_sum / rows))
 
 
-def expert_load(model: nn.Module, token_mask: Optional[torch.Tensor] = None) -> Optional[Dict[str, torch.Tensor]]:
-    """Per MoE layer and expert, the assignments of the last training forward (the tokens of `token_mask` only):
+def expert_load(routings: Sequence[Routing], token_mask: Optional[torch.Tensor] = None
+                ) -> Optional[Dict[str, torch.Tensor]]:
+    """Per MoE layer and expert, the assignments of one forward's routing (the tokens of `token_mask` only):
     {"assigned": (layers, E) counts, "dropped": (layers, E) of those dropped by capacity}; device tensors, read
-    them at log steps only. None without MoE layers or a training forward."""
-    routings = _routings(model)
+    them at log steps only. None without routing."""
     if not routings:
         return None
     n_expert = routings[0].probs.size(-1)
@@ -467,6 +497,15 @@ def expert_load(model: nn.Module, token_mask: Optional[torch.Tensor] = None) -> 
     return {"assigned": torch.stack(assigned), "dropped": torch.stack(dropped)}
 
 
-def clear_routing(model: nn.Module) -> None:
-    for m in moe_layers(model):
-        m.routing = None
+def pack_routing(r: Routing) -> torch.Tensor:
+    """One layer's routing as one float32 tensor (N, E + 2k) = [probs | experts | kept], the router's probabilities
+    (differentiable) beside the chosen experts and the capacity's kept flags as exact small floats: what a scanned
+    body or a checkpointed function can return (torch_xla's scan differentiates every output of its body, which an
+    integer or bool output cannot take)."""
+    kept = torch.ones_like(r.experts, dtype=torch.bool) if r.kept is None else r.kept
+    return torch.cat([r.probs, r.experts.to(r.probs.dtype), kept.to(r.probs.dtype)], dim=-1)
+
+
+def unpack_routing(t: torch.Tensor, n_expert: int, k: int) -> Routing:
+    """The inverse of `pack_routing`."""
+    return Routing(t[:, :n_expert], t[:, n_expert: n_expert + k].long(), t[:, n_expert + k:] > 0.5)

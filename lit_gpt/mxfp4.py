@@ -13,8 +13,10 @@ two dims into its in-memory (E, in, out) layout; tests/test_moe_parity.py holds 
 Kept packed in memory (`pack_experts_mxfp4`): the experts' weights of a converted gpt-oss model are MXFP4 values (the
 Hub's bytes decoded), so `quantize_mxfp4` packs them back without loss, 4.25 bits per weight instead of bf16's 16
 (about 3.8x less), and `MXFP4ExpertLinear` decodes one projection's weights per matmul (every dispatch path reads
-`weight`). Frozen: the packed weights are buffers, not parameters. Not wired into the recipes yet (a library call
-after loading: tests/test_moe_mxfp4.py).
+`weight`). Frozen: the packed weights are buffers, not parameters. The generation recipes pack at load with
+`--quantize mxfp4` (`lit_gpt.quantize`: generate/base.py, chat/base.py; tests/test_moe_mxfp4.py). Conversion still
+writes the decoded values (a converted checkpoint is bf16 on disk), and LoRA finetuning has no flag for it yet (a
+library call after loading: tests/test_moe_mxfp4.py trains LoRA on the attention with packed experts).
 """
 
 from typing import Tuple

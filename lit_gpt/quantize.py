@@ -8,6 +8,10 @@
     "bnb.int8"        bitsandbytes LLM.int8() (`Linear8bitLt`); CUDA only, `pip install bitsandbytes`.
     "bnb.nf4"         bitsandbytes 4-bit NormalFloat (`Linear4bit`, double-quantized statistics); CUDA only.
                       The only mode under QLoRA (`finetune/lora.py --quantize bnb.nf4`).
+    "mxfp4"           gpt-oss: the experts of a mixture-of-experts model converted from the Hub's MXFP4 checkpoint
+                      packed back into MXFP4 (`lit_gpt.mxfp4.pack_experts_mxfp4`: lossless, 4.25 bits per weight,
+                      decoded per matmul), every device; the other weights stay as they are. Refused in one line for
+                      a model whose experts are not MXFP4 values (or that has none).
 
 Which layers: every `nn.Linear` inside the transformer blocks (attention qkv/proj, MLP), i.e. nearly all the
 weights that a decode step reads. The output head stays in the compute dtype: with tied embeddings (SmolLM2,
@@ -27,7 +31,7 @@ import torch.nn.functional as F
 
 from lit_gpt.utils import LitError
 
-CHOICES: Tuple[str, ...] = ("torchao.int8wo", "torchao.int4wo", "bnb.int8", "bnb.nf4")
+CHOICES: Tuple[str, ...] = ("torchao.int8wo", "torchao.int4wo", "bnb.int8", "bnb.nf4", "mxfp4")
 INT4_GROUP_SIZE = 64  # divides the widths of every model in lit_gpt.config (576, 960, 1536, 2048, ...)
 
 
@@ -46,6 +50,8 @@ def check_quantize(mode: Optional[str], device: torch.device, dtype: torch.dtype
         if mode in CHOICES:  # a generation mode asked of finetuning (or the reverse)
             raise LitError(f"{flag} {mode} is not available here: use {' or '.join(usable)}")
         raise LitError(f"{flag} must be one of {', '.join(usable)} (got {mode!r})")
+    if mode == "mxfp4":  # lit_gpt's own decoder: every device and dtype (whether the model fits: quantize_model)
+        return
     if mode.startswith("bnb."):
         if device.type != "cuda":
             other = [c for c in choices if not c.startswith("bnb.")]
@@ -114,7 +120,26 @@ def quantize_model(model: nn.Module, mode: str, device: Optional[torch.device] =
         return sum(is_quantized(m.weight) for n, m in model.named_modules() if in_blocks(m, n))
     if mode.startswith("bnb."):
         return _bnb_replace(model, mode, device)
+    if mode == "mxfp4":
+        return _pack_mxfp4(model, device)
     raise LitError(f"--quantize must be one of {', '.join(CHOICES)} (got {mode!r})")
+
+
+def _pack_mxfp4(model: nn.Module, device: torch.device) -> int:
+    """--quantize mxfp4: the experts packed (lit_gpt.mxfp4); returns how many expert projections were packed."""
+    from lit_gpt.moe import ExpertLinear
+    from lit_gpt.mxfp4 import MXFP4ExpertLinear, pack_experts_mxfp4
+
+    model.to(device)
+    if not any(type(m) is ExpertLinear for m in model.modules()):
+        raise LitError("--quantize mxfp4 packs the experts of a mixture-of-experts model (gpt-oss); this model has"
+                       " none: run without --quantize or use a torchao mode")
+    try:
+        pack_experts_mxfp4(model)
+    except ValueError:
+        raise LitError("--quantize mxfp4: the experts of this checkpoint are not MXFP4 values (only a gpt-oss"
+                       " checkpoint converted from the Hub's MXFP4 weights packs without loss): run without it")
+    return sum(isinstance(m, MXFP4ExpertLinear) for m in model.modules())
 
 
 def _bnb_replace(model: nn.Module, mode: str, device: torch.device) -> int:
@@ -201,8 +226,11 @@ def loader(load: Callable[[], nn.Module], mode: Optional[str], device: torch.dev
         total = sum(1 for name, m in model.named_modules() if in_blocks(m, name))
         import sys
 
-        print(f"Quantized {n} of {total} block linear layers with {mode} (the head and embeddings stay {dtype})",
-              file=sys.stderr)
+        if mode == "mxfp4":
+            print(f"Packed {n} expert projections as MXFP4 (the other weights stay {dtype})", file=sys.stderr)
+        else:
+            print(f"Quantized {n} of {total} block linear layers with {mode} (the head and embeddings stay {dtype})",
+                  file=sys.stderr)
         return model
 
     return load_quantized

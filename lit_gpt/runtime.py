@@ -61,8 +61,9 @@ def write_error(directory: Path, partials: Sequence[Path], e: OSError) -> LitErr
 
 
 def _call_block(block: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-    return block(x, cos, sin, None, mask)
+                mask: Optional[torch.Tensor] = None, return_routing: bool = False) -> Any:
+    # MoE training: (x, the block's routing), returned from the compiled graph for the router's loss
+    return block(x, cos, sin, None, mask, return_routing=True) if return_routing else block(x, cos, sin, None, mask)
 
 
 def full_state_dict(model: nn.Module) -> Dict[str, torch.Tensor]:
@@ -432,10 +433,14 @@ class Runtime:
         step = torch.compile(_call_block, backend=self.compile_backend, fullgraph=True, dynamic=False)
 
         def run_blocks(blocks: nn.ModuleList, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                       masks: Optional[Dict[Optional[int], torch.Tensor]] = None) -> torch.Tensor:
+                       masks: Optional[Dict[Optional[int], torch.Tensor]] = None, return_routing: bool = False) -> Any:
+            routing: Tuple = ()
             for block in blocks:  # packed rows: each block's document mask (by its attention window)
-                x = step(block, x, cos, sin, masks[block.attn.sliding_window]) if masks else step(block, x, cos, sin)
-            return x
+                x = step(block, x, cos, sin, masks[block.attn.sliding_window] if masks else None, return_routing)
+                if return_routing:  # (x, the block's MoE routing), as GPT.forward's loop returns them
+                    x, routed = x
+                    routing += routed
+            return (x, routing) if return_routing else x
 
         run_blocks.takes_masks = True  # type: ignore[attr-defined]
         model.block_runner = run_blocks

@@ -411,7 +411,7 @@ def fit(
     running_loss = runtime.zeros(())  # the steps' mean losses, summed on the device, read at log steps only
     running_stats = runtime.zeros((len(objective.stat_names),)) if objective.stat_names else None
     # mixture of experts: the router's load-balancing loss in the objective, its value and the experts' load logged
-    moe = MoETerms.of(raw_model, accum, runtime.zeros)
+    moe = MoETerms.of(raw_model, accum, runtime.zeros, model)  # the objective calls `moe.forward` (the routing)
     running_steps = running_moe = 0
     # throughput: steady steps (no compilation, not the run's first step) apart from the others
     steady = {"time": 0.0, "tokens": 0, "padded": 0, "steps": 0}
@@ -457,7 +457,7 @@ def fit(
                 inputs = runtime.place(objective.inputs(batch))
                 rows = runtime.place(rows) if rows is not None else None
                 with runtime.backward_sync(model, last):
-                    loss, stats = objective.loss(model, inputs, rows)
+                    loss, stats = objective.loss(model if moe is None else moe.forward, inputs, rows)
                     total = loss * scale
                     if moe is not None:
                         aux = moe.micro_batch(runtime.place(token_mask(batch["labels"])))

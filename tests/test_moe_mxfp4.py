@@ -84,3 +84,48 @@ def test_lora_trains_with_the_experts_frozen_in_mxfp4():
         losses.append(loss.item())
     assert losses[-1] < losses[0]
     assert all(torch.equal(b, dict(model.named_buffers())[n]) for n, b in blocks.items())  # the experts: frozen
+
+
+def _run_recipe(capsys, monkeypatch, script, *args):
+    """A recipe's `__main__` block in this process (a subprocess costs seconds of imports): (exit code, out, err)."""
+    import runpy
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    monkeypatch.setattr(sys, "argv", [str(root / script), *args])
+    code = 0
+    try:
+        runpy.run_path(str(root / script), run_name="__main__")
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_generate_quantize_mxfp4_packs_the_experts_and_gives_the_bf16_tokens(tmp_path, capsys, monkeypatch):
+    """`generate/base.py --quantize mxfp4` on a gpt-oss checkpoint whose experts are MXFP4 values (what converting the
+    Hub's checkpoint gives): the experts are packed at load and the greedy tokens are the unquantized run's."""
+    from lit_gpt.loading import load_model
+    from lit_gpt.weights import save_weights
+    from words import GEN_PROMPT, make_word_checkpoint
+
+    ckpt = make_word_checkpoint(tmp_path / "gpt_oss", family="gpt_oss")
+    save_weights(_mxfp4_valued(load_model(ckpt)).state_dict(), ckpt)
+    common = ["--checkpoint_dir", str(ckpt), "--prompt", GEN_PROMPT, "--prompt_style", "raw", "--temperature", "0",
+              "--max_new_tokens", "8", "--accelerator", "cpu", "--precision", "bf16-true"]
+    code, plain, err = _run_recipe(capsys, monkeypatch, "generate/base.py", *common)
+    assert code == 0, err
+    code, packed, err = _run_recipe(capsys, monkeypatch, "generate/base.py", *common, "--quantize", "mxfp4")
+    assert code == 0, err
+    n = 3 * sum(map(load_model(ckpt).config.is_moe_layer, range(load_model(ckpt).config.n_layer)))
+    assert f"Packed {n} expert projections as MXFP4" in err
+    assert packed == plain and packed.strip()
+
+
+def test_quantize_mxfp4_refuses_a_model_without_mxfp4_experts_in_one_line(tiny_dir, capsys, monkeypatch):
+    code, _, err = _run_recipe(capsys, monkeypatch, "generate/base.py", "--checkpoint_dir", str(tiny_dir),
+                               "--prompt", "hi", "--quantize", "mxfp4", "--accelerator", "cpu")
+    lines = err.strip().splitlines()
+    assert code == 1 and "Traceback" not in err, err
+    assert lines[-1].startswith("error:") and "--quantize mxfp4" in lines[-1] and "has none" in lines[-1], err

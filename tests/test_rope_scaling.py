@@ -167,10 +167,10 @@ def test_finetune_trains_past_the_checkpoints_context_with_the_flag_only(short_c
     recipe = load_recipe("lora")
     args = dict(steps=2, micro=2, global_batch=2, save_interval=2, eval_interval=2)
 
-    def train(length, scaling, out):
+    def train(length, scaling, out, resume=False):
         base = run_args("lora", checkpoint, data_dir, tmp_path / out, **args)
         base["train"].max_seq_length = length
-        return recipe.setup(**base, rope_scaling=scaling)
+        return recipe.setup(**base, rope_scaling=scaling, resume=resume)
 
     with pytest.raises(LitError, match="exceeds the model's context length 32"):
         train(64, None, "plain")
@@ -178,6 +178,30 @@ def test_finetune_trains_past_the_checkpoints_context_with_the_flag_only(short_c
         train(96, {"type": "linear", "factor": 2}, "too_long")
     train(64, {"type": "linear", "factor": 2}, "scaled")
     assert (tmp_path / "scaled" / "final" / "lit_model.lora.safetensors").is_file()
+    # a resumed run must give the flag the run started with (recorded in its finetune.json): one line naming both
+    with pytest.raises(LitError, match=re.escape('started with --rope_scaling {"type": "linear", "factor": 2}, this'
+                                                 ' one has --rope_scaling {"type": "linear", "factor": 3}')):
+        train(64, {"type": "linear", "factor": 3}, "scaled", resume="auto")
+    train(64, {"type": "linear", "factor": 2}, "scaled", resume="auto")  # the same flag: it resumes (at its end)
+
+
+def test_a_resumed_run_checks_the_rope_scaling_it_started_with(tmp_path):
+    """check_same_run: --rope_scaling given, changed or left out on resume is refused in one line naming both; runs
+    that recorded none (without the flag, or from before it was recorded) resume without it."""
+    from lit_gpt.checkpoints import check_same_run
+
+    linear = {"type": "linear", "factor": 2.0}
+    run = {"method": "lora", "train": {"max_seq_length": 64}}
+    check_same_run({**run, "rope_scaling": linear}, {**run, "rope_scaling": dict(linear)}, tmp_path)
+    check_same_run(run, dict(run), tmp_path)
+    for saved, current in (({**run, "rope_scaling": linear}, run), (run, {**run, "rope_scaling": linear}),
+                           ({**run, "rope_scaling": linear}, {**run, "rope_scaling": {"type": "yarn", "factor": 2.0}})):
+        with pytest.raises(LitError) as e:
+            check_same_run(saved, current, tmp_path)
+        message = str(e.value)
+        assert "\n" not in message and message.count("--rope_scaling") == 3
+        for side in (saved, current):
+            assert json.dumps(side.get("rope_scaling")) in message
 
 
 def test_serve_loads_the_model_with_the_scaled_rope(short_context):

@@ -71,6 +71,8 @@ class FinetuneRun:
     """What a step optimises (`lit_gpt.objectives`): None is supervised finetuning; DPO for the dpo recipes."""
     init_from: Optional[Path] = None
     """The method's weights to start from instead of its initialisation (--lora_init_from, `lora_init_from`)."""
+    rope_scaling: Optional[Dict[str, Any]] = None
+    """--rope_scaling as given (recorded: a resumed run must give the same, `lit_gpt.checkpoints.check_same_run`)."""
 
     @property
     def run_config(self) -> Dict[str, Any]:
@@ -84,6 +86,8 @@ class FinetuneRun:
             extra["base"] = self.base
         if self.config.n_expert:  # the MoE settings in effect (--moe or the checkpoint's): part of what is computed
             extra["moe"] = moe_settings(self.config)
+        if self.rope_scaling:  # the RoPE tables the run trains with (absent: the checkpoint's own, as runs before)
+            extra["rope_scaling"] = self.rope_scaling
         if self.objective is not None and self.objective.settings() is not None:
             extra[self.objective.name] = self.objective.settings()  # e.g. "dpo": beta, loss, reference
         return run_config(method=self.method, checkpoint_dir=self.checkpoint_dir, data=self.data, train=self.train,
@@ -468,7 +472,7 @@ def finetune_command(
         run = FinetuneRun(method, flags["checkpoint_dir"], flags["out_dir"], config, flags["data"], flags["train"],
                           flags["eval"], flags["resume"], flags["optimizer"], quantize=flags.get("quantize"),
                           base=base_record(flags["checkpoint_dir"]), allow_other_base=flags["allow_other_base"],
-                          allow_other_data=flags["allow_other_data"])
+                          allow_other_data=flags["allow_other_data"], rope_scaling=flags["rope_scaling"])
         run = finish(flags, run) if finish is not None else run
         return launch(fabric, main, run, peer_timeout=flags["peer_timeout"])  # a wait for peers that ends
 

@@ -77,8 +77,9 @@ FLAG_HELP = {
     "accelerator": '"cpu", "cuda" or "auto".',
     "quantize": (
         'Weight-only quantization of the block linear layers (see lit_gpt/quantize.py): "torchao.int8wo",'
-        ' "torchao.int4wo", or on CUDA "bnb.int8", "bnb.nf4" (needs bitsandbytes); finetuned weights are'
-        " quantized after they are loaded (LoRA: merged). Default: none."
+        ' "torchao.int4wo", or on CUDA "bnb.int8", "bnb.nf4" (needs bitsandbytes); "mxfp4": gpt-oss\'s experts'
+        " kept packed in MXFP4 (lossless); finetuned weights are quantized after they are loaded (LoRA: merged)."
+        " Default: none."
     ),
 }
 """The help text of every flag the generate recipes share (the method's own flags bring theirs)."""

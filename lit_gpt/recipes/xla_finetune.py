@@ -153,7 +153,7 @@ def xla_finetune_command(
                           flags["eval"], flags["resume"], flags["optimizer"], platform="xla",
                           options={"xla_metrics": flags["xla_metrics"]},
                           base=base_record(flags["checkpoint_dir"]), allow_other_base=flags["allow_other_base"],
-                          allow_other_data=flags["allow_other_data"])
+                          allow_other_data=flags["allow_other_data"], rope_scaling=flags["rope_scaling"])
         run = finish(flags, run) if finish is not None else run
         return fabric.launch(main, run)
 

@@ -30,12 +30,12 @@ weights to 1e-6). Masks that are saved for the backward pass (bool) travel as ui
 `_bool_activations_as_uint8`.
 
 Mixture-of-experts models (lit_gpt.moe): each MoE layer's routing (the router's probabilities, the chosen experts,
-what capacity dropped), which the load-balancing loss and the load report read after the forward, is returned
-through the scan as a per-layer output (`ys`, stacked over the layers, differentiable) and handed to the layers after
-the loop, so that the loss sees what the unscanned loop's layers keep (a module attribute set inside the traced
-body would be a tracer of the body). Per-block activation checkpointing (`checkpoint_block`, the strategy's
-wrapper) likewise returns the routing through the checkpointed function: torch_xla's `checkpoint_module` runs the
-first forward under no_grad, and the routing a layer kept there would have no gradient.
+what capacity dropped), which the load-balancing loss and the load report read from the forward's return
+(`GPT.forward(..., return_routing=True)`), leaves the scan as a per-layer output (`ys`, stacked over the layers,
+differentiable; `lit_gpt.moe.pack_routing`), so that the loss sees what the unscanned loop returns. Per-block
+activation checkpointing (`checkpoint_block`, the strategy's wrapper) likewise returns the routing through the
+checkpointed function: a value that left torch_xla's reentrant checkpoint other than as one of its output tensors
+would come from its first forward, which runs under no_grad, and carry no gradient.
 
 Generation (a KV cache, `input_pos` given) keeps the loop: each layer's cache would have to become stacked,
 carried state of the scan, and decode graphs are small (one token) and compile once.
@@ -48,7 +48,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 import torch.nn as nn
 
-from lit_gpt.moe import Routing, moe_layers
+from lit_gpt.moe import moe_layers, pack_routing, unpack_routing
 from lit_gpt.utils import LitError
 
 # bench/xla_scan.py (bench/results/xla_scan_cpu1.json): at 16 layers the loop compiled faster, at 32 the scan
@@ -143,13 +143,19 @@ class ScannedBlocks:
         self.partition_fn = functools.partial(_bool_activations_as_uint8, partition)
         self._fns: Dict[Tuple, Callable] = {}
 
-    def __call__(self, blocks: nn.ModuleList, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def __call__(self, blocks: nn.ModuleList, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 return_routing: bool = False) -> Any:
+        """The blocks' output; with `return_routing` (output, the MoE layers' routing in layer order), as
+        `GPT.forward`'s loop returns them."""
         x = self._shard_batch(x)
+        routing: Tuple = ()
         for group in block_groups(list(blocks)):
-            x = self._scan(group, x, cos, sin)
-        return x
+            x, routed = self._scan(group, x, cos, sin, return_routing)
+            routing += routed
+        return (x, routing) if return_routing else x
 
-    def _scan(self, group: List[nn.Module], x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def _scan(self, group: List[nn.Module], x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+              return_routing: bool) -> Tuple[torch.Tensor, Tuple]:
         from torch_xla.experimental.scan import scan
 
         per_block = [dict(block.named_parameters()) for block in group]
@@ -158,14 +164,14 @@ class ScannedBlocks:
         rope = (cos.expand(n, *cos.shape), sin.expand(n, *sin.shape))
         # is_fn_pure: torch_xla keeps the traced forward/backward graphs of `fn` (keyed by the function object and
         # the shapes) instead of tracing the block with AOTAutograd at every step
-        x, routed = scan(self._block_fn(group[0]), x, (stacked, rope), partition_fn=self.partition_fn,
+        x, routed = scan(self._block_fn(group[0], return_routing), x, (stacked, rope), partition_fn=self.partition_fn,
                          is_fn_pure=True)
-        if routed:  # each layer's routing, as the loop's layers keep it (the loss reads it after the forward)
-            for i, block in enumerate(group):
-                _set_routings(block, [t[i] for t in routed])
-        return x
+        if not routed:
+            return x, ()
+        # each layer's routing (stacked over the group's layers), in layer order as the loop returns it
+        return x, tuple(r for i, block in enumerate(group) for r in _unpack_routings(block, [t[i] for t in routed]))
 
-    def _block_fn(self, template: nn.Module) -> Callable:
+    def _block_fn(self, template: nn.Module, return_routing: bool = False) -> Callable:
         """The scanned function of a group, one object per (structure, mode) so that its traced graphs are reused,
         also by later groups of the same structure (Gemma 3's repeated runs of five sliding layers and one global
         one trace two bodies, not one per run: torch_xla keys its cache by the function and the shapes of one
@@ -174,15 +180,19 @@ class ScannedBlocks:
         (the other per-block values come from it) make the blocks interchangeable. The mode (train/eval: dropout
         on or off, grad or not, autocast) is part of what was traced."""
         key = (_structure(template), id(getattr(template, "config", template)), template.training,
-               torch.is_grad_enabled(), torch.is_autocast_enabled("xla"), torch.get_autocast_dtype("xla"))
+               torch.is_grad_enabled(), torch.is_autocast_enabled("xla"), torch.get_autocast_dtype("xla"),
+               return_routing and bool(moe_layers(template)))
         fn = self._fns.get(key)
         if fn is None:
 
             def fn(carry: torch.Tensor, layer: Tuple[Dict[str, torch.Tensor], Tuple[torch.Tensor, torch.Tensor]]):
                 params, (c, s) = layer
-                out = torch.func.functional_call(template, params, (carry, c, s))
-                # the MoE layers' routing of this layer leaves the body as an output (None without MoE layers)
-                return self._shard_batch(out, grads_too=True), _take_routings(template)
+                if not key[-1]:
+                    return self._shard_batch(torch.func.functional_call(template, params, (carry, c, s)),
+                                             grads_too=True), None
+                # the MoE layers' routing of this layer leaves the body as an output
+                out, routing = torch.func.functional_call(template, params, (carry, c, s), {"return_routing": True})
+                return self._shard_batch(out, grads_too=True), tuple(pack_routing(r) for r in routing)
 
             self._fns[key] = fn
         return fn
@@ -211,37 +221,17 @@ class ScannedBlocks:
         return t
 
 
-def _take_routings(block: nn.Module) -> Optional[Tuple[torch.Tensor, ...]]:
-    """The routing the MoE layers of `block` kept in its last forward, released from the modules: per layer one
-    float32 tensor (N, E + 2k) = [probs | experts | kept], the router's probabilities (differentiable) beside the
-    chosen experts and the capacity's kept flags as exact small floats. One tensor that requires a gradient: torch_xla's
-    scan differentiates every output of its body, which an integer or bool output cannot take. None when the block
-    has no MoE layer or kept no routing (evaluation)."""
-    packed = []
-    for m in moe_layers(block):
-        r = m.routing
-        m.routing = None
-        if r is None:
-            return None
-        kept = torch.ones_like(r.experts, dtype=torch.bool) if r.kept is None else r.kept
-        packed.append(torch.cat([r.probs, r.experts.to(r.probs.dtype), kept.to(r.probs.dtype)], dim=-1))
-    return tuple(packed) or None
-
-
-def _set_routings(block: nn.Module, packed: Sequence[torch.Tensor]) -> None:
-    """The inverse of `_take_routings`: the MoE layers of `block` keep the routing as their own forward keeps it."""
-    for m, t in zip(moe_layers(block), packed):
-        E, k = m.n_expert, m.k
-        m.routing = Routing(t[:, :E], t[:, E: E + k].long(), t[:, E + k:] > 0.5)
+def _unpack_routings(block: nn.Module, packed: Sequence[torch.Tensor]) -> Tuple:
+    """The `lit_gpt.moe.Routing` of each MoE layer of `block` from its `pack_routing` tensors."""
+    return tuple(unpack_routing(t, m.n_expert, m.k) for m, t in zip(moe_layers(block), packed))
 
 
 def checkpoint_block(block: nn.Module) -> nn.Module:
     """torch_xla's `checkpoint_module` for a block (recompute its activations in the backward pass), with the
-    routing of its MoE layers returned through the checkpointed function: its first forward runs under no_grad, so
-    a routing the layers kept there would carry no gradient to the router's load-balancing loss (the recomputation
-    in the backward pass comes too late for the loss). Returned, it is an output of the checkpoint, differentiable,
-    and the layers keep it after the forward as the unwrapped block's layers do. Blocks without MoE layers get
-    `checkpoint_module` itself."""
+    routing of its MoE layers (`return_routing=True`) returned through the checkpointed function as its output
+    tensors: its first forward runs under no_grad, so a routing handed out any other way would carry no gradient to
+    the router's load-balancing loss (the recomputation in the backward pass comes too late for the loss). Blocks
+    without MoE layers get `checkpoint_module` itself."""
     from torch_xla.distributed.fsdp import checkpoint_module
     from torch_xla.utils.checkpoint import checkpoint
 
@@ -250,20 +240,17 @@ def checkpoint_block(block: nn.Module) -> nn.Module:
     original = block.forward
 
     def run(*args: Any) -> Tuple[torch.Tensor, ...]:
-        out = original(*args)
-        routed = _take_routings(block)
-        return (out,) + (routed or ())
+        out, routing = original(*args, return_routing=True)
+        return (out,) + tuple(pack_routing(r) for r in routing)
 
-    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> torch.Tensor:
+    def forward(self: nn.Module, *args: Any, return_routing: bool = False, **kwargs: Any) -> Any:
         if kwargs or not (block.training and torch.is_grad_enabled()) or not any(
                 isinstance(a, torch.Tensor) and a.requires_grad for a in args):
             # evaluation, generation, and (as checkpoint_module) a block whose inputs need no gradient (the first
             # one under LoRA): the reentrant checkpoint would lose its parameters' gradients
-            return original(*args, **kwargs)
+            return original(*args, return_routing=return_routing, **kwargs)
         outs = checkpoint(run, *args)
-        if len(outs) > 1:
-            _set_routings(block, outs[1:])
-        return outs[0]
+        return (outs[0], _unpack_routings(block, outs[1:])) if return_routing else outs[0]
 
     block.forward = types.MethodType(forward, block)  # a bound method, as FSDPv2 requires of what it wraps
     return block

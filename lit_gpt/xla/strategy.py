@@ -342,10 +342,11 @@ class SPMDFSDPStrategy(XLAStrategy):
         # first block, whose input (the embedding of int ids) needs no gradient. Expected here, so not shown.
         warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed")
         from lit_gpt.xla.flash import tpu_segment_attention
+        from lit_gpt.xla.moe_gmm import use_pallas_gmm
         from lit_gpt.xla.scan import ScannedBlocks, checkpoint_block, resolve_scan_layers
-
         if hasattr(module, "segment_attention"):  # packed rows: the TPU's flash kernel with segment ids
             module.segment_attention = tpu_segment_attention(self.mesh, self.batch_axes)
+        use_pallas_gmm(module)  # MoE on a TPU: the dropless dispatch through the Pallas grouped matmul (megablox)
 
         self.scanning = resolve_scan_layers(self.scan_layers, module)
         if self.scanning:

@@ -12,11 +12,10 @@ not a timing test.
 """
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from fork_server import Captured
 
 WORKER = r'''
 import json, sys, torch
@@ -80,13 +79,14 @@ def run(fabric, method, scan, ac=False, dropout=0.0, steps=3):
     for step in range(steps):
         x = torch.randint(0, 128, (8, 17), generator=torch.Generator().manual_seed(step))
         inp, tgt = lx.shard_batch(fabric, (x[:, :-1].contiguous(), x[:, 1:].contiguous()))
-        loss = chunked_cross_entropy(wrapped(inp), tgt)
-        if method in MOE:  # + coef x the load-balancing loss, read from the layers' routing after the forward
-            from lit_gpt.moe import clear_routing, expert_load, load_balancing_loss
-            aux = load_balancing_loss(model)
-            loss = loss + model.config.router_aux_loss_coef * aux
-            dropped = expert_load(model)["dropped"].sum()
-            clear_routing(model)
+        if method in MOE:  # + coef x the load-balancing loss, of the routing the forward returns
+            from lit_gpt.moe import expert_load, load_balancing_loss
+            logits, routing = wrapped(inp, return_routing=True)
+            assert len(routing) == sum(map(model.config.is_moe_layer, range(model.config.n_layer)))
+            loss = chunked_cross_entropy(logits, tgt) + model.config.router_aux_loss_coef * load_balancing_loss(routing)
+            dropped = expert_load(routing)["dropped"].sum()
+        else:
+            loss = chunked_cross_entropy(wrapped(inp), tgt)
         fabric.backward(loss); opt.step(); opt.zero_grad()
         losses.append(loss.item())
     trained = [p for p in model.parameters() if p.requires_grad]
@@ -162,15 +162,17 @@ print("RESULT " + json.dumps(fabric.launch(main)))
 
 
 @pytest.fixture(scope="module")
-def results(xla_env, selected_devices, request):
+def results(xla_env, selected_devices, request, xla_forks, tmp_path_factory):
     """The device counts the selected tests need (1; also 8 under -m slow) at once (each process mostly imports and
     compiles)."""
     params = [getattr(getattr(item, "callspec", None), "params", {}) for item in request.session.items
               if item.module is request.module]
     cases = sorted({p["case"] for p in params if "case" in p} | {"gemma3"})  # the layer-kind tests read Gemma 3's
     repo = Path(__file__).resolve().parents[2]
-    procs = {n: subprocess.Popen([sys.executable, "-c", WORKER, json.dumps(cases)], env=xla_env(n), text=True,
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=repo)
+    logs = tmp_path_factory.mktemp("scan")
+    # processes of their own, forked from the XLA fork server (tests/conftest.py `xla_forks`: the imports done)
+    procs = {n: Captured(xla_forks, ["-c", WORKER, json.dumps(cases)], repo, xla_env(n), logs / f"{n}.out",
+                         logs / f"{n}.err")
              for n in selected_devices(request)}
     out = {}
     for n, proc in procs.items():

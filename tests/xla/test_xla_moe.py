@@ -141,7 +141,7 @@ def setup(checkpoint_dir: str = "", out: str = "", steps: int = 4) -> None:
 
     import lit_gpt.xla as lx
     from lit_gpt import GPT, Config
-    from lit_gpt.moe import MoE, load_balancing_loss
+    from lit_gpt.moe import load_balancing_loss
     from lit_gpt.weights import check_checkpoint_dir
     from lit_gpt.xla.diagnostics import compile_count, metric_count
 
@@ -159,15 +159,15 @@ def setup(checkpoint_dir: str = "", out: str = "", steps: int = 4) -> None:
         ids = torch.randint(3, config.vocab_size, (8, 65), generator=torch.Generator().manual_seed(step))
         x, y = lx.shard_batch(fabric, (ids[:, :-1].contiguous(), ids[:, 1:].contiguous()))
         c0, t0 = compile_count(), metric_count("TransferFromDeviceTime")
-        logits = wrapped(x)
-        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten()) + 0.02 * load_balancing_loss(model)
+        logits, routing = wrapped(x, return_routing=True)
+        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten()) + 0.02 * load_balancing_loss(routing)
         fabric.backward(loss)
         optimizer.step()  # ends with torch_xla.sync()
         optimizer.zero_grad()
         torch_xla.sync(wait=True)
         per_step.append({"compiles": compile_count() - c0,
                          "transfers_from_device": metric_count("TransferFromDeviceTime") - t0})
-        routed.append([m.routing.experts.cpu().tolist() for m in model.modules() if isinstance(m, MoE)])  # after
+        routed.append([r.experts.cpu().tolist() for r in routing])  # after the step
     fallbacks = sorted(n for n in met.counter_names() if n.startswith("aten::"))
 
     # activation checkpointing by torch_xla's checkpoint_module on each block, and as the strategy applies it
@@ -186,8 +186,8 @@ def setup(checkpoint_dir: str = "", out: str = "", steps: int = 4) -> None:
         if wrap is not None:
             for i, block in enumerate(plain.transformer.h):
                 plain.transformer.h[i] = wrap(block)
-        plain(ids[:, :-1].to(device))
-        aux = load_balancing_loss(plain)
+        _, routing = plain(ids[:, :-1].to(device), return_routing=True)
+        aux = load_balancing_loss(routing)
         aux_grad[checkpointed] = bool(aux.requires_grad)
     Path(out).write_text(json.dumps({"shardings": shardings, "steps": per_step, "fallbacks": fallbacks,
                                      "routing_differs": routed[0] != routed[1], "aux_requires_grad": aux_grad}))
@@ -207,7 +207,7 @@ def _probe_job(ckpt: Path, root: Path, devices: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def default_runs(checkpoints, xla_env, selected_devices, request):
+def default_runs(checkpoints, xla_env, selected_devices, request, xla_forks):
     """An XLA worker per device count the selected tests need (1; also 8 under -m slow): generation first (a fresh
     runtime), then the probe and the training runs; the CPU runs happen here meanwhile."""
     ckpt, root = checkpoints, checkpoints / "default"
@@ -219,7 +219,7 @@ def default_runs(checkpoints, xla_env, selected_devices, request):
             + [job for family in FAMILIES for job in _train_jobs(ckpt, root, family, DEFAULT_METHOD[family], devices,
                                                                  resume=family == RESUME_FAMILY)]
             for devices in selected_devices(request)}
-    workers = Workers(xla_env, root / "workers", jobs)
+    workers = Workers(xla_env, root / "workers", jobs, xla_forks)
     cpu_gen = {(family, key): _cpu("generate/base.py", _gen_args(ckpt, family, prompt))
                for family in FAMILIES for key, prompt in GEN_PROMPTS.items()}
     for family in FAMILIES:
@@ -380,13 +380,13 @@ MATRIX = [(f, m) for f in FAMILIES for m in ("lora", "adapter", "full")]
 
 
 @pytest.fixture(scope="module")
-def matrix(checkpoints, xla_env):
+def matrix(checkpoints, xla_env, xla_forks):
     ckpt, root = checkpoints, checkpoints / "matrix"
     root.mkdir()
     jobs = {devices: [job for family, method in MATRIX
                       for job in _train_jobs(ckpt, root, family, method, devices, resume=True)]
             for devices in (1, 8)}
-    workers = Workers(xla_env, root / "workers", jobs)
+    workers = Workers(xla_env, root / "workers", jobs, xla_forks)
     for family, method in MATRIX:
         _cpu(f"finetune/{method}.py", _args(ckpt, family, method, "cpu", _dir(root, family, method, "cpu")))
     yield {"root": root, "workers": workers}
