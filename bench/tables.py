@@ -446,21 +446,44 @@ def tpu_plan() -> str:
         return "No plan result files yet (`python xla/scripts/plan.py ... --results_file bench/results/plan_NAME.json`).\n"
     order = {"lora": 0, "full": 1}
     plans.sort(key=lambda r: (r["model"], order.get(r["method"], 9), r["chips"], r["topology"]))
-    lines = ["| model | method | slice | tokens / chip / step | peak HBM / chip | fits | largest micro batch (est.) |"
-             " model FLOPs / token | MFU bound | roofline step | plan: host RAM, time |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| model | method | slice | tokens / chip / step | peak HBM / chip | fits | what fits instead |"
+             " largest micro batch (est.) | model FLOPs / token | MFU bound | roofline step | plan: host RAM, time |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    gib = lambda b: f"{b / 2**30:.1f} GiB"  # noqa: E731
+
+    def extras(o: dict) -> str:
+        st = o["settings"]
+        return ", ".join(k for k, on in (("act. ckpt", st.get("activation_checkpointing")),
+                                         ("scan", st.get("scan_layers"))) if on)
+
+    def instead(r: dict) -> str:
+        """Where a plan does not fit: a plan of the same model and method that does (on the same slice with other
+        flags first, else the smallest slice planned), from the result files; nothing is estimated here."""
+        if r["fits"]:
+            return "-"
+        ok = [o for o in plans if o["fits"] and (o["model"], o["method"]) == (r["model"], r["method"])]
+        here = [o for o in ok if o["topology"] == r["topology"]]
+        if here:
+            o = min(here, key=lambda o: o["per_chip"]["peak_bytes"])
+            return f"with {extras(o) or 'other flags'} ({gib(o['per_chip']['peak_bytes'])})"
+        if ok:
+            o = min(ok, key=lambda o: (o["chips"] * o["hbm_per_chip_bytes"], o["per_chip"]["peak_bytes"]))
+            flags = f" with {extras(o)}" if extras(o) else ""
+            return f"{o['topology']}{flags} ({gib(o['per_chip']['peak_bytes'])})"
+        return "none planned that fits"
+
     for r in plans:
         pc, h = r["per_chip"], r.get("host", {})
-        gib = lambda b: f"{b / 2**30:.1f} GiB"  # noqa: E731
         peak = f"{gib(pc['peak_bytes'])} of {gib(r['hbm_per_chip_bytes'])}" if "peak_bytes" in pc else "n/a"
         fits = "yes" if r["fits"] else (f"no (over by {gib(r['over_by_bytes'])})" if "over_by_bytes" in r else "no")
+        fits = "not known (see below)" if r["fits"] is None else fits
         roof = r.get("roofline")
         ram = h.get("max_rss_gib") or max(h.get("trace_process_max_rss_gib", 0), h.get("compile_process_max_rss_gib", 0))
         largest = r.get("largest_micro_batch_estimate")
         st = r["settings"]
         step = (f"{st['micro_batch_size']} x {st['max_seq_length']}"
                 + (", act. ckpt" if st.get("activation_checkpointing") else "") + (", scan" if st.get("scan_layers") else ""))
-        lines.append(f"| {r['model']} | {r['method']} | {r['topology']} | {step} | {peak} | {fits} |"
+        lines.append(f"| {r['model']} | {r['method']} | {r['topology']} | {step} | {peak} | {fits} | {instead(r)} |"
                      f" {'n/a' if largest is None else largest} | {r['model_flops_per_token'] / 1e9:.1f} G |"
                      + (f" {100 * roof['mfu_bound']:.0f}% | {roof['step_s'] * 1e3:.0f} ms ({roof['bound']}) |"
                         if roof else " n/a | n/a |") +
@@ -482,9 +505,16 @@ def tpu_plan() -> str:
             " taken as proportional to the rows; 0: not one row fits this slice: a bigger slice, or activation"
             " checkpointing where a row does not use it).\n\n")
     text += "\n".join(lines) + "\n"
-    if any(r.get("cost_not_counted") for r in plans):
+    if any(r.get("cost_not_counted") and r["settings"].get("scan_layers") for r in plans):
         text += ("\nn/a: a scanned step (`scan` rows) is an HLO while loop, whose body XLA's cost analysis counts once"
                  " whatever the number of layers: its FLOPs and bytes, hence the roofline, are not given.\n")
+    for r in plans:  # a plan whose depths give no per-layer line, as it states it
+        if r["fits"] is None:
+            text += f"\nnot known for {r['model']} {r['method']} on {r['topology']}{_ckpt(r)}: {r['how']}.\n"
+    for r in plans:  # a cost left out for another reason, as the plan states it
+        if r.get("cost_not_counted") and not r["settings"].get("scan_layers"):
+            text += (f"\nn/a for {r['model']} {r['method']} on {r['topology']}: "
+                     f"{r['cost_not_counted']['reason']}.\n")
     files = ", ".join(f"`bench/results/{r['_file']}`" for r in plans)
     dates = sorted({r.get("host", {}).get("date", "")[:10] for r in plans} - {""})
     text += (f"\nFrom {files} (libtpu {v.get('libtpu')}, jax {v.get('jax')}, torch_xla {v.get('torch_xla')};"
@@ -493,6 +523,10 @@ def tpu_plan() -> str:
              " v6e-8 rows reused the v5e-8 rows' traced steps, and a step compiled before for the same slice is not"
              " compiled again (`--trace_cache`): their times are shorter than a first plan's).\n")
     return text
+
+
+def _ckpt(r: dict) -> str:
+    return " with act. ckpt" if r["settings"].get("activation_checkpointing") else ""
 
 
 def _plan_depths(plans: List[dict]) -> str:
@@ -838,8 +872,8 @@ def long_context() -> str:
     """bench/long_context.py: (a) one packed LoRA train step at long row lengths, the dense document mask (old) against
     attention one document at a time (new), and XLA:CPU's new path (blockwise segment attention): peak memory above
     the model's, and step time; (b) prefill + 64 decode steps with the old KV cache (every position) and the new one
-    (a sliding layer's cache holds its window)."""
-    (r,) = _load_all("long_context_cpu")
+    (a sliding layer's cache holds its window); (b) and the XLA:CPU column from their own runs' files when there are."""
+    r, d, xr = _load_all("long_context_cpu", "long_context_decode_cpu", "long_context_xla_cpu")
     head = ["| row length | old (dense mask): peak MiB | step s | new (per document): peak MiB | step s |"
             " new peak / previous length's | XLA:CPU new (blockwise): peak MiB | step s |",
             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -848,6 +882,11 @@ def long_context() -> str:
                                  " bench/results/long_context_cpu.json")
     res, s = r["results"], r["settings"]
     steps = {(x["path"], x["T"]): x for x in res["steps"] + res.get("decode", [])}
+    xla_rows = [y for y in res["steps"] if y["path"] == "xla"]
+    if xr is not None:  # the XLA:CPU column from its own run (`--train false --decode false`)
+        xla_rows = [y for y in xr["results"]["steps"] if y["path"] == "xla"]
+        steps = {k: v for k, v in steps.items() if k[0] != "xla"}
+        steps.update({("xla", y["T"]): y for y in xla_rows})
 
     def cells(x: dict, peak: str, time: str, fmt: str = ".2f", scale: float = 1.0) -> Tuple[str, str]:
         if not x:
@@ -866,7 +905,8 @@ def long_context() -> str:
                     f" | {' | '.join(cells(xla, 'peak_mib', 'step_s'))} |")
         prev = T
     skipped = [f"{x['T']} ({x['skipped']})" for x in res["steps"] if "skipped" in x and x["path"] == "mask"]
-    xla_skipped = [f"{x['T']} ({x['skipped']})" for x in res["steps"] if "skipped" in x and x["path"] == "xla"]
+    xla_skipped = [f"{y['T']} ({y['skipped']})" for y in xla_rows if "skipped" in y]
+    xla_growth = (xr["results"]["peak_ratios"] if xr is not None else res["peak_ratios"]).get("xla", {})
     speed = next((v for k, v in res.items() if k.startswith("old_over_new_time_at_")), None)
     text = "\n".join(head) + "\n"
     text += (f"\n{s['model']}, {s['method']}, {s['precision']}, {s['rows_per_step']} row per step of documents of"
@@ -876,7 +916,15 @@ def long_context() -> str:
              + (f" Old path skipped at {', '.join(skipped)}." if skipped else "")
              + (f" XLA:CPU ({s['xla']}; peak over three steps, compilation included; time: the third step, which"
                 " XLA:CPU does not optimise: memory is its measure here)"
-                + (f" skipped at {', '.join(xla_skipped)}." if xla_skipped else ".") if s.get("xla") else "") + "\n")
+                + (f" skipped at {', '.join(xla_skipped)}." if xla_skipped else ".")
+                + "".join(f" Its peak {k}: {_f(v)}x." for k, v in xla_growth.items())
+                + (f" Its run stopped at {max(xr['settings']['lengths'])} (its --lengths)."
+                   if xr is not None and max(xr["settings"]["lengths"]) < max(s["lengths"]) else "")
+                if xla_rows else "") + "\n")
+    if d is not None:  # part (b) from its own run (`--train false --xla false`): its rows and settings
+        res, s = {**res, "decode": d["results"].get("decode"),
+                  "decode_same_tokens": d["results"].get("decode_same_tokens")}, d["settings"]
+        steps.update({(x["path"], x["T"]): x for x in res["decode"] or []})
     if res.get("decode"):
         text += ("\n| prompt length | old KV cache: peak MiB | prefill s | decode ms/token | KV MiB | new KV cache:"
                  " peak MiB | prefill s | decode ms/token | KV MiB |\n| --- | --- | --- | --- | --- | --- | --- | --- |"
@@ -894,7 +942,11 @@ def long_context() -> str:
                  " allocated (cache, prefill, steps). Greedy tokens equal with both caches:"
                  f" {'yes' if res.get('decode_same_tokens') else 'no'}."
                  + (f" Skipped: {', '.join(dec_skipped)}." if dec_skipped else "") + "\n")
-    return text + _source(r)
+        growth = (d or r)["results"]["peak_ratios"]  # the ratios of the run that measured these rows
+        text += "\nPeak over the previous length's (one run): " + "; ".join(
+            f"{p[7:]} " + ", ".join(f"{k} {_f(v)}x" for k, v in growth.get(p, {}).items())
+            for p in ("decode_old", "decode_new")) + ".\n"
+    return text + _source(r, d, xr)
 
 
 TABLES: Dict[str, Callable[[], str]] = {

@@ -1,4 +1,4 @@
-"""The TPU planner (xla/scripts/plan.py, lit_gpt/xla/plan.py).
+"""The TPU planner (xla/scripts/plan.py, lit_gpt/recipes/xla_plan.py, lit_gpt/xla/plan.py, lit_gpt/xla/plan_report.py).
 
 Fast: the pure-Python parts (topologies, argument checks, the recipes' flags, roofline, HLO collective counting,
 per-layer extrapolation and its check against a full-depth compile, the buffer assignment's bytes, libtpu's
@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from lit_gpt.utils import LitError
-from lit_gpt.xla import plan
+from lit_gpt.xla import plan, plan_report
 
 NEEDS_XLA = False  # the fast tests need neither torch_xla nor libtpu; the slow one checks for itself
 
@@ -188,7 +188,15 @@ def test_summary_extrapolates_per_layer():
     c = checked["extrapolation_check"]
     assert c["from_depths"] == [1, 2] and c["peak_bytes"]["extrapolated"] == pytest.approx((3 + 0.6 * 16) * gib)
     assert c["peak_bytes"]["error"] == pytest.approx(12.6 / 12 - 1) and c["flops"]["error"] == pytest.approx(0)
-    assert script.largest_micro_batch({"temp_bytes": 4.0, "peak_bytes": 10.0}, 26, 2) == 10
+    assert plan_report.largest_micro_batch({"temp_bytes": 4.0, "peak_bytes": 10.0}, 26, 2) == 10
+    # a peak that falls with depth (the compiler's choices differ near the chip's HBM) gives no line and no verdict,
+    # not a negative peak that "fits"; HBM bytes that fall with depth give no roofline, not a negative one
+    falling = script.summarise(config, topo, job, {1: {**point(1), "peak_bytes": 16 * gib},
+                                                   2: {**point(2), "peak_bytes": 14.5 * gib, "bytes_accessed": 0.5e9}},
+                               "lora")
+    assert falling["fits"] is None and "peak_bytes" not in falling["per_chip"]
+    assert falling["how"].startswith("not extrapolated") and "roofline" not in falling
+    assert "falls with depth" in falling["cost_not_counted"]["reason"] and "not given" in script.report(falling)
 
 
 # ---------------------------------------------------------------------------------------------------------------
