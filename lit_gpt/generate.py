@@ -208,6 +208,7 @@ class Batch:
         self.sampling: List[RowSampling] = [RowSampling()] * rows
         self.vocab = self.gpt.config.vocab_size
         self._greedy_args: Dict[int, Dict[str, torch.Tensor]] = {}  # static backends: all-greedy inputs by rows
+        self._noise: Optional[torch.Tensor] = None  # eager backends: the per-row draws' buffer (`_fill_noise`)
 
     # --------------------------------------------------------------- rows
     def free_rows(self) -> List[int]:
@@ -229,16 +230,37 @@ class Batch:
         greedy = all(s.temperature == 0.0 for s in settings)
         if greedy and len(settings) in self._greedy_args:
             return self._greedy_args[len(settings)]
-        draws = [_exponential(self.vocab, s.generator) if s.temperature > 0 else None for s in settings]
-        # each row's draws come from its generator's device (the host on XLA, which has no generator per row)
-        where = next((d.device for d in draws if d is not None), torch.device("cpu"))
-        noise = torch.stack([d.to(where) if d is not None else torch.ones(self.vocab, device=where) for d in draws])
+        if self.static:
+            draws = [_exponential(self.vocab, s.generator) if s.temperature > 0 else None for s in settings]
+            # each row's draws come from its generator's device (the host on XLA, which has no generator per row)
+            where = next((d.device for d in draws if d is not None), torch.device("cpu"))
+            noise = torch.stack([d.to(where) if d is not None else torch.ones(self.vocab, device=where) for d in draws])
+        else:
+            noise = self._fill_noise(settings)
         to_device = self.runtime.to_device
         args = dict(temperature=to_device(torch.tensor([s.temperature for s in settings])),
                     top_p=to_device(torch.tensor([s.top_p for s in settings])), noise=to_device(noise))
         if greedy:
             self._greedy_args[len(settings)] = args
         return args
+
+    def _fill_noise(self, settings: Sequence["RowSampling"]) -> torch.Tensor:
+        """Eager backends: every row's Exp(1) draws (ones for greedy rows) written in place into one (rows, vocab)
+        buffer kept across steps, each sampling row's from its own generator (the same values as `_exponential`):
+        no new (rows x vocab) tensor and no stacked copy per step (measured: the stack was ~4% of an 8-row step of
+        SmolLM2-135M on the CPU). The step reads it before the next one refills it (eager: in order)."""
+        where = next((s.generator.device if s.generator is not None else torch.device("cpu")
+                      for s in settings if s.temperature > 0), torch.device("cpu"))
+        buf = self._noise
+        if buf is None or buf.device != where or buf.size(0) < len(settings):
+            buf = self._noise = torch.empty(self.rows, self.vocab, device=where)
+        noise = buf[: len(settings)]
+        for row, s in zip(noise, settings):
+            if s.temperature > 0:
+                row.exponential_(1.0, generator=s.generator)
+            else:
+                row.fill_(1.0)
+        return noise
 
     # --------------------------------------------------------------- the two steps
     def join(self, rows: Sequence[int], prompt: torch.Tensor, sampling: Optional[Sequence["RowSampling"]] = None,

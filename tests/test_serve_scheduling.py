@@ -120,3 +120,53 @@ def test_a_negative_prefill_chunk_is_one_line():
 
     with pytest.raises(LitError, match=r"^--prefill_chunk must be >= 0 \(0: whole prompts\), got -1$"):
         check_serve_args(prefill_chunk=-1)
+
+
+class _SilentDecoder:
+    """The engine streams text through its tokenizer's decoder; the tiny transformers model has no tokenizer (the
+    test compares token ids)."""
+
+    def step(self, token: int) -> str:
+        return ""
+
+    def flush(self) -> str:
+        return ""
+
+
+@torch.inference_mode()  # as the engine's thread runs (its caches are inference tensors)
+def test_a_sliding_window_model_is_prefilled_in_chunks_with_the_tokens_of_transformers(tmp_path):
+    """Tiny Gemma 3 (five sliding layers of window 4 to one global, tests/tiny_hf.py): its ring caches are prefilled
+    in chunks of 3 tokens between decode steps, prompts shorter and longer than the window and than a chunk, some
+    sitting through decode steps between their chunks while other rows decode, some waiting for a free row; every
+    answer equals transformers' greedy `generate`, and prefix caching is off."""
+    from types import SimpleNamespace
+
+    transformers = pytest.importorskip("transformers")  # noqa: F841
+    from tiny_hf import VOCAB, hf_to_lit
+
+    from lit_gpt.recipes.serving import Engine
+    from lit_gpt.runtime import Runtime
+
+    hf_model, model = hf_to_lit("gemma3", tmp_path, seed=3)
+    tokenizer = SimpleNamespace(stream_decoder=lambda skip_special_tokens: _SilentDecoder())
+    loaded = SimpleNamespace(model=model, tokenizer=tokenizer, runtime=Runtime(None, torch.device("cpu")),
+                             block_size=model.config.block_size)
+    lines: List[str] = []
+    eng = Engine(loaded, slots=3, max_seq_length=40, max_queue=8, prefill_chunk=3, log=lines.append)
+    assert eng.ring and not eng.prefix_cache and eng.chunk == 3, lines
+    gen = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (2, 13, 9, 5, 11)]
+    budget = [12, 6, 9, 7, 5]
+    expected = [hf_model.generate(torch.tensor([p]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                  pad_token_id=0)[0, len(p):].tolist() for p, n in zip(prompts, budget)]
+    jobs = [job(p, max_tokens=n) for p, n in zip(prompts, budget)]
+    eng.submit(jobs[:1])
+    eng.iterate()  # the first row decodes from here on: the next prompts come in chunks of 3 between its steps
+    eng.submit(jobs[1:])  # two join now (the 13- and 9-token prompts: several steps each), two when rows free up
+    held = 0
+    while eng.busy():
+        held += sum(j.prefilling and j.row is not None and j.done_pos > 0 for j in jobs)
+        eng.iterate()
+    assert held > 0  # some row sat through decode steps between its chunks
+    assert [j.generated_ids for j in jobs] == expected
+    assert eng.stats["prefill_calls"] > len(prompts) and eng.stats["cached_tokens"] == 0

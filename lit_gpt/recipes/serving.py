@@ -42,9 +42,15 @@ rows padded) are fixed and every step runs all rows with per-row sampling settin
 four graphs) nothing compiles. On the CPU and GPUs a step runs the rows up to the highest in use and the cache
 positions in use (`Batch`), and a prefill call the rows and chunk lengths it has.
 
-A model with sliding-window layers whose cache is a ring (`lit_gpt.kv_cache`) keeps only a window per row: an idle
-row's write can fall on an entry still in use, and a copied prefix is not a prefix of positions. There every prompt
-is prefilled whole in one call (all waiting prompts together) and prefix caching is off.
+A model with sliding-window layers whose cache is a ring (`lit_gpt.kv_cache`) keeps only a window per row. Its
+prompts are prefilled in chunks too on eager backends (a chunk attends over the ring as it was and its own keys,
+then keeps the last window). A row part-way through its prompt sits through one decode step between its chunks,
+whose write lands at the position its next chunk starts at: that ring entry holds the one position that left the
+window of every later query, so no entry still in use is overwritten (first come first served, a prompt part-way
+through is first in the next prefill call: its position never moves on past that). Prefix caching stays off: a
+ring entry holds position p mod window, so what a row holds is the last window of its tokens, not a prefix another
+prompt could reuse, and a copied block would not be a block of positions. On static backends (XLA) rings still
+prefill whole prompts in one call (all waiting prompts together): chunks over a ring are not tested there.
 """
 
 import collections
@@ -147,10 +153,13 @@ class Engine:
         self.chunk = min(prefill_chunk or max_seq_length, max_seq_length)
         self.prefix_cache = prefix_cache
         self.prefill_rows = min(slots, STATIC_PREFILL_ROWS) if self.static else slots
-        if any(getattr(b.attn.kv_cache, "ring", None) for b in self.batch.gpt.transformer.h):
-            # sliding-window rings: see the module's docstring. Whole prompts, all at once, nothing shared
-            self.chunk, self.prefill_rows, self.prefix_cache = max_seq_length, slots, False
-            log("Sliding-window ring caches: prompts are prefilled whole, prefix caching is off")
+        self.ring = any(getattr(b.attn.kv_cache, "ring", None) for b in self.batch.gpt.transformer.h)
+        if self.ring:  # sliding-window rings: see the module's docstring. Nothing shared; on XLA whole prompts
+            self.prefix_cache = False
+            if self.static:
+                self.chunk, self.prefill_rows = max_seq_length, slots
+            how = "prefilled whole" if self.static else f"prefilled in chunks of {self.chunk}"
+            log(f"Sliding-window ring caches: prefix caching is off, prompts {how}")
         self.jobs: List[Optional[Job]] = [None] * slots
         self.waiting: Deque[Job] = collections.deque()
         self.lock = threading.Condition()
