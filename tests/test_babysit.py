@@ -720,3 +720,22 @@ def test_a_bucket_out_dir_gets_every_workers_log_through_the_babysitter(tmp_path
     folder = fake.dir / "buckets" / "my-lit-bucket" / "runs" / "x" / "logs" / "babysit"
     for w in (0, 1):
         assert f"worker {w} trained\n" in (folder / f"worker-{w}.log").read_text()
+
+
+def test_a_job_that_ends_between_the_status_checks_is_exited_not_vanished(tmp_path):
+    """The status script checks the exit file, then whether the job's process runs: a job that writes its exit code
+    and ends in between was reported "vanished", and the babysitter restarted a finished run (seen in the slow
+    suite under load: the command ran twice). `ps` here ends the job at exactly that moment."""
+    from lit_gpt.xla.gcloud import JOB_ROOT, status_script
+
+    folder = tmp_path / "home" / JOB_ROOT / "job"
+    folder.mkdir(parents=True)
+    (folder / "worker").write_text("0\n")
+    (folder / "pid").write_text("12345\n")
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    (fake_bin / "ps").write_text(f'#!/bin/sh\necho 0 > "{folder}/exit"\nexit 1\n')  # ends now: no such process
+    (fake_bin / "ps").chmod(0o755)
+    proc = subprocess.run(["bash", "-c", status_script("job", 0)], capture_output=True, text=True, timeout=30,
+                          env={"HOME": str(tmp_path / "home"), "PATH": f"{fake_bin}:/usr/bin:/bin"})
+    assert proc.stdout.split()[:4] == ["LITBS", "0", "exited", "0"], proc.stdout + proc.stderr

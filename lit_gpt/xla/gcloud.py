@@ -375,6 +375,7 @@ def status_script(job: str, offset: int, limit: int = 1 << 20) -> str:
 elif [ -f "$d/stopped" ]; then st=stopped; x=-
 elif [ -f "$d/exit" ]; then st=exited; x=$(cat "$d/exit")
 elif alive -p "$(cat "$d/pid")"; then st=running; x=$(cat "$d/pid")
+elif [ -f "$d/exit" ]; then st=exited; x=$(cat "$d/exit")  # it ended between the two checks above
 else st=vanished; x=-; fi
 size=$(stat -c %s "$d/log" 2>/dev/null || echo 0)
 hb=$(base64 -w0 2>/dev/null < "$d/heartbeat.json"); hb=${{hb:--}}
