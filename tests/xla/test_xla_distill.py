@@ -7,27 +7,17 @@ are the CPU recipe's objective (tests/test_distill.py checks it against TRL).
 """
 
 import contextlib
-import csv
 import io
 import json
 from pathlib import Path
 
 import pytest
 from fork_server import run_captured
+from test_finetune import read_metrics as metrics  # {step: value} from the run's CSV logs
 
 from words import GEN_PROMPT, WORDS, make_word_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def metrics(out: Path, key: str) -> dict:
-    values = {}
-    for path in (out / "logs" / "csv").glob("version_*/metrics.csv"):
-        with open(path) as f:
-            for row in csv.DictReader(f):
-                if row.get(key):
-                    values[int(float(row["step"]))] = float(row[key])
-    return values
 
 
 @pytest.mark.slow  # an XLA:CPU process that compiles the train step with the teacher inside (~30 s on 2 cores)

@@ -10,7 +10,6 @@ chosen reply repeats the prompt's words, the rejected one reverses them), fp32, 
 By default: LoRA on 1 device, full on 8; the other two combinations are marked slow.
 """
 
-import csv
 import importlib.util
 import json
 import re
@@ -19,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from fork_server import run_captured
+from test_finetune import read_metrics as metrics  # {step: value} from the run's CSV logs
 
 from test_dpo import preference_rows
 from words import make_word_checkpoint
@@ -38,16 +38,6 @@ WEIGHTS = {"lora": "lit_model.lora.safetensors", "full": "lit_model.safetensors"
 CASES = [pytest.param("lora", 1, id="lora-1"), pytest.param("full", 8, id="full-8"),
          pytest.param("lora", 8, id="lora-8", marks=pytest.mark.slow),
          pytest.param("full", 1, id="full-1", marks=pytest.mark.slow)]
-
-
-def metrics(out: Path, key: str) -> dict:
-    values = {}
-    for path in (out / "logs" / "csv").glob("version_*/metrics.csv"):
-        with open(path) as f:
-            for row in csv.DictReader(f):
-                if row.get(key):
-                    values[int(float(row["step"]))] = float(row[key])
-    return values
 
 
 @pytest.fixture(scope="module")

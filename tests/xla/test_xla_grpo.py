@@ -8,26 +8,16 @@ The completions are sampled with XLA's generator, so the run is not compared wit
 loss and gradients are compared with TRL's on fixed completions in tests/test_grpo_parity.py).
 """
 
-import csv
 import json
 from pathlib import Path
 
 import pytest
 from fork_server import run_captured
+from test_finetune import read_metrics as metrics  # {step: value} from the run's CSV logs
 
 from test_grpo import ROWS, prepare_prompts
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def metrics(out: Path, key: str) -> dict:
-    values = {}
-    for path in (out / "logs" / "csv").glob("version_*/metrics.csv"):
-        with open(path) as f:
-            for row in csv.DictReader(f):
-                if row.get(key):
-                    values[int(float(row["step"]))] = float(row[key])
-    return values
 
 
 @pytest.mark.slow  # an XLA:CPU process that compiles generation, reference and train graphs (~1-2 minutes)
