@@ -10,6 +10,12 @@ bitsandbytes`; the LoRA matrices train in the precision's dtype):
 
     python finetune/lora.py --quantize bnb.nf4 --checkpoint_dir ... --data.data_dir data/alpaca
 
+gpt-oss with its experts frozen in MXFP4 (every device: the experts of a checkpoint converted from the Hub's MXFP4
+weights packed back without loss after loading, 4.25 bits per weight, decoded per matmul; LoRA trains the attention
+and whatever else the LoRA flags pick, not the experts):
+
+    python finetune/lora.py --quantize mxfp4 --checkpoint_dir checkpoints/openai/gpt-oss-20b --data.data_dir ...
+
 Mixture-of-experts models (Mixtral, Qwen3-MoE, gpt-oss): `--lora_experts true` adds a rank-r update to every expert's
 three linear layers; `--lora_mlp` adapts the dense MLP layers only, and the router stays frozen. The router's
 load-balancing loss joins the objective with the checkpoint's `router_aux_loss_coef` (`--moe.router_aux_loss_coef`
@@ -43,7 +49,7 @@ from lit_gpt.runtime import Runtime, resolve_accelerator
 from lit_gpt.training import Method
 from lit_gpt.utils import LitError, run_cli
 
-QLORA_CHOICES = ("bnb.nf4",)
+QLORA_CHOICES = ("bnb.nf4", "mxfp4")
 
 
 def main(fabric: L.Fabric, run: FinetuneRun) -> dict:
@@ -53,7 +59,7 @@ def main(fabric: L.Fabric, run: FinetuneRun) -> dict:
 
     # the method: LoRA layers on the frozen base model (starting afresh, or from --lora_init_from); only the LoRA
     # matrices train and are saved. QLoRA: the frozen base weights become 4-bit ones, layer by layer, as they move
-    # to the GPU
+    # to the GPU; mxfp4: the frozen experts are packed in MXFP4, projection by projection, onto the device
     model, raw_model = setup_model(
         fabric, lambda: lora.GPT(run.config), run.checkpoint_dir, own_filter=lora.lora_filter,
         mark_trainable=lora.mark_only_lora_as_trainable,
@@ -72,9 +78,18 @@ def check_qlora(flags: Dict[str, Any]) -> None:
     if quantize is None:
         return
     if flags["train"].compile:
-        raise LitError("--train.compile is not supported with --quantize (QLoRA): drop one of the two")
+        raise LitError("--train.compile is not supported with --quantize: drop one of the two")
     device = torch.device(resolve_accelerator(flags["accelerator"]))
     check_quantize(quantize, device, torch.bfloat16, choices=QLORA_CHOICES)
+    if quantize == "mxfp4":
+        from lit_gpt.config import load_config
+
+        if not load_config(flags["checkpoint_dir"]).n_expert:  # the values are checked when they are packed
+            raise LitError("--quantize mxfp4 packs the experts of a mixture-of-experts model (gpt-oss); this model has"
+                           " none: run without --quantize mxfp4")
+        if flags["lora_experts"]:
+            raise LitError("--lora_experts does not combine with --quantize mxfp4 (the experts stay frozen in MXFP4):"
+                           " drop one of the two")
     if flags["devices"] * flags["num_nodes"] > 1 and flags["strategy"] != "ddp":
         raise LitError("--quantize does not combine with FSDP (4-bit weights are not sharded): add --strategy ddp")
 

@@ -13,16 +13,20 @@ two dims into its in-memory (E, in, out) layout; tests/test_moe_parity.py holds 
 Kept packed in memory (`pack_experts_mxfp4`): the experts' weights of a converted gpt-oss model are MXFP4 values (the
 Hub's bytes decoded), so `quantize_mxfp4` packs them back without loss, 4.25 bits per weight instead of bf16's 16
 (about 3.8x less), and `MXFP4ExpertLinear` decodes one projection's weights per matmul (every dispatch path reads
-`weight`). Frozen: the packed weights are buffers, not parameters. The generation recipes pack at load with
-`--quantize mxfp4` (`lit_gpt.quantize`: generate/base.py, chat/base.py; tests/test_moe_mxfp4.py). Conversion still
-writes the decoded values (a converted checkpoint is bf16 on disk), and LoRA finetuning has no flag for it yet (a
-library call after loading: tests/test_moe_mxfp4.py trains LoRA on the attention with packed experts).
+`weight`; eager CPU inference, which reads the chosen experts by views, decodes only those). Frozen: the packed
+weights are buffers, not parameters. The recipes pack after loading with `--quantize mxfp4` (`lit_gpt.quantize`):
+generation (generate/*.py, chat/base.py), evaluation and serving (eval/lm_eval.py, eval/perplexity.py, serve/base.py:
+`lit_gpt.recipes.evaluate.EVAL_FLAGS`) and LoRA (finetune/lora.py: the experts frozen packed, LoRA on the other
+layers, not with --lora_experts), on the CPU and CUDA, not on XLA; tests/test_moe_mxfp4.py. Conversion still writes
+the decoded values (a converted checkpoint is bf16 on disk, so loading needs the bf16 size in host memory once before
+packing; each projection is packed straight onto the run's device).
 """
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from lit_gpt.moe import ExpertLinear
 
@@ -66,9 +70,14 @@ def quantize_mxfp4(w: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """float (..., K) -> MXFP4 blocks (..., K/32, 16) and scales (..., K/32), uint8: per group of 32 the smallest
     power of two that brings its largest magnitude to at most 6, each value the nearest E2M1 code, two codes per
     byte (the even element in the low nibble). Exact on values an MXFP4 tensor decodes to (a coarser scale of such a
-    group only doubles codes <= 3, which stay codes)."""
+    group only doubles codes <= 3, which stay codes). Encoded one slice of the first dim (one expert) at a time: the
+    nearest-code search holds 16 float32 copies of what it encodes, which for a whole gpt-oss-120b projection
+    would be over 100 GB."""
     if w.shape[-1] % GROUP:
         raise ValueError(f"MXFP4 groups {GROUP} values along the last dim; {w.shape[-1]} is not a multiple")
+    if w.dim() > 2:
+        pairs = [quantize_mxfp4(w[j]) for j in range(w.shape[0])]
+        return torch.stack([b for b, _ in pairs]), torch.stack([s for _, s in pairs])
     g = w.float().reshape(*w.shape[:-1], -1, GROUP)
     amax = g.abs().amax(-1)
     e = torch.where(amax > 0, torch.ceil(torch.log2(amax / 6.0)), torch.zeros_like(amax)).clamp(-127, 127)
@@ -80,14 +89,15 @@ def quantize_mxfp4(w: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
 
 class MXFP4ExpertLinear(ExpertLinear):
     """An `ExpertLinear` whose (n_expert, out, in) weight stays MXFP4 in memory (`blocks`, `scales` buffers, frozen)
-    and is decoded to `dtype` each time a matmul reads `weight`; the bias (gpt-oss's) stays as it was."""
+    and is decoded to `dtype` each time a matmul reads `weight`; the bias (gpt-oss's) stays as it was. `device`:
+    where the packed buffers are made (the float weight is copied there one projection at a time)."""
 
-    def __init__(self, linear: ExpertLinear) -> None:
+    def __init__(self, linear: ExpertLinear, device: Optional[torch.device] = None) -> None:
         nn.Module.__init__(self)
         self.n_expert, self.in_features, self.out_features = linear.n_expert, linear.in_features, linear.out_features
         self.by_views = False
         self.dtype = linear.weight.dtype
-        blocks, scales = quantize_mxfp4(linear.weight.detach())
+        blocks, scales = quantize_mxfp4(linear.weight.detach().to(device))
         self.register_buffer("blocks", blocks)
         self.register_buffer("scales", scales)
         self.bias = linear.bias
@@ -96,20 +106,32 @@ class MXFP4ExpertLinear(ExpertLinear):
     def weight(self) -> torch.Tensor:  # type: ignore[override]
         return dequantize_mxfp4(self.blocks, self.scales, self.dtype)
 
+    def forward_selected(self, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        if not self.by_views:
+            return super().forward_selected(x, experts)
+        # eager CPU inference (`lit_gpt.cpu_layout`): the parent reads `weight[e]` per row, which would decode every
+        # expert once per row; decode only the chosen experts, once each (the same values, the same products)
+        ids = experts.tolist()
+        chosen = {e: dequantize_mxfp4(self.blocks[e: e + 1], self.scales[e: e + 1], self.dtype)[0] for e in set(ids)}
+        rows = [F.linear(x[m], chosen[e], None if self.bias is None else self.bias[e]) for m, e in enumerate(ids)]
+        return torch.stack(rows)
+
     def reset_parameters(self) -> None:  # the packed values are the weights; nothing to initialise
         pass
 
 
-def pack_experts_mxfp4(model: nn.Module) -> int:
+def pack_experts_mxfp4(model: nn.Module, device: Optional[torch.device] = None) -> int:
     """Every expert projection of `model` (`lit_gpt.moe.ExpertLinear`, not a LoRA one) packed as MXFP4 in place;
     returns the bytes of weights freed. Refused (ValueError, nothing changed) where a weight is not exactly MXFP4
-    values: packing must not change the model (a gpt-oss checkpoint converted from the Hub holds such values)."""
+    values: packing must not change the model (a gpt-oss checkpoint converted from the Hub holds such values).
+    `device`: where the packed buffers go (default: where each weight is); the float weights stay where they are
+    until they are dropped, so a GPU never holds more than one projection of them."""
     targets = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
                if type(child) is ExpertLinear]
     packed = []
     for parent, name, child in targets:
-        new = MXFP4ExpertLinear(child)
-        if not torch.equal(new.weight, child.weight.detach()):
+        new = MXFP4ExpertLinear(child, device)
+        if not torch.equal(new.weight, child.weight.detach().to(new.blocks.device)):
             raise ValueError(f"the expert weights of {name} are not MXFP4 values: packing them would change the model"
                              " (only experts converted from an MXFP4 checkpoint, gpt-oss's, pack without loss)")
         packed.append((parent, name, child, new))

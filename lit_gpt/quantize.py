@@ -7,11 +7,13 @@
                       int4 kernel and CUDA's tinygemm kernel, both in bfloat16.
     "bnb.int8"        bitsandbytes LLM.int8() (`Linear8bitLt`); CUDA only, `pip install bitsandbytes`.
     "bnb.nf4"         bitsandbytes 4-bit NormalFloat (`Linear4bit`, double-quantized statistics); CUDA only.
-                      The only mode under QLoRA (`finetune/lora.py --quantize bnb.nf4`).
+                      QLoRA's mode (`finetune/lora.py --quantize bnb.nf4`).
     "mxfp4"           gpt-oss: the experts of a mixture-of-experts model converted from the Hub's MXFP4 checkpoint
                       packed back into MXFP4 (`lit_gpt.mxfp4.pack_experts_mxfp4`: lossless, 4.25 bits per weight,
                       decoded per matmul), every device; the other weights stay as they are. Refused in one line for
-                      a model whose experts are not MXFP4 values (or that has none).
+                      a model whose experts are not MXFP4 values (or that has none). Also under LoRA
+                      (`finetune/lora.py --quantize mxfp4`: the experts frozen in MXFP4, LoRA on the other layers)
+                      and in evaluation and serving (`lit_gpt.recipes.evaluate` EVAL_FLAGS).
 
 Which layers: every `nn.Linear` inside the transformer blocks (attention qkv/proj, MLP), i.e. nearly all the
 weights that a decode step reads. The output head stays in the compute dtype: with tied embeddings (SmolLM2,
@@ -23,7 +25,7 @@ directly. Embeddings and norms stay as they are.
 bitsandbytes, a missing package, a dtype the kernel lacks); `quantize_model` does the work.
 """
 
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -47,15 +49,17 @@ def check_quantize(mode: Optional[str], device: torch.device, dtype: torch.dtype
         if not usable:
             raise LitError(f"{flag} {mode!r} is not a choice here, and {' or '.join(choices)} needs a CUDA GPU: on"
                            f" the {device.type.upper()} run without {flag}")
+        gpu_only = [c for c in choices if c not in usable]
+        needs_gpu = f" ({' or '.join(gpu_only)} needs a CUDA GPU)" if gpu_only else ""
         if mode in CHOICES:  # a generation mode asked of finetuning (or the reverse)
-            raise LitError(f"{flag} {mode} is not available here: use {' or '.join(usable)}")
-        raise LitError(f"{flag} must be one of {', '.join(usable)} (got {mode!r})")
+            raise LitError(f"{flag} {mode} is not available here: use {_listed(usable, flag)}{needs_gpu}")
+        raise LitError(f"{flag} must be one of {', '.join(_label(c) for c in usable)} (got {mode!r})")
     if mode == "mxfp4":  # lit_gpt's own decoder: every device and dtype (whether the model fits: quantize_model)
         return
     if mode.startswith("bnb."):
         if device.type != "cuda":
             other = [c for c in choices if not c.startswith("bnb.")]
-            hint = f"use {flag} {' or '.join(other)}" if other else f"run without {flag}"
+            hint = f"use {flag} {_listed(other, flag)}" if other else f"run without {flag}"
             raise LitError(f"{flag} {mode} needs a CUDA GPU (bitsandbytes): on the {device.type.upper()} {hint}")
         _import_bitsandbytes(flag, mode)
         return
@@ -77,6 +81,21 @@ def check_quantize(mode: Optional[str], device: torch.device, dtype: torch.dtype
                 raise LitError(f"{flag} torchao.int4wo on the CPU is fast in bfloat16 only: add --precision bf16-true")
         else:
             raise LitError(f"{flag} torchao.int4wo runs on the CPU or CUDA, not on {device.type}")
+
+
+# modes that apply to some models only: a line that suggests one also says that running without --quantize works
+MODEL_SPECIFIC = {"mxfp4": "mxfp4 (gpt-oss's experts)"}
+
+
+def _label(mode: str) -> str:
+    return MODEL_SPECIFIC.get(mode, mode)
+
+
+def _listed(modes: List[str], flag: str) -> str:
+    """"a or b" for a one-line suggestion; "mxfp4 (gpt-oss's experts) or run without --quantize" where every one
+    suggested fits some models only."""
+    listed = " or ".join(_label(m) for m in modes)
+    return listed + (f" or run without {flag}" if all(m in MODEL_SPECIFIC for m in modes) else "")
 
 
 def _import_torchao(flag: str, mode: str) -> Any:
@@ -130,15 +149,16 @@ def _pack_mxfp4(model: nn.Module, device: torch.device) -> int:
     from lit_gpt.moe import ExpertLinear
     from lit_gpt.mxfp4 import MXFP4ExpertLinear, pack_experts_mxfp4
 
-    model.to(device)
     if not any(type(m) is ExpertLinear for m in model.modules()):
         raise LitError("--quantize mxfp4 packs the experts of a mixture-of-experts model (gpt-oss); this model has"
-                       " none: run without --quantize or use a torchao mode")
+                       " none: run without --quantize mxfp4")
     try:
-        pack_experts_mxfp4(model)
+        # packed straight onto the device, one projection at a time: the float experts never all reach it
+        pack_experts_mxfp4(model, device)
     except ValueError:
         raise LitError("--quantize mxfp4: the experts of this checkpoint are not MXFP4 values (only a gpt-oss"
                        " checkpoint converted from the Hub's MXFP4 weights packs without loss): run without it")
+    model.to(device)
     return sum(isinstance(m, MXFP4ExpertLinear) for m in model.modules())
 
 

@@ -1,7 +1,10 @@
 """gpt-oss's experts kept in MXFP4 in memory (lit_gpt.mxfp4.pack_experts_mxfp4): a tiny gpt-oss whose expert
 weights are MXFP4 values (as a converted Hub checkpoint's are) gives bit-equal bf16 logits and the same greedy tokens
 packed, on every dispatch path, with 4.25 bits per expert weight; weights that are not MXFP4 values are refused;
-LoRA on the attention trains with the packed experts frozen."""
+LoRA on the attention trains with the packed experts frozen. Through the recipes (`--quantize mxfp4`): generate/base.py
+gives the bf16 tokens; finetune/lora.py trains LoRA with the experts packed (step 1 the bf16-expert run's loss, a
+LoRA file that merges), refusing --lora_experts in one line; the eval/serve model loader (EVAL_FLAGS) gives the same
+logits and tokens, and the real server the same greedy completions to the `openai` client (slow)."""
 
 import pytest
 import torch
@@ -103,15 +106,38 @@ def _run_recipe(capsys, monkeypatch, script, *args):
     return code, out, err
 
 
-def test_generate_quantize_mxfp4_packs_the_experts_and_gives_the_bf16_tokens(tmp_path, capsys, monkeypatch):
+@pytest.fixture(scope="module")
+def oss(tmp_path_factory):
+    """A tiny gpt-oss word checkpoint whose experts are MXFP4 values (what converting the Hub's checkpoint gives),
+    and 8 Alpaca rows over its words prepared for it (root/data, no validation split)."""
+    import contextlib
+    import io
+    import json
+
+    from lit_gpt.loading import load_model
+    from lit_gpt.weights import save_weights
+    from variants import run_recipe
+    from words import GEN_PROMPT, WORDS, make_word_checkpoint
+
+    root = tmp_path_factory.mktemp("mxfp4")
+    ckpt = make_word_checkpoint(root / "gpt_oss", family="gpt_oss")
+    save_weights(_mxfp4_valued(load_model(ckpt)).state_dict(), ckpt)
+    rows = [{"instruction": GEN_PROMPT, "input": " ".join(WORDS[(i + j) % len(WORDS)] for j in range(n)),
+             "output": " ".join(WORDS[(i + j) % len(WORDS)] for j in range(n))} for i, n in enumerate([1, 6, 3, 9] * 2)]
+    (root / "rows.json").write_text(json.dumps(rows))
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        run_recipe("scripts/prepare_alpaca.py", "--checkpoint_dir", str(ckpt), "--data_file", str(root / "rows.json"),
+                   "--destination_path", str(root / "data"), "--val_split_fraction", "0")
+    return root
+
+
+def test_generate_quantize_mxfp4_packs_the_experts_and_gives_the_bf16_tokens(oss, capsys, monkeypatch):
     """`generate/base.py --quantize mxfp4` on a gpt-oss checkpoint whose experts are MXFP4 values (what converting the
     Hub's checkpoint gives): the experts are packed at load and the greedy tokens are the unquantized run's."""
     from lit_gpt.loading import load_model
-    from lit_gpt.weights import save_weights
-    from words import GEN_PROMPT, make_word_checkpoint
+    from words import GEN_PROMPT
 
-    ckpt = make_word_checkpoint(tmp_path / "gpt_oss", family="gpt_oss")
-    save_weights(_mxfp4_valued(load_model(ckpt)).state_dict(), ckpt)
+    ckpt = oss / "gpt_oss"
     common = ["--checkpoint_dir", str(ckpt), "--prompt", GEN_PROMPT, "--prompt_style", "raw", "--temperature", "0",
               "--max_new_tokens", "8", "--accelerator", "cpu", "--precision", "bf16-true"]
     code, plain, err = _run_recipe(capsys, monkeypatch, "generate/base.py", *common)
@@ -129,3 +155,159 @@ def test_quantize_mxfp4_refuses_a_model_without_mxfp4_experts_in_one_line(tiny_d
     lines = err.strip().splitlines()
     assert code == 1 and "Traceback" not in err, err
     assert lines[-1].startswith("error:") and "--quantize mxfp4" in lines[-1] and "has none" in lines[-1], err
+
+
+# LoRA through finetune/lora.py: 2 steps of the same 8 rows (global batch 8), fp32, LoRA on the attention
+LORA_ARGS = ["--train.global_batch_size", "8", "--train.micro_batch_size", "8", "--train.max_steps", "2",
+             "--train.save_interval", "2", "--train.log_interval", "1", "--train.lr_warmup_steps", "1",
+             "--data.shuffle", "false", "--eval.interval", "1000", "--eval.final_validation", "false",
+             "--accelerator", "cpu", "--precision", "32-true", "--lora_r", "4", "--lora_alpha", "8",
+             "--lora_dropout", "0", "--lora_projection", "true", "--train.learning_rate", "0.02"]
+
+
+def _finetune(oss, out, *extra):
+    import contextlib
+    import io
+
+    from variants import run_recipe
+
+    with contextlib.redirect_stdout(io.StringIO()) as printed:
+        run_recipe("finetune/lora.py", "--checkpoint_dir", str(oss / "gpt_oss"), "--data.data_dir", str(oss / "data"),
+                   "--out_dir", str(out), *LORA_ARGS, *extra)
+    return printed.getvalue()
+
+
+def test_lora_recipe_quantize_mxfp4_trains_with_the_experts_packed_and_its_file_merges(oss, tmp_path, monkeypatch):
+    """`finetune/lora.py --quantize mxfp4`: the experts are packed after loading (no expert weight is a parameter any
+    more), step 1's loss is the bf16-expert run's within float32's bound (the packed experts decode to the same
+    values), the loss goes down, and the exported LoRA file (LoRA matrices only) merges into the unquantized base
+    into a model with the LoRA model's outputs."""
+    from lit_gpt import lora
+    from lit_gpt.loading import load_model
+    from lit_gpt.peft import load_variant_model
+    from lit_gpt.weights import load_weights
+    from test_finetune import read_metrics
+    from tolerance import fp32_tolerance, longest_reduction
+
+    packed_modules = []
+    original = lora.mark_only_lora_as_trainable
+
+    def spy(model):  # what the recipe built: its experts after packing are checked below
+        original(model)
+        packed_modules.append(model)
+    monkeypatch.setattr(lora, "mark_only_lora_as_trainable", spy)
+
+    plain_out, packed_out = tmp_path / "plain", tmp_path / "packed"
+    plain_log = _finetune(oss, plain_out)
+    packed_log = _finetune(oss, packed_out, "--quantize", "mxfp4")
+    plain, packed = read_metrics(plain_out), read_metrics(packed_out)
+    assert sorted(packed) == [1, 2], packed
+    # frozen parameters: the expert weights became buffers (3 projections x 4 experts x n_layer MoE layers)
+    config = load_model(oss / "gpt_oss").config
+    n_expert_weights = 3 * sum(map(config.is_moe_layer, range(config.n_layer)))
+    model = packed_modules[-1]
+    assert sum(isinstance(m, MXFP4ExpertLinear) for m in model.modules()) == n_expert_weights
+    assert not any(".experts." in n for n, _ in model.named_parameters() if n.endswith("weight"))
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+    assert plain_log.split("Parameters: ")[1].split(",")[0] == packed_log.split("Parameters: ")[1].split(",")[0]
+    # step 1: the same computation (the packed experts decode to the values the plain run reads)
+    bound = fp32_tolerance(longest_reduction(config, config.block_size), plain[1])
+    assert abs(packed[1] - plain[1]) <= bound, (packed, plain)
+    assert packed[2] < packed[1], packed
+    # the exported file: the LoRA matrices only, loadable on the unquantized base, merging into its outputs
+    lora_path = packed_out / "final" / "lit_model.lora.safetensors"
+    saved = load_weights(lora_path)
+    assert saved and all("lora_" in k for k in saved) and not any(".experts." in k for k in saved)
+    merged_path = lora.merge_lora_checkpoint(oss / "gpt_oss", lora_path, tmp_path / "merged")
+    merged = load_model(merged_path.parent).eval()
+    reference = load_variant_model(lora.GPT, lora.Config, oss / "gpt_oss", lora_path).eval()
+    base = load_model(oss / "gpt_oss").eval()
+    x = torch.randint(0, config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        expected = reference(x)
+        torch.testing.assert_close(merged(x), expected, atol=1e-5, rtol=0)
+        assert (base(x) - expected).abs().max() > 1e-3  # the LoRA matrices trained: the merge is seen
+
+
+@pytest.mark.parametrize("flags, line", [
+    (["--lora_experts", "true"], "--lora_experts does not combine with --quantize mxfp4"),
+    (["--train.compile", "true"], "--train.compile is not supported with --quantize"),
+])
+def test_lora_recipe_quantize_mxfp4_refuses_what_cannot_apply_in_one_line(oss, tmp_path, capsys, flags, line):
+    from variants import run_recipe
+
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exc:
+        run_recipe("finetune/lora.py", "--checkpoint_dir", str(oss / "gpt_oss"), "--data.data_dir", str(oss / "data"),
+                   "--out_dir", str(out), *LORA_ARGS, "--quantize", "mxfp4", *flags)
+    assert exc.value.code == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err and line in err, err
+    assert not out.exists()  # refused before anything was written
+
+
+def test_eval_model_quantize_mxfp4_packs_the_experts_and_gives_the_same_logits_and_tokens(oss, capsys):
+    """`load_eval_model(quantize="mxfp4")`, what eval/lm_eval.py, eval/perplexity.py and serve/base.py load with
+    --quantize mxfp4 (EVAL_FLAGS), on the CPU in 32-true (the CPU inference layout: experts read by views) and
+    bf16-true: packed experts, the unquantized model's logits and greedy tokens."""
+    from lit_gpt.generate import generate
+    from lit_gpt.recipes.evaluate import load_eval_model
+
+    x = torch.randint(0, 40, (2, 10), generator=torch.Generator().manual_seed(4))
+    for precision in ("32-true", "bf16-true"):
+        plain = load_eval_model(oss / "gpt_oss", accelerator="cpu", precision=precision)
+        packed = load_eval_model(oss / "gpt_oss", accelerator="cpu", precision=precision, quantize="mxfp4")
+        assert not any(isinstance(m, MXFP4ExpertLinear) for m in plain.gpt.modules())
+        assert sum(isinstance(m, MXFP4ExpertLinear) for m in packed.gpt.modules()) == 6
+        # 32-true on the CPU: the inference layout reads the chosen experts by views (MXFP4: decodes only those)
+        assert all(m.by_views == (precision == "32-true") for m in packed.gpt.modules()
+                   if isinstance(m, MXFP4ExpertLinear))
+        with torch.no_grad():
+            assert torch.equal(packed.model(x), plain.model(x)), precision
+        tokens = generate(packed.gpt, x[0, :4], 8, temperature=0.0)
+        assert torch.equal(tokens, generate(plain.gpt, x[0, :4], 8, temperature=0.0)), precision
+    assert "Packed 6 expert projections as MXFP4" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # two server processes (~12 s on 2 cores)
+def test_server_quantize_mxfp4_gives_the_unquantized_servers_greedy_completions(oss, forks):
+    """`serve/base.py --quantize mxfp4` (EVAL_FLAGS: eval/lm_eval.py takes the same flag) on the CPU: the experts are
+    packed at load and the real `openai` client gets the unquantized server's greedy completions, streamed or not."""
+    from serve_client import ServerProcess
+    from words import WORDS
+
+    servers = [ServerProcess(oss / "gpt_oss", "--slots", "2", "--max_seq_length", "64", *extra, forks=forks).start()
+               for extra in ((), ("--quantize", "mxfp4"))]
+    try:
+        answers = []
+        for server in servers:
+            client = server.ready().client()
+            texts = []
+            for i, n in enumerate((2, 5, 9)):
+                prompt = " ".join(WORDS[(i + j) % len(WORDS)] for j in range(n))
+                done = client.completions.create(model=server.model, prompt=prompt, max_tokens=8, temperature=0.0)
+                streamed = "".join(c.choices[0].text for c in client.completions.create(
+                    model=server.model, prompt=prompt, max_tokens=8, temperature=0.0, stream=True))
+                assert streamed == done.choices[0].text and done.usage.completion_tokens > 0
+                texts.append(done.choices[0].text)
+            answers.append(texts)
+        plain, packed = answers
+        assert "Packed 6 expert projections as MXFP4" in servers[1].log(), servers[1].log()
+        assert "MXFP4" not in servers[0].log()
+        assert packed == plain and any(t.strip() for t in plain), (packed, plain)
+    finally:
+        for server in servers:
+            server.stop()
+
+
+def test_eval_recipes_refuse_quantize_they_cannot_run_in_one_line(oss):
+    """--quantize on the eval/serve model flags: checked before any weights are read, as generate/base.py checks it."""
+    from lit_gpt.recipes.evaluate import check_eval_args
+    from lit_gpt.utils import LitError
+
+    assert check_eval_args(oss / "gpt_oss", accelerator="cpu", quantize="mxfp4") == ("base", None)
+    with pytest.raises(LitError, match="--quantize must be one of"):
+        check_eval_args(oss / "gpt_oss", accelerator="cpu", quantize="int4")
+    with pytest.raises(LitError, match="not with --accelerator xla"):
+        check_eval_args(oss / "gpt_oss", accelerator="xla", quantize="mxfp4")

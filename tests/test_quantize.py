@@ -1,6 +1,7 @@
 """Weight-only quantization (lit_gpt/quantize.py): the quantized real SmolLM2 still answers "Paris" greedily,
 `--quantize` runs end to end through generate/base.py, bad choices are one line; on a CUDA GPU also bitsandbytes
-generation and QLoRA (finetune/lora.py --quantize bnb.nf4) with its memory target."""
+generation and QLoRA (finetune/lora.py --quantize bnb.nf4) with its memory target. (gpt-oss's experts in MXFP4 under
+generation, LoRA, evaluation and serving: tests/test_moe_mxfp4.py.)"""
 
 import json
 import runpy
@@ -92,8 +93,10 @@ def test_generate_recipe_quantize_end_to_end(smollm2_dir, capsys, monkeypatch):
 
 GPU = torch.cuda.is_available()
 # the choices a line suggests are the ones that run here: bitsandbytes (bnb.*) only where a CUDA GPU is
-QLORA_LINE = (["--quantize bnb.int8 is not available", "bnb.nf4"] if GPU else
-              ["--quantize 'bnb.int8' is not a choice here, and bnb.nf4 needs a CUDA GPU", "run without --quantize"])
+# (LoRA's choices: bnb.nf4, and mxfp4 for gpt-oss's experts, which a line names as fitting some models only)
+QLORA_LINE = (["--quantize bnb.int8 is not available here: use bnb.nf4 or mxfp4 (gpt-oss's experts)"] if GPU else
+              ["--quantize bnb.int8 is not available here: use mxfp4 (gpt-oss's experts) or run without --quantize",
+               "(bnb.nf4 needs a CUDA GPU)"])
 
 
 @pytest.mark.parametrize(
@@ -104,11 +107,13 @@ QLORA_LINE = (["--quantize bnb.int8 is not available", "bnb.nf4"] if GPU else
         ("chat/base.py", ["--quantize", "nf4"], ["--quantize must be one of", "torchao.int4wo"], []),
         ("finetune/lora.py", ["--quantize", "bnb.int8"], QLORA_LINE, []),
         ("finetune/lora.py", ["--quantize", "torchao.int8wo"],
-         ["is not available", "bnb.nf4"] if GPU else ["needs a CUDA GPU", "run without --quantize"], []),
+         ["is not available", "bnb.nf4", "mxfp4"] if GPU else ["needs a CUDA GPU", "run without --quantize"], []),
+        ("finetune/lora.py", ["--quantize", "mxfp4"],
+         ["--quantize mxfp4 packs the experts of a mixture-of-experts model", "has none", "without --quantize"], []),
         ("generate/base.py", ["--quantize", "torchao.int4wo", "--accelerator", "cpu", "--precision", "32-true"],
          ["torchao.int4wo on the CPU is fast in bfloat16 only", "--precision bf16-true"], []),
     ],
-    ids=["generate-unknown", "chat-unknown", "qlora-int8", "qlora-torchao", "int4-cpu-fp32"],
+    ids=["generate-unknown", "chat-unknown", "qlora-int8", "qlora-torchao", "lora-mxfp4-dense", "int4-cpu-fp32"],
 )
 def test_bad_choice_is_one_line(tiny_dir, capsys, monkeypatch, script, args, fragments, absent):
     proc = run_script(capsys, monkeypatch, script, "--checkpoint_dir", str(tiny_dir), *args)
@@ -120,7 +125,7 @@ def test_bad_choice_is_one_line(tiny_dir, capsys, monkeypatch, script, args, fra
 @pytest.mark.parametrize(
     "script, fragments",
     [("generate/base.py", ["needs a CUDA GPU", "torchao.int8wo"]), ("chat/base.py", ["needs a CUDA GPU"]),
-     ("finetune/lora.py", ["needs a CUDA GPU", "without --quantize"])],
+     ("finetune/lora.py", ["needs a CUDA GPU", "use --quantize mxfp4 (gpt-oss's experts) or run without --quantize"])],
     ids=["generate", "chat", "qlora"],
 )
 def test_bitsandbytes_without_cuda_is_one_line(tiny_dir, capsys, monkeypatch, script, fragments):

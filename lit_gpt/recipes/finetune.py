@@ -55,7 +55,7 @@ class FinetuneRun:
     resume: Union[bool, str, Path] = False
     optimizer: str = "adamw"
     quantize: Optional[str] = None
-    """QLoRA's "bnb.nf4" (CPU/CUDA LoRA only)."""
+    """QLoRA's "bnb.nf4", or "mxfp4" (gpt-oss's experts frozen in MXFP4); CPU/CUDA LoRA only."""
     platform: Optional[str] = None
     """"xla" for the XLA recipes (recorded: a run resumes on the backend that started it)."""
     options: Dict[str, Any] = field(default_factory=dict)
@@ -315,7 +315,7 @@ def setup_model(
     """Build the model, load the base weights, freeze what the method does not train (`mark_trainable`), and set
     it up with Fabric. `own_filter` names the method's own parameters, the only ones the base checkpoint lacks;
     `init_from` holds values to start them from (--lora_init_from), else they start from their initialisation.
-    `quantize` (QLoRA) quantizes the frozen base weights in place, moving them to the device as it goes.
+    `quantize` (QLoRA, mxfp4) quantizes the frozen base weights in place, moving them to the device as it goes.
     Returns (the Fabric-wrapped model, the plain module)."""
     dtype = param_dtype(str(fabric.strategy.precision.precision))
     if uses_fsdp(fabric):
@@ -338,8 +338,8 @@ def setup_model(
         with fabric.init_module(empty_init=True):
             model = build()
     else:
-        # QLoRA: built and loaded on the host (memory-mapped); `quantize` moves the weights to the GPU one layer at
-        # a time, quantizing each as it goes, so the base model never exists there in full precision
+        # QLoRA, mxfp4: built and loaded on the host (memory-mapped); `quantize` moves the weights to the GPU one
+        # layer at a time, quantizing each as it goes, so the base model never exists there in full precision
         from lightning.fabric.utilities.init import _EmptyInit
 
         with _EmptyInit(enabled=True):

@@ -147,7 +147,8 @@ ADAPTER: List[Flag] = [
 QLORA: List[Flag] = [
     Flag("quantize", Optional[str], None,
          '"bnb.nf4": QLoRA, the frozen base linear layers of the blocks in 4-bit NormalFloat (bitsandbytes,\n'
-         "CUDA only). The saved LoRA weights merge into the unquantized base as usual."),
+         'CUDA only); "mxfp4": gpt-oss\'s experts frozen in MXFP4 (packed after loading, lossless; not with\n'
+         "--lora_experts). The saved LoRA weights merge into the unquantized base as usual."),
 ]
 
 
