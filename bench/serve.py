@@ -23,6 +23,12 @@ batch size), greedy, `max_new_tokens` = `--max_tokens`, float32, on the CPU. Bot
 sequential, TTFT median / p90, the transformers tokens/s at batch size N and our ratio to it, and how many greedy
 answers equal the sequential ones and transformers' (the same text: batching changes nothing).
 
+Many LoRAs (`--multi_lora`): a server with `--lora_adapters` LoRA files (random A and B of rank `--lora_rank` on
+every layer a LoRA adapts, written with the project's export for this base) answers the same `--requests` greedy
+completions, `--slots` at a time, three ways: all for the base model, all for one adapter, and spread over all the
+adapters (request i for adapter i mod N), so that every decode step gathers N adapters' matrices: tokens/s of each,
+and the N-adapter batch's against the one-adapter batch's.
+
 The client runs in this process on the same cores as the server: on a small machine its share of the CPU counts
 against the server (as it would for a client on the same host).
 """
@@ -424,6 +430,78 @@ def scheduling(checkpoint_dir: Path, tokenizer: Any, threads: int, startup_timeo
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# many LoRAs on one base: one adapter per batch against several
+# ---------------------------------------------------------------------------------------------------------------
+def random_loras(checkpoint_dir: Path, out: Path, n: int, rank: int) -> List[Path]:
+    """`n` LoRA files of this base (every layer a LoRA adapts, random A and B), written by lit_gpt.peft's export."""
+    import torch
+
+    from lit_gpt import lora
+    from lit_gpt.fingerprint import base_record
+    from lit_gpt.peft import export_finetuned, variant_fields
+
+    config = lora.Config.from_checkpoint(checkpoint_dir, lora_r=rank, lora_alpha=2 * rank, lora_query=True,
+                                         lora_key=True, lora_value=True, lora_projection=True, lora_mlp=True)
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in lora.GPT(config).state_dict().items() if lora.lora_filter(k)}
+    base, paths = base_record(checkpoint_dir), []
+    for i in range(n):
+        gen = torch.Generator().manual_seed(i)
+        state = {k: 0.5 * torch.randn(shape, generator=gen) / shape[-1] ** 0.5 for k, shape in shapes.items()}
+        paths.append(export_finetuned(state, out / f"lora{i}", "lora", variant_fields(config), base=base))
+    return paths
+
+
+async def adapters_phase(url: str, models: List[str], prompts: List[str], max_tokens: int,
+                         concurrency: int) -> Dict[str, Any]:
+    """The prompts, `concurrency` at a time, request i for `models[i % len(models)]` (greedy, not streamed)."""
+    from openai import AsyncOpenAI
+
+    async with AsyncOpenAI(base_url=url, api_key="none", max_retries=0, timeout=3600) as client:
+        await asyncio.gather(*(one_request(client, m, prompts[0], 2, False) for m in sorted(set(models))))  # warm
+        todo = iter(range(len(prompts)))
+        out: List[Any] = [None] * len(prompts)
+
+        async def worker() -> None:
+            for i in todo:
+                out[i] = await one_request(client, models[i % len(models)], prompts[i], max_tokens, False)
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        seconds = time.perf_counter() - t0
+    tokens = sum(r["tokens"] for r in out)
+    return {"models": len(set(models)), "seconds": seconds, "completion_tokens": tokens,
+            "tokens_per_s": tokens / seconds}
+
+
+def multi_lora(checkpoint_dir: Path, threads: int, startup_timeout: float, slots: int, requests: int,
+               max_tokens: int, max_seq_length: int, adapters: int, rank: int) -> Dict[str, Any]:
+    """One server with `adapters` LoRA files: the requests for the base, for one adapter, and for all of them."""
+    prompts = prompts_for(requests)
+    with tempfile.TemporaryDirectory() as tmp:
+        files = random_loras(checkpoint_dir, Path(tmp), adapters, rank)
+        names = [f"lora{i}" for i in range(adapters)]
+        argv = ["serve/base.py", "--checkpoint_dir", str(checkpoint_dir), "--accelerator", "cpu", "--precision",
+                "32-true", "--port", "0", "--slots", str(slots), "--max_seq_length", str(max_seq_length),
+                *[a for name, path in zip(names, files) for a in ("--lora", f"{name}={path}")]]
+        log(f"[multi-LoRA] starting: python {' '.join(argv)}")
+        server = Server(argv, threads, startup_timeout)
+        out: Dict[str, Any] = {"command": server.command, "adapters": adapters, "rank": rank}
+        try:
+            for key, models in (("base", [checkpoint_dir.name]), ("one_adapter", names[:1]), ("all_adapters", names)):
+                out[key] = asyncio.run(adapters_phase(server.url, models, prompts, max_tokens, slots))
+                log(f"[multi-LoRA] {key}: {out[key]['tokens_per_s']:.1f} tokens/s ({out[key]['models']} model(s),"
+                    f" {slots} in flight)")
+        finally:
+            out["exit_code"] = server.stop()
+    out["all_adapters_x_one_adapter"] = out["all_adapters"]["tokens_per_s"] / out["one_adapter"]["tokens_per_s"]
+    out["one_adapter_x_base"] = out["one_adapter"]["tokens_per_s"] / out["base"]["tokens_per_s"]
+    log(f"[multi-LoRA] {adapters} adapters in one batch: x{out['all_adapters_x_one_adapter']:.2f} the tokens/s of one"
+        f" adapter (one adapter: x{out['one_adapter_x_base']:.2f} the base model's)")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
 def main(
     checkpoint_dir: Path = DEFAULT_CHECKPOINT_DIR,
     hf_dir: Optional[Path] = None,
@@ -446,6 +524,9 @@ def main(
     system_tokens: int = 1000,
     prefix_requests: int = 16,
     scenario_servers: List[str] = ["whole", "default"],
+    multi_lora_row: bool = True,
+    lora_adapters: int = 4,
+    lora_rank: int = 8,
 ) -> Dict[str, Any]:
     """Tokens/s and time to first token of serve/base.py at several concurrency levels, against one request at a
     time and against transformers' batched generate on the same prompts (CPU, fp32).
@@ -480,6 +561,11 @@ def main(
         system_tokens: Tokens of the shared system prompt.
         prefix_requests: Requests of the shared-prefix scenario.
         scenario_servers: The scenarios' servers: "whole" (today's flags) and/or "default".
+        multi_lora_row: Run the many-LoRAs row (`multi_lora`): a server with `lora_adapters` LoRA files answers
+            `requests` greedy completions of `max_tokens` tokens, `slots` at a time, all for the base model, all
+            for one adapter, and spread over every adapter: tokens/s, and all adapters' against one adapter's.
+        lora_adapters: Adapters of the many-LoRAs row.
+        lora_rank: Their rank (every layer a LoRA adapts).
     """
     import torch
 
@@ -507,10 +593,17 @@ def main(
         settings.update(scenario_slots=scenario_slots, burst_tokens=burst_tokens, short_tokens=short_tokens,
                         chat_requests=chat_requests, chat_tokens=chat_tokens, chat_temperature=0.8,
                         system_tokens=system_tokens, prefix_requests=prefix_requests)
+    if multi_lora_row:
+        settings.update(lora_adapters=lora_adapters, lora_rank=lora_rank)
     if not throughput:
-        results = {"scheduling": scheduling(checkpoint_dir, tokenizer, threads, startup_timeout, scenario_slots,
-                                            burst_tokens, short_tokens, chat_requests, chat_tokens, system_tokens,
-                                           prefix_requests, scenario_servers)}
+        results = {}
+        if scenarios:
+            results["scheduling"] = scheduling(checkpoint_dir, tokenizer, threads, startup_timeout, scenario_slots,
+                                               burst_tokens, short_tokens, chat_requests, chat_tokens, system_tokens,
+                                               prefix_requests, scenario_servers)
+        if multi_lora_row:
+            results["multi_lora"] = multi_lora(checkpoint_dir, threads, startup_timeout, slots, requests, max_tokens,
+                                               max_seq_length, lora_adapters, lora_rank)
         result_files.write(results_file, "serve", settings, results, note)
         return results
 
@@ -578,6 +671,9 @@ def main(
         results["scheduling"] = scheduling(checkpoint_dir, tokenizer, threads, startup_timeout, scenario_slots,
                                            burst_tokens, short_tokens, chat_requests, chat_tokens, system_tokens,
                                            prefix_requests, scenario_servers)
+    if multi_lora_row:
+        results["multi_lora"] = multi_lora(checkpoint_dir, threads, startup_timeout, slots, requests, max_tokens,
+                                           max_seq_length, lora_adapters, lora_rank)
     settings.update({"slots": slots, "max_seq_length": max_seq_length, "requests": requests,
                 "max_tokens": max_tokens, "concurrency": list(concurrency), "prompt_tokens": [min(map(len, prompt_ids)),
                 longest], "prompt": "Once upon a time, there was a {word} who", "sampling": "greedy",

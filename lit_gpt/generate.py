@@ -14,7 +14,7 @@ When the steps are compiled: `lit_gpt.compile_policy`. The recipes' steps around
 """
 
 import time
-from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -54,7 +54,7 @@ def check_lengths(prompt_length: int, max_new_tokens: int, block_size: int) -> N
 def kv_cache_length(model: GPT, batch_size: int) -> int:
     """Positions in the model's KV cache, 0 if it has none (or one for another batch size)."""
     cache = model.transformer.h[0].attn.kv_cache
-    if cache is None or cache.k.size(0) != batch_size:
+    if cache is None or cache.rows != batch_size:
         return 0
     return cache.length  # positions, not entries: a sliding layer's ring holds fewer (`lit_gpt.kv_cache`)
 
@@ -179,6 +179,10 @@ class Batch:
     per row (`join(..., sampling=[RowSampling, ...])`: each row's temperature and top-p, and its own generator, from
     which that row's draws come whatever else is in the batch).
 
+    Paged KV memory (`paged=(blocks, block_size)`, the server's): the rows share a pool of blocks through a block
+    table (`lit_gpt.kv_cache.PagedKVCache`) that the caller's allocator fills (`set_block_table`) before a row is
+    prefilled; the steps are the same (a row's positions, whichever blocks hold them).
+
     Every `join` and `step` ends with `runtime.end_step()` (on XLA, the end of the step's graph)."""
 
     VISIBLE_MULTIPLE = 64
@@ -186,11 +190,13 @@ class Batch:
     def __init__(self, model: torch.nn.Module, rows: int, length: int, *, runtime: Optional[Runtime] = None,
                  static: Optional[bool] = None, exact_length: bool = False, stop_ids: StopIds = None,
                  uniform: Optional[Dict[str, Any]] = None, decode_fn: Callable[..., torch.Tensor] = decode_one_token,
-                 prefill_fn: Callable[..., torch.Tensor] = prefill) -> None:
+                 prefill_fn: Callable[..., torch.Tensor] = prefill, paged: Optional[Tuple[int, int]] = None) -> None:
         self.model, self.gpt = model, unwrap(model)
         self.runtime = runtime or default_runtime(self.gpt)
         have = kv_cache_length(self.gpt, rows)
-        if have < length or (exact_length and have != length):
+        if paged is not None:
+            self.runtime.setup_kv_cache(self.gpt, rows, length, paged=paged)
+        elif have < length or (exact_length and have != length) or self.paged:
             self.runtime.setup_kv_cache(self.gpt, rows, length)
         self.rows, self.length = rows, kv_cache_length(self.gpt, rows)  # a longer cache already there is kept
         self.static = self.runtime.compiles_graphs if static is None else static
@@ -209,6 +215,14 @@ class Batch:
         self.vocab = self.gpt.config.vocab_size
         self._greedy_args: Dict[int, Dict[str, torch.Tensor]] = {}  # static backends: all-greedy inputs by rows
         self._noise: Optional[torch.Tensor] = None  # eager backends: the per-row draws' buffer (`_fill_noise`)
+
+    @property
+    def paged(self) -> bool:
+        return hasattr(self.gpt.transformer.h[0].attn.kv_cache, "pages")
+
+    def set_block_table(self, table: torch.Tensor) -> None:
+        """A paged cache's (rows, columns) block table from the host (every layer's: they share it)."""
+        self.gpt.transformer.h[0].attn.kv_cache.pages.table = self.runtime.to_device(table)
 
     # --------------------------------------------------------------- rows
     def free_rows(self) -> List[int]:

@@ -13,6 +13,10 @@ keeps the last window of them. Such a forward's positions run on from its first,
 padding after a prompt (a length bucket) carries the position after the prompt's last (`Batch.join`), which the
 first decode step overwrites.
 
+A paged cache (`PagedKVCache`, the server's: lit_gpt/recipes/kv_blocks.py allocates) keeps every row's positions in
+blocks of a pool shared by the rows, through a `BlockTable`; it returns what a plain cache returns (entry s holds
+position s), so the masks below and `Prefill` serve both. Rings are not paged.
+
 A prompt (T > 1) on an eager backend attends without the dense (T, S) mask (`Prefill`, made by `GPT.forward`): plain
 causal SDPA over its own keys where that is exactly the mask, else chunks of queries over the keys they can see, each
 with its own small mask; tracing backends (XLA, torch.compile) keep `KVCache.mask`, whose graph does not depend on the
@@ -71,10 +75,14 @@ class KVCache(nn.Module):
         self.length = max_seq_length  # positions a sequence may reach (the entries, unless a ring holds fewer)
         self.sliding_window = window
         # a ring of the window's entries where the window is shorter than the cache (else a plain cache)
-        self.ring = window if window is not None and window < max_seq_length else None
+        self.ring = window if is_ring(window, max_seq_length) else None
         shape = (batch_size, n_groups, self.ring or max_seq_length, head_size)
         self.register_buffer("k", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
         self.register_buffer("v", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+
+    @property
+    def rows(self) -> int:
+        return self.k.size(0)
 
     def mask(self, input_pos: torch.Tensor, length: Optional[int] = None) -> torch.Tensor:
         """The attention mask over what `forward` returns for the same `input_pos` and `length`."""
@@ -170,6 +178,94 @@ class KVCache(nn.Module):
             self.k[:B].copy_(new_k)
             self.v[:B].copy_(new_v)
         return out
+
+
+def is_ring(window: Optional[int], length: int) -> bool:
+    """Whether a layer with this sliding window keeps a ring of its window in a cache of `length` positions."""
+    return window is not None and window < length
+
+
+class BlockTable:
+    """The block table of a paged KV cache, shared by every layer's `PagedKVCache`: `table` (rows, columns) holds the
+    pool block of each row's positions c * block_size .. (c + 1) * block_size - 1 in column c, on the device. Block 0
+    is scratch: the entries of rows and positions that hold nothing point to it (an idle row's writes land there,
+    and no query sees it unmasked). The host's allocator (lit_gpt.recipes.kv_blocks) replaces `table` with a new
+    tensor of the same shape when rows get or give up blocks: a transfer, not a graph (one decode graph on XLA)."""
+
+    def __init__(self, table: torch.Tensor, block_size: int) -> None:
+        self.table, self.block_size = table, block_size
+
+
+class PagedKVCache(nn.Module):
+    """A KV cache allocated in blocks (vLLM's paged cache): k/v pools of (blocks, block_size, groups, head_size)
+    shared by all rows, and the `BlockTable` that says which blocks are a row's. It takes what `KVCache` takes with
+    per-row (B, T) positions: position p of row r is written at (table[r, p // block_size], p % block_size), and the
+    rows' first `length` positions are gathered into (B, groups, length, head_size) (one `index_select` of the pool
+    by the table's columns: a fixed shape on XLA), so entry s of the result holds position s as in a plain cache and
+    `cache_mask` (or the eager mask-free `Prefill`) applies unchanged. Sliding windows shorter than the cache (rings)
+    are not paged."""
+
+    ring = None
+
+    def __init__(self, pages: BlockTable, blocks: int, n_groups: int, max_seq_length: int, head_size: int,
+                 device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None,
+                 window: Optional[int] = None) -> None:
+        super().__init__()
+        if is_ring(window, max_seq_length):
+            raise ValueError(f"a sliding window of {window} in a cache of {max_seq_length} positions is a ring:"
+                             " rings are not paged")
+        self.pages, self.length, self.sliding_window = pages, max_seq_length, window
+        shape = (blocks, pages.block_size, n_groups, head_size)
+        self.register_buffer("k", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+
+    @property
+    def rows(self) -> int:
+        return self.pages.table.size(0)
+
+    def mask(self, input_pos: torch.Tensor, length: Optional[int] = None) -> torch.Tensor:
+        return cache_mask(input_pos, self.length if length is None else min(length, self.length), self.sliding_window)
+
+    def key_positions(self, input_pos: torch.Tensor, length: Optional[int] = None) -> torch.Tensor:
+        S = self.length if length is None else min(length, self.length)
+        return torch.arange(S, device=input_pos.device).unsqueeze(0)
+
+    def forward(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: Optional[torch.Tensor] = None,
+                length: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Write the (B, groups, T, hs) keys and values of rows `slots` (default 0..B-1) at their (B, T) positions;
+        return those rows' first `length` positions (default all), (B, groups, length, hs) each."""
+        if input_pos.dim() != 2:
+            raise ValueError("a paged KV cache takes per-row positions: input_pos of shape (B, T)")
+        B, bs = k.size(0), self.pages.block_size
+        table = self.pages.table
+        table = table.index_select(0, slots) if slots is not None else table[:B]
+        block = table.gather(1, torch.div(input_pos, bs, rounding_mode="floor"))
+        offset = torch.remainder(input_pos, bs)
+        self.k[block, offset] = k.transpose(1, 2).to(self.k.dtype)  # (B, T, groups, hs) at (B, T) entries
+        self.v[block, offset] = v.transpose(1, 2).to(self.v.dtype)
+        S = self.length if length is None else min(length, self.length)
+        n = -(-S // bs)
+        ids = table[:, :n].reshape(-1)
+
+        def gather(pool: torch.Tensor) -> torch.Tensor:
+            return pool.index_select(0, ids).view(B, n * bs, *pool.shape[2:])[:, :S].transpose(1, 2)
+
+        return gather(self.k), gather(self.v)
+
+
+def allocate_paged_kv_cache(gpt: nn.Module, rows: int, length: int, blocks: int, block_size: int,
+                            device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None,
+                            place: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> BlockTable:
+    """Give every layer of `gpt` a `PagedKVCache` of `blocks` blocks (block 0 scratch) for `rows` rows of `length`
+    positions, sharing one `BlockTable` (every entry scratch); `place` moves a host-built tensor to the device (XLA
+    builds on the host and transfers: no compilation). Returns the table."""
+    pages = BlockTable(place(torch.zeros(rows, -(-length // block_size), dtype=torch.long)), block_size)
+    c = gpt.config
+    for b in gpt.transformer.h:
+        kv = PagedKVCache(pages, blocks, c.n_query_groups, length, c.head_size, device, dtype, b.attn.sliding_window)
+        kv.k, kv.v = place(kv.k), place(kv.v)
+        b.attn.kv_cache = kv
+    return pages
 
 
 # a prefill's queries go in chunks whose (rows, keys) mask holds about this many entries (booleans, plus SDPA's float

@@ -32,6 +32,7 @@ import torch
 import torch.nn as nn
 
 from lit_gpt.config import next_power_of_two
+from lit_gpt.kv_cache import allocate_paged_kv_cache
 from lit_gpt.manifest import MANIFEST, StepProblem, newest_intact, step_problem, write_manifest
 from lit_gpt.state import commit_folder, rng_state, set_rng_state
 from lit_gpt.storage import is_url, location, remove, staging_dir, upload
@@ -378,15 +379,22 @@ class Runtime:
         if gpt.cos.device != self.device:
             gpt.reset_rope_cache(self.device)
 
-    def setup_kv_cache(self, gpt: nn.Module, batch_size: int, length: int, dtype: Optional[torch.dtype] = None) -> None:
-        """A KV cache of `length` positions (and RoPE tables at least that long), unless one that fits is set."""
+    def setup_kv_cache(self, gpt: nn.Module, batch_size: int, length: int, dtype: Optional[torch.dtype] = None,
+                       paged: Optional[Tuple[int, int]] = None) -> None:
+        """A KV cache of `length` positions (and RoPE tables at least that long), unless one that fits is set.
+        `paged` (blocks, block_size): a `lit_gpt.kv_cache.PagedKVCache` of that many blocks in every layer, always
+        new (its block table starts empty)."""
         cache = gpt.transformer.h[0].attn.kv_cache
-        if cache is not None and cache.k.size(0) == batch_size and cache.length == length and (
+        if paged is None and cache is not None and cache.rows == batch_size and cache.length == length and (
             dtype is None or cache.k.dtype == dtype
-        ):
+        ) and not hasattr(cache, "pages"):
             return
         if gpt.rope_cache_length is None or gpt.rope_cache_length < length or gpt.cos.device != self.device:
             self.set_rope(gpt, max(length, gpt.rope_cache_length or 0))
+        if paged is not None:
+            allocate_paged_kv_cache(gpt, batch_size, length, *paged, device=self.device,
+                                    dtype=dtype or gpt.transformer.wte.weight.dtype)
+            return
         gpt.allocate_kv_cache(batch_size, length, device=self.device, dtype=dtype)
 
     # ----------------------------------------------------------------- generation

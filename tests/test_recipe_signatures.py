@@ -43,7 +43,8 @@ OUT_DIR = "each method writes its own output folder (out/<method>/alpaca)"
 TRAIN = "each method has its own training hyperparameters (a LoRA or an adapter takes a larger learning rate)"
 LORA_SETTINGS = "the LoRA rank, scale, dropout and the layers it adapts: LoRA's own settings"
 ADAPTER_SETTINGS = "the adapter prompt's length and the first adapted layer: the adapter methods' own settings"
-QLORA = "QLoRA: the frozen base weights quantized under the LoRA matrices (bitsandbytes nf4); a LoRA setting"
+QLORA = ("QLoRA: the frozen base weights quantized under the LoRA matrices (bitsandbytes nf4, or gpt-oss's experts"
+         " kept in MXFP4); a LoRA setting")
 OTHER_BASE = ("the override of the check that finetuned weights go on the base they were trained on: only the recipes"
               " that load a method's weights on a base have it (full.py's weights replace the base's)")
 
@@ -151,7 +152,8 @@ ACROSS: Dict[Tuple[str, str], Dict[str, Tuple[set, str]]] = {
                                                   " CPU/GPU recipes do not offer recomputation)"),
         "compile_cache_dir": ({"missing"}, XLA_CACHE),
         "xla_metrics": ({"missing"}, "torch_xla's metrics report: XLA only"),
-        "quantize": ({"missing"}, "QLoRA quantizes with bitsandbytes, a CUDA library"),
+        "quantize": ({"missing"}, "QLoRA quantizes with bitsandbytes, a CUDA library; LoRA over gpt-oss's MXFP4 experts"
+                                  " is wired on the CPU/GPU recipe only"),
     },
 }
 """(group, other group) -> {flag: (aspects that may differ: "missing" (one group lacks it), "annotation", "default",

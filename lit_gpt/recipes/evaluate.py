@@ -14,7 +14,8 @@ merged into the weights after loading: evaluation runs at the base model's cost)
 Backends: `--accelerator cpu|cuda|auto` loads as generate/*.py does (`lit_gpt.peft`, `lit_gpt.loading`, a
 one-device Fabric); `--accelerator xla` as xla/generate/*.py does (the PJRT device from PJRT_DEVICE, else the TPU
 when there is one, else the CPU; the weights loaded block by block onto the devices, sharded over the SPMD mesh of
-all of them), with `XLARuntime` as the runtime.
+all of them), with `XLARuntime` as the runtime. `--quantize` (generate/base.py's: torchao, bitsandbytes, gpt-oss's
+experts in MXFP4) applies after loading, on the CPU and CUDA.
 """
 
 import sys
@@ -26,6 +27,7 @@ import torch
 
 from lit_gpt.fingerprint import ALLOW_OTHER_BASE_HELP
 from lit_gpt.recipes.flags import Flag
+from lit_gpt.recipes.generate import FLAG_HELP
 from lit_gpt.runtime import Runtime, param_dtype
 from lit_gpt.utils import DEFAULT_CHECKPOINT_DIR, LitError
 
@@ -48,6 +50,9 @@ EVAL_FLAGS: List[Flag] = [
     Flag("accelerator", str, "auto",
          '"auto" (a GPU when one is visible, else the CPU), "cpu", "cuda", or "xla" (the PJRT device: PJRT_DEVICE,\n'
          "else the TPU when there is one, else the CPU; the model sharded over all its devices)."),
+    # generate/base.py's flag, with its help text (the same choices, checked by lit_gpt.quantize.check_quantize);
+    # applied after loading (LoRA merged first), CPU/CUDA only
+    Flag("quantize", Optional[str], None, FLAG_HELP["quantize"]),
 ]
 """The model flags of every evaluation recipe (names and defaults are `load_eval_model`'s parameters)."""
 
@@ -102,9 +107,10 @@ def _pathish(value: Optional[Union[str, Path]]) -> Optional[Path]:
 
 def check_eval_args(checkpoint_dir: Union[str, Path], lora_path: Optional[Union[str, Path]] = None,
                     adapter_path: Optional[Union[str, Path]] = None, precision: Optional[str] = None,
-                    accelerator: str = "auto") -> "tuple[str, Optional[Path]]":
+                    accelerator: str = "auto", quantize: Optional[str] = None) -> "tuple[str, Optional[Path]]":
     """Every check on the model flags that needs no weights (one LitError line each): the accelerator, the
-    precision, the checkpoint folder, the finetuned file and its method. Returns (method, finetuned path)."""
+    precision, --quantize, the checkpoint folder, the finetuned file and its method. Returns (method, finetuned
+    path)."""
     from lit_gpt.loading import check_model_dir
     from lit_gpt.peft import finetuned_method_of
 
@@ -114,6 +120,7 @@ def check_eval_args(checkpoint_dir: Union[str, Path], lora_path: Optional[Union[
     if precision is not None and precision not in allowed:
         raise LitError(f"--precision must be {', '.join(allowed[:-1])} or {allowed[-1]} for evaluation"
                        f"{' on XLA' if allowed is XLA_PRECISIONS else ''} (got {precision!r})")
+    _check_quantize(quantize, accelerator, precision)
     if lora_path is not None and adapter_path is not None:
         raise LitError("pass --lora_path or --adapter_path, not both: a model is evaluated with one finetuned weights"
                        " file (merge LoRA weights first with scripts/merge_lora.py to stack them)")
@@ -135,17 +142,45 @@ def check_eval_args(checkpoint_dir: Union[str, Path], lora_path: Optional[Union[
     return found, path
 
 
+def _check_quantize(quantize: Optional[str], accelerator: str, precision: Optional[str]) -> None:
+    """--quantize: generate/base.py's check on the device it will run on; not on XLA (torchao / bitsandbytes are CPU
+    and CUDA kernels, and the XLA loader shards the weights as it reads them)."""
+    if quantize is None:
+        return
+    if str(accelerator).lower() == "xla":
+        raise LitError(f"--quantize {quantize} runs on the CPU and CUDA, not with --accelerator xla: run without it")
+    from lit_gpt.quantize import check_quantize
+    from lit_gpt.runtime import resolve_accelerator
+
+    device = resolve_accelerator(str(accelerator).lower())
+    if precision is None:  # generation_fabric's default
+        precision = "bf16-true" if device == "cuda" and torch.cuda.is_bf16_supported() else "32-true"
+    check_quantize(quantize, torch.device(device), param_dtype(precision))
+
+
 def load_eval_model(checkpoint_dir: Union[str, Path], lora_path: Optional[Union[str, Path]] = None,
                     adapter_path: Optional[Union[str, Path]] = None, precision: Optional[str] = None,
                     accelerator: str = "auto", allow_other_base: bool = False,
-                    rope_scaling: Optional[Dict[str, Any]] = None) -> EvalModel:
+                    rope_scaling: Optional[Dict[str, Any]] = None, quantize: Optional[str] = None,
+                    weights: Optional[str] = None, kv_positions: int = 0, compile: Optional[str] = None) -> EvalModel:
     """The model of the evaluation flags (`EVAL_FLAGS`), on its device, in eval mode, LoRA merged. Bad input (a
     missing checkpoint, both --lora_path and --adapter_path, a file of another method, finetuned weights of
     another base: `lit_gpt.peft.check_finetuned_base`, an unknown accelerator or precision) is one LitError line,
     raised before any weights are read. `rope_scaling` (serve/base.py's --rope_scaling): the context extended
-    (`lit_gpt.loading.scale_rope`), refused in one line where the model cannot extend."""
+    (`lit_gpt.loading.scale_rope`), refused in one line where the model cannot extend. `quantize`: generate/base.py's
+    --quantize, applied after loading (and merging).
+
+    Serving (serve/base.py) also passes `weights` (--weights: on XLA "auto", "replicated" or "tensor_parallel",
+    `lit_gpt.xla.serve_placement`; None: the evaluation recipes' FSDP layout) with the KV cache's `kv_positions`
+    (slots x length, for "auto"'s memory check), and `compile` (--compile: the decode step compiled on CPUs and
+    GPUs, `compile_forward`; None: eager)."""
     checkpoint_dir = Path(checkpoint_dir)
-    method, path = check_eval_args(checkpoint_dir, lora_path, adapter_path, precision, accelerator)
+    method, path = check_eval_args(checkpoint_dir, lora_path, adapter_path, precision, accelerator, quantize)
+    if weights is not None:
+        from lit_gpt.xla.serve_placement import check_weights_flag
+
+        check_weights_flag(weights, accelerator)  # before any weights are read
+    mode = serve_compile_mode(compile, accelerator)  # refused in one line where it cannot apply
     if rope_scaling:
         from lit_gpt.config import load_config
 
@@ -155,14 +190,23 @@ def load_eval_model(checkpoint_dir: Union[str, Path], lora_path: Optional[Union[
 
         check_finetuned_base(path, checkpoint_dir, allow_other_base, method)  # before any weights are read
     if str(accelerator).lower() == "xla":
-        fabric, model, precision = _load_xla(checkpoint_dir, method, path, precision, allow_other_base, rope_scaling)
+        fabric, model, precision, placement = _load_xla(checkpoint_dir, method, path, precision, allow_other_base,
+                                                        rope_scaling, weights, kv_positions)
         from lit_gpt.xla.runtime import XLARuntime
 
-        runtime: Runtime = XLARuntime(fabric)
+        if placement is None:
+            runtime: Runtime = XLARuntime(fabric)
+        else:
+            from lit_gpt.xla.serve_placement import serve_runtime
+
+            runtime = serve_runtime(fabric, placement)  # tensor-parallel: KV caches split on heads
     else:
         fabric, model, precision = _load_eager(checkpoint_dir, method, path, precision, accelerator, allow_other_base,
-                                               rope_scaling)
+                                               rope_scaling, quantize, mode)
         runtime = Runtime(fabric)
+        if mode is not None:
+            compile_forward(model, mode)
+            runtime.compiles_graphs = True  # static shapes (the server's fixed rows and cache), compilations counted
     from lit_gpt.tokenizer import Tokenizer
 
     name = str(checkpoint_dir) if path is None else f"{checkpoint_dir} + {path}"
@@ -178,13 +222,15 @@ def _variant(method: str) -> Any:
 
 
 def _load_eager(checkpoint_dir: Path, method: str, path: Optional[Path], precision: Optional[str], accelerator: str,
-                allow_other_base: bool, rope_scaling: Optional[Dict[str, Any]] = None) -> Any:
+                allow_other_base: bool, rope_scaling: Optional[Dict[str, Any]] = None,
+                quantize: Optional[str] = None, compile_mode: Optional[str] = None) -> Any:
     """As generate/{base,lora,adapter,adapter_v2}.py load: on the meta device, the weights assigned as read, LoRA
-    merged, then cast to the precision's dtype (the CPU's inference layout in 32-true) and set up by Fabric."""
+    merged, quantized (--quantize), then cast to the precision's dtype (the CPU's inference layout in 32-true) and
+    set up by Fabric."""
     from lit_gpt.generate import compile_steps
-    from lit_gpt.recipes.generate import generation_fabric, loading, prepare_for_device
+    from lit_gpt.recipes.generate import generation_fabric, loading, prepare_for_device, quantize_weights
 
-    fabric = generation_fabric(str(accelerator).lower(), precision)
+    fabric = generation_fabric(str(accelerator).lower(), precision, quantize)
     with loading(fabric, path or checkpoint_dir):
         if path is None:
             from lit_gpt.loading import load_model
@@ -200,14 +246,50 @@ def _load_eager(checkpoint_dir: Path, method: str, path: Optional[Path], precisi
                 variant.merge_lora_weights(model, dtype=param_dtype(fabric.strategy.precision.precision))
         from lit_gpt.loading import scale_rope
 
-        model = prepare_for_device(fabric, scale_rope(model, rope_scaling), compile_steps(None))
+        model = quantize_weights(fabric, scale_rope(model, rope_scaling), quantize)
+        model = prepare_for_device(fabric, model, compile_steps(compile_mode, compile_prefill=False))
     return fabric, model, fabric.strategy.precision.precision
 
 
+SERVING_TOKENS = 1 << 30
+"""What a server generates, for `--compile auto`'s rule (`lit_gpt.compile_policy.resolve_compile`): it runs until
+stopped, so compiling always pays where it ever does (CUDA graphs on a GPU; never on the CPU)."""
+
+
+def serve_compile_mode(compile: Optional[str], accelerator: str) -> Optional[str]:
+    """serve/base.py's --compile as a torch.compile mode (None: eager), by generate/base.py's policy
+    (`resolve_compile`: one line for a mode the device cannot run, e.g. reduce-overhead off CUDA, or any mode on
+    XLA, which compiles its graphs itself). None (the evaluation recipes) is eager."""
+    if compile is None:
+        return None
+    from lit_gpt.compile_policy import resolve_compile
+    from lit_gpt.runtime import resolve_accelerator
+
+    accelerator = str(accelerator).lower()
+    device = "xla" if accelerator == "xla" else resolve_accelerator(accelerator)
+    return resolve_compile(compile, device, SERVING_TOKENS)
+
+
+def compile_forward(model: torch.nn.Module, mode: str) -> None:
+    """The GPT's forward compiled in `mode` the way generate/base.py compiles its decode step
+    (`lit_gpt.compile_policy.build_steps`: static shapes, one whole graph; "reduce-overhead" and "max-autotune"
+    replay it as a CUDA graph, each call a new graph step whose output is copied out before the next replay
+    overwrites it). The server's engine keeps its shapes fixed on such a runtime (`compiles_graphs`), so its forward
+    compiles once per kind of call: the prefill call, the prefill keeping every position's scores, the decode step."""
+    from lit_gpt.compile_policy import build_steps
+    from lit_gpt.generate import unwrap
+
+    gpt = unwrap(model)
+    gpt.forward = build_steps(gpt.forward, gpt.forward, mode, compile_prefill=False).decode
+
+
 def _load_xla(checkpoint_dir: Path, method: str, path: Optional[Path], precision: Optional[str],
-              allow_other_base: bool, rope_scaling: Optional[Dict[str, Any]] = None) -> Any:
+              allow_other_base: bool, rope_scaling: Optional[Dict[str, Any]] = None, weights: Optional[str] = None,
+              kv_positions: int = 0) -> Any:
     """As xla/generate/*.py load: a Fabric over every PJRT device (SPMD), the weights block by block onto the
-    devices (LoRA merged), set up by Fabric."""
+    devices (LoRA merged), set up by Fabric. With `weights` (serving) the loaded weights are then placed
+    replicated or tensor-parallel (`lit_gpt.xla.serve_placement`) instead of staying FSDP-sharded; returns that
+    `Placement` too (None without `weights`)."""
     from lit_gpt.recipes.generate import loading
     from lit_gpt.recipes.xla_generate import load_base_staged, load_variant_staged
     from lit_gpt.xla import make_fabric
@@ -226,8 +308,15 @@ def _load_xla(checkpoint_dir: Path, method: str, path: Optional[Path], precision
         from lit_gpt.loading import scale_rope
 
         model = scale_rope(model, rope_scaling).eval()
-        model = fabric.setup_module(model)
-    return fabric, model, precision
+        placement = None
+        if weights is not None:
+            from lit_gpt.xla.serve_placement import describe, kv_cache_bytes, place_weights
+
+            kv_bytes = kv_cache_bytes(model.config, kv_positions, param_dtype(precision))
+            placement = place_weights(model, weights, kv_bytes)
+            fabric.print(describe(placement), file=sys.stderr)
+        model = fabric.setup_module(model)  # FSDP-wrapped, unless placed for serving
+    return fabric, model, precision, placement
 
 
 def print_table(rows: List[List[Any]], header: List[str], file: Any = sys.stdout) -> None:
@@ -274,7 +363,7 @@ def perplexity_request(data_path: Optional[Union[str, Path]], checkpoint_dir: Un
                        lora_path: Optional[Union[str, Path]] = None, adapter_path: Optional[Union[str, Path]] = None,
                        precision: Optional[str] = None, accelerator: str = "auto", window: Optional[int] = None,
                        stride: Optional[int] = None, batch_size: int = 1,
-                       out_dir: Optional[Union[str, Path]] = None) -> PerplexityRequest:
+                       out_dir: Optional[Union[str, Path]] = None, quantize: Optional[str] = None) -> PerplexityRequest:
     """Every check of eval/perplexity.py's flags (one LitError line each; nothing is read but the config, the
     tokenizer and the text, nothing written): the model flags (`check_eval_args`), the data file, the window and
     stride against the model's context, the batch size, and where the results go."""
@@ -283,7 +372,7 @@ def perplexity_request(data_path: Optional[Union[str, Path]], checkpoint_dir: Un
     from lit_gpt.recipes.outputs import check_output_dir
     from lit_gpt.tokenizer import Tokenizer
 
-    _, finetuned = check_eval_args(checkpoint_dir, lora_path, adapter_path, precision, accelerator)
+    _, finetuned = check_eval_args(checkpoint_dir, lora_path, adapter_path, precision, accelerator, quantize)
     if data_path is None:
         raise LitError("pass --data_path: a .txt file (the whole text) or a .json / .jsonl file of rows with a"
                        ' "text" field')

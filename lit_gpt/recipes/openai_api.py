@@ -3,7 +3,8 @@ server-sent events of `stream: true`):
 
     POST /v1/chat/completions   messages rendered with the checkpoint's prompt style (its chat template)
     POST /v1/completions        a prompt (or a list of prompts) continued as is
-    GET  /v1/models             the one model served
+    GET  /v1/models             the base model and its LoRA adapters (`--lora`)
+    POST /v1/load_lora_adapter, /v1/unload_lora_adapter   adapters at run time (lit_gpt.recipes.serve_loras)
     GET  /health                200 while the engine runs
     GET  /metrics               Prometheus' text format (lit_gpt.recipes.serve_metrics)
 
@@ -20,8 +21,11 @@ generate nothing). The choice's `logprobs` is OpenAI's completions object: `toke
 token starts in the choice's text). Log-probabilities are the model's (log-softmax of its logits, before
 temperature and top-p). Not with `stream` (refused in one line).
 
+A request's `model` picks what answers it: the base model's name, or an adapter's (`--lora NAME=PATH`); another
+name gets HTTP 404 with code `model_not_found`, as OpenAI answers.
+
 Bad requests get HTTP 400 with OpenAI's error body ({"error": {"message", "type", "param", "code"}}) and change
-nothing else: an unknown model, malformed JSON, a value out of range, a prompt or `max_tokens` beyond the
+nothing else: malformed JSON, a value out of range, a prompt or `max_tokens` beyond the
 context, a parameter this server does not implement (chat's logprobs, tools, penalties, ...; refused by name rather than
 ignored), a request with more completions (prompts x n) than slots plus `--max_queue` can ever hold. More
 requests than free slots plus `--max_queue` get 429 (retry later). A client that goes away frees its slot at the
@@ -41,6 +45,7 @@ from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lit_gpt.generate import RowSampling
+from lit_gpt.recipes.serve_loras import add_lora_routes
 from lit_gpt.recipes.serve_metrics import ServeMetrics
 from lit_gpt.recipes.serving import MAX_LOGPROBS, Engine, Job, QueueFull, Score, new_generator
 from lit_gpt.utils import LitError
@@ -102,9 +107,9 @@ class CompletionRequest(_Common):
     echo: bool = False
 
 
-def build_app(engine: Engine, model_name: str, style: Any) -> FastAPI:
+def build_app(engine: Engine, model_name: str, style: Any, loras: Any = None) -> FastAPI:
     """The FastAPI application over `engine` (which `run`s on the device's thread), serving `model_name` with the
-    prompt style `style` (lit_gpt.prompts) for chat."""
+    prompt style `style` (lit_gpt.prompts) for chat, and the LoRA adapters of `loras` (serve_loras.ServedLoRAs)."""
     app = FastAPI(title="lit_gpt OpenAI-compatible server")
     metrics = engine.metrics = ServeMetrics(engine)
     tokenizer = engine.tokenizer
@@ -133,7 +138,7 @@ def build_app(engine: Engine, model_name: str, style: Any) -> FastAPI:
         return {"status": "ok", "model": model_name, "slots": engine.slots,
                 "waiting": len(engine.waiting), "free_slots": engine.free_rows(),
                 "prefill_tokens": engine.stats["prefill_tokens"], "cached_prompt_tokens": engine.stats["cached_tokens"],
-                "compilations_after_warm_up": engine.compiles_since_warm_up()}
+                "compilations_after_warm_up": engine.compiles_since_warm_up(), **engine.kv_blocks()}
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -141,13 +146,18 @@ def build_app(engine: Engine, model_name: str, style: Any) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> Dict[str, Any]:
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
-                                             "owned_by": "lit_gpt"}]}
+        base = {"id": model_name, "object": "model", "created": created, "owned_by": "lit_gpt"}
+        return {"object": "list", "data": [base] + (loras.cards(created, model_name) if loras is not None else [])}
 
-    def check_common(body: _Common) -> None:
-        if body.model != model_name:
-            raise APIError(400, f"model {body.model!r} is not served here: this server serves {model_name!r}",
-                           "model", code="model_not_found")
+    add_lora_routes(app, engine, loras, model_name, APIError)
+
+    def check_common(body: _Common) -> int:
+        """The checks every request gets; returns the id of the LoRA adapter its `model` names (0: the base)."""
+        adapter = 0 if body.model == model_name else loras.id_of(body.model) if loras is not None else None
+        if adapter is None:
+            names = ", ".join(repr(m) for m in [model_name, *(loras.by_name if loras is not None else ())])
+            raise APIError(404, f"the model {body.model!r} does not exist: this server serves {names}", "model",
+                           code="model_not_found")
         extra = body.model_extra or {}
         for name, neutral in UNSUPPORTED.items():
             if name in extra and extra[name] not in neutral:
@@ -155,6 +165,7 @@ def build_app(engine: Engine, model_name: str, style: Any) -> FastAPI:
                                code="unsupported_parameter")
         if body.n > engine.slots:
             raise APIError(400, f"n={body.n} is more than the server's {engine.slots} slots", "n")
+        return adapter
 
     def encode(text: str, bos: Optional[bool]) -> List[int]:
         ids = tokenizer.encode(text, bos=bos).tolist()
@@ -210,16 +221,18 @@ def build_app(engine: Engine, model_name: str, style: Any) -> FastAPI:
                 "top_logprobs": [top(s) for _, s in entries], "text_offset": offsets}
 
     def limits(prompt_ids: List[int], max_tokens: Optional[int], param: str, prompt_param: str) -> int:
-        room = engine.max_seq_length - len(prompt_ids)
+        # a request's prompt + max_tokens: at most a slot's positions, and what the paged KV cache can give one row
+        context = engine.request_tokens
+        flag = "--max_seq_length" if context == engine.max_seq_length else "--kv_cache_tokens"
+        room = context - len(prompt_ids)
         if room < 1:
             raise APIError(400, f"the prompt has {len(prompt_ids)} tokens but this server's context is"
-                                f" {engine.max_seq_length} (--max_seq_length): shorten it", prompt_param,
-                           code="context_length_exceeded")
+                                f" {context} ({flag}): shorten it", prompt_param, code="context_length_exceeded")
         if max_tokens is None:
             return room
         if max_tokens > room:
             raise APIError(400, f"{param}={max_tokens} with a prompt of {len(prompt_ids)} tokens exceeds this"
-                                f" server's context of {engine.max_seq_length} tokens: set {param} <= {room}", param,
+                                f" server's context of {context} tokens ({flag}): set {param} <= {room}", param,
                            code="context_length_exceeded")
         return max_tokens
 
@@ -229,7 +242,7 @@ def build_app(engine: Engine, model_name: str, style: Any) -> FastAPI:
             raise APIError(400, "stop takes up to 4 non-empty strings", "stop")
         return stops
 
-    def jobs_for(body: _Common, prompts: List[List[int]], max_tokens: List[int]) -> List[List[Job]]:
+    def jobs_for(body: _Common, prompts: List[List[int]], max_tokens: List[int], adapter: int) -> List[List[Job]]:
         stops = stops_of(body)
         logprobs = getattr(body, "logprobs", None)
         echo_scores = bool(getattr(body, "echo", False)) and logprobs is not None
@@ -243,13 +256,13 @@ def build_app(engine: Engine, model_name: str, style: Any) -> FastAPI:
                                        new_generator(seed, engine.runtime.device, on_host) if body.temperature > 0
                                        else None)
                 choices.append(Job(ids, limit, emit=lambda *a: None, sampling=sampling, stop_ids=stop_ids,
-                                   stop_strings=stops, logprobs=logprobs, echo_scores=echo_scores))
+                                   stop_strings=stops, logprobs=logprobs, echo_scores=echo_scores, adapter=adapter))
             out.append(choices)
         return out
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request) -> Any:
-        check_common(body)
+        adapter = check_common(body)
         messages = []
         for i, m in enumerate(body.messages):
             if m.role not in ("system", "developer", "user", "assistant"):
@@ -274,12 +287,12 @@ def build_app(engine: Engine, model_name: str, style: Any) -> FastAPI:
         ids = encode(text, style.bos)
         limit = body.max_completion_tokens or body.max_tokens
         param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
-        jobs = jobs_for(body, [ids], [limits(ids, limit, param, "messages")])
+        jobs = jobs_for(body, [ids], [limits(ids, limit, param, "messages")], adapter)
         return await respond(request, body, jobs, chat=True)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
-        check_common(body)
+        adapter = check_common(body)
         if body.max_tokens == 0 and not body.echo:
             raise APIError(400, "max_tokens=0 generates nothing: it scores the prompt with echo (and logprobs); set"
                                 " echo, or max_tokens >= 1", "max_tokens")
@@ -294,7 +307,7 @@ def build_app(engine: Engine, model_name: str, style: Any) -> FastAPI:
             raise APIError(400, "prompt is an empty list", "prompt")
         ids = [encode(p, None) if isinstance(p, str) else token_ids(p) for p in prompt]
         texts = [p if isinstance(p, str) else tokenizer.decode(p, skip_special_tokens=True) for p in prompt]
-        jobs = jobs_for(body, ids, [limits(i, body.max_tokens, "max_tokens", "prompt") for i in ids])
+        jobs = jobs_for(body, ids, [limits(i, body.max_tokens, "max_tokens", "prompt") for i in ids], adapter)
         return await respond(request, body, jobs, chat=False, prompt_texts=texts)
 
     async def respond(request: Request, body: _Common, per_prompt: List[List[Job]], chat: bool,
@@ -326,7 +339,7 @@ def build_app(engine: Engine, model_name: str, style: Any) -> FastAPI:
         prompt_tokens = sum(len(choices[0].prompt_ids) for choices in per_prompt)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         kind = "chat.completion" if chat else "text_completion"
-        base = {"id": rid, "created": int(time.time()), "model": model_name}
+        base = {"id": rid, "created": int(time.time()), "model": body.model}  # the base model's name or an adapter's
 
         def usage(completion: int) -> Dict[str, int]:
             return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,

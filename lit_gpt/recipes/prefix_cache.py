@@ -7,11 +7,12 @@ from typing import List, Sequence
 PREFIX_BLOCK = 16  # tokens per prefix-cache block (vLLM's default block size)
 
 
-def block_hashes(ids: Sequence[int]) -> List[int]:
+def block_hashes(ids: Sequence[int], key: int = 0) -> List[int]:
     """The hash chain of `ids`' full PREFIX_BLOCK blocks: block i's hash covers blocks 0..i, so two sequences with
     equal hashes at block i share their first (i + 1) * PREFIX_BLOCK tokens (vLLM's block hashes; a match is
-    checked token by token before it is used)."""
-    out, h = [], 0
+    checked token by token before it is used). `key` starts the chain: the LoRA adapter that computes the keys and
+    values (0: the base model), so the same tokens under two adapters never share a block (vLLM's extra keys)."""
+    out, h = [], (0 if not key else hash(("lora", key)))
     for start in range(0, len(ids) - PREFIX_BLOCK + 1, PREFIX_BLOCK):
         h = hash((h, tuple(ids[start: start + PREFIX_BLOCK])))
         out.append(h)

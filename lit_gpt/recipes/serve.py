@@ -12,7 +12,8 @@ import signal
 import sys
 import threading
 import time
-from typing import Any, Optional
+from pathlib import Path
+from typing import Any, List, Optional
 
 from lit_gpt.utils import LitError
 
@@ -21,9 +22,15 @@ DEFAULT_MAX_SEQ_LENGTH = 2048  # per slot: 8 slots of 2048 hold 16k positions pe
 
 def check_serve_args(host: str = "127.0.0.1", port: int = 8000, slots: int = 8, max_seq_length: Optional[int] = None,
                      max_queue: int = 64, prompt_style: Optional[str] = None, prefill_chunk: int = 32,
-                     **_: Any) -> None:
-    """The serving flags' checks that need no weights (one LitError line each)."""
+                     lora: Optional[List[str]] = None, max_loras: Optional[int] = None,
+                     max_lora_rank: Optional[int] = None, checkpoint_dir: Optional[Path] = None,
+                     model_name: Optional[str] = None, lora_path: Optional[Path] = None,
+                     adapter_path: Optional[Path] = None, allow_other_base: bool = False,
+                     kv_cache_tokens: Optional[int] = None, **_: Any) -> Any:
+    """The serving flags' checks that need no weights (one LitError line each). Returns the LoRA adapters to serve
+    (`serve_loras.LoRAPlan`, their files checked: LoRA weights of this base), or None."""
     from lit_gpt.prompts import PromptStyle
+    from lit_gpt.recipes.serve_loras import check_lora_flags
 
     if not 0 <= port <= 65535:
         raise LitError(f"--port must be between 0 and 65535, got {port}")
@@ -34,10 +41,17 @@ def check_serve_args(host: str = "127.0.0.1", port: int = 8000, slots: int = 8, 
         raise LitError(f"--max_queue must be >= 0, got {max_queue}")
     if prefill_chunk < 0:
         raise LitError(f"--prefill_chunk must be >= 0 (0: whole prompts), got {prefill_chunk}")
+    if kv_cache_tokens is not None and kv_cache_tokens < 16:
+        raise LitError(f"--kv_cache_tokens must be >= 16 (one block of the KV cache), got {kv_cache_tokens}")
     if max_seq_length is not None and max_seq_length < 2:
         raise LitError(f"--max_seq_length must be >= 2, got {max_seq_length}")
     if prompt_style is not None and prompt_style not in PromptStyle.names():
         raise LitError(f"--prompt_style must be one of {', '.join(PromptStyle.names())}, got {prompt_style!r}")
+    if checkpoint_dir is None:
+        return None
+    checkpoint_dir = Path(checkpoint_dir)
+    return check_lora_flags(lora, max_loras, max_lora_rank, checkpoint_dir, model_name or checkpoint_dir.name,
+                            lora_path, adapter_path, allow_other_base)
 
 
 def check_host(host: str) -> None:
@@ -64,8 +78,10 @@ def check_host(host: str) -> None:
 
 def serve(loaded: Any, host: str = "127.0.0.1", port: int = 8000, model_name: Optional[str] = None, slots: int = 8,
           max_seq_length: Optional[int] = None, max_queue: int = 64, prompt_style: Optional[str] = None,
-          prefill_chunk: int = 32, prefix_cache: bool = True) -> None:
-    """Serve `loaded` (recipes.evaluate.EvalModel) until Ctrl-C / SIGTERM, then drain and return."""
+          prefill_chunk: int = 32, prefix_cache: bool = True, loras: Any = None,
+          kv_cache_tokens: Optional[int] = None) -> None:
+    """Serve `loaded` (recipes.evaluate.EvalModel) until Ctrl-C / SIGTERM, then drain and return; `loras`: the LoRA
+    adapters to serve beside it (`check_serve_args`' plan)."""
     import uvicorn
 
     from lit_gpt.prompts import PromptStyle, describe_style
@@ -81,14 +97,22 @@ def serve(loaded: Any, host: str = "127.0.0.1", port: int = 8000, model_name: Op
     style = PromptStyle.from_checkpoint(loaded.checkpoint_dir, prompt_style)
     log(describe_style(style, loaded.checkpoint_dir, prompt_style, "Prompt style of /v1/chat/completions"))
     name = model_name or loaded.checkpoint_dir.name
+    served = None
+    if loras is not None:  # the bank goes into the model before the engine's warm-up: its graphs hold the gather
+        from lit_gpt.recipes.serve_loras import ServedLoRAs
+
+        with loaded.runtime.inference_context():
+            served = ServedLoRAs.start(loaded, loras)
+        log(f"LoRA adapters: {', '.join(served.by_name) or 'none yet'} (room for {loras.capacity}, rank up to"
+            f" {loras.rank})")
     engine = Engine(loaded, slots=slots, max_seq_length=length, max_queue=max_queue, prefill_chunk=prefill_chunk,
-                    prefix_cache=prefix_cache, log=log)
+                    prefix_cache=prefix_cache, log=log, kv_cache_tokens=kv_cache_tokens)
     log(f"Warming up ({engine.runtime.name}: {slots} slots x {length} positions) ...")
     warm = engine.warm_up()
     log(f"Warm-up: {warm['seconds']:.1f} s, {warm['compiles']} compilations (prefill calls of {warm['rows']} rows x"
         f" {warm['chunk']} tokens)")
 
-    app = build_app(engine, name, style)
+    app = build_app(engine, name, style, served)
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=None)
     server = uvicorn.Server(config)
     server.install_signal_handlers = lambda: None  # not on its thread: the main thread owns the signals (below)

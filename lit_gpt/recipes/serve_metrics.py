@@ -10,13 +10,15 @@ that two applications in one process count apart.
     lit_gpt_generation_tokens_total                  tokens generated (what `usage.completion_tokens` counts)
     lit_gpt_queue_depth                              choices waiting for a free slot (past --max_queue: HTTP 429)
     lit_gpt_kv_cache_slots / _slots_in_use           rows of the batched KV cache (--slots) and those in use
-    lit_gpt_kv_cache_positions / _positions_in_use   KV positions allocated (slots x --max_seq_length) and written
+    lit_gpt_kv_cache_positions / _positions_in_use   KV positions allocated (the blocks' tokens) and written
+    lit_gpt_kv_cache_blocks / _blocks_in_use         blocks of the paged KV cache (--kv_cache_tokens / 16) and those
+                                                     rows hold; _blocks_cached: held by nobody, kept for their prefix
     lit_gpt_time_to_first_token_seconds              histogram: a choice's submission to its first token
     lit_gpt_inter_token_latency_seconds              histogram: between a choice's consecutive tokens
 
-The KV cache is one row of `--max_seq_length` positions per slot (not paged): KV blocks in use appear when paging
-exists; the prefix cache's hits are its tokens (prompt = prefill + hit tokens, but for the tokens a cancelled prompt
-did not reach).
+The KV cache is paged (lit_gpt/recipes/kv_blocks.py; a model with sliding-window rings is not: its block gauges are
+0); the prefix cache's hits are its tokens (prompt = prefill + hit tokens, but for the tokens a cancelled prompt did
+not reach).
 """
 
 from typing import Any
@@ -56,10 +58,17 @@ class ServeMetrics:
         Gauge("lit_gpt_kv_cache_slots", "Rows of the batched KV cache (--slots)", registry=registry).set(engine.slots)
         Gauge("lit_gpt_kv_cache_slots_in_use", "Rows of the KV cache serving a choice", registry=registry).set_function(
             lambda: engine.slots - engine.free_rows())
-        Gauge("lit_gpt_kv_cache_positions", "KV cache positions allocated (slots x --max_seq_length)",
-              registry=registry).set(engine.slots * engine.max_seq_length)
+        blocks = engine.kv_blocks()["kv_blocks"]
+        Gauge("lit_gpt_kv_cache_positions", "KV cache positions allocated (the blocks' tokens; unpaged: slots x"
+              " --max_seq_length)", registry=registry).set(blocks * engine.kv.block_size if blocks else
+                                                              engine.slots * engine.max_seq_length)
         Gauge("lit_gpt_kv_cache_positions_in_use", "KV cache positions written by the choices in flight",
               registry=registry).set_function(engine.positions_in_use)
+        for key, what in (("kv_blocks", "Blocks of the paged KV cache"),
+                          ("kv_blocks_in_use", "KV cache blocks the choices in flight hold"),
+                          ("kv_blocks_cached", "KV cache blocks held by nobody, kept for their prefix (evictable)")):
+            Gauge(f"lit_gpt_{key.replace('kv_', 'kv_cache_')}", what, registry=registry).set_function(
+                lambda key=key: engine.kv_blocks()[key])
 
     def scrape(self) -> bytes:
         return generate_latest(self.registry)

@@ -20,14 +20,14 @@ decoding there is nobody to delay: the call takes whole prompts (up to `max_seq_
 is still being prefilled sits in the decode step like an idle row: its step writes a key/value at the position its
 next chunk starts at (overwritten by that chunk) and its token is not read.
 
-Prefix caching: a row keeps the keys/values of the tokens it was given (its prompt, then what it generated) after
-its request ends, until another request overwrites them. A prompt starting with the same tokens as a row's (in
-blocks of `PREFIX_BLOCK` tokens, compared by a hash chain as vLLM does) reuses them: in place when it gets that
-row, else copied from it (any row: in use, idle or still prefilling the shared part, which the prompt waits for).
-A new request takes the free row holding the longest shared prefix, else the lowest free row, dropping what that
-row held (so what stays is what the last requests of the rows held). The prompt's last token is always computed
-(its logits give the first new token); a request that scores its prompt (`echo` with `logprobs`) computes all of it.
-`stats` counts the prompt tokens computed (`prefill_tokens`) and reused (`cached_tokens`).
+Paged KV memory (`--kv_cache_tokens`, default slots x max_seq_length; lit_gpt/recipes/kv_blocks.py): the rows share
+a pool of `PREFIX_BLOCK`-token blocks through a block table. A request takes the lowest free row once the blocks of
+its prompt + max_tokens are there, else it waits at the head of the queue. Prefix caching is block sharing: a
+prompt's leading full blocks that another request computed (in flight, ended, or prefilling them, which it waits for)
+are shared with reference counts, and stay cached after their requests end until an allocation evicts them. The
+prompt's last token is always computed (its logits give the first new token); a request that scores its prompt
+(`echo` with `logprobs`) computes all of it. `stats` counts the prompt tokens computed (`prefill_tokens`) and reused
+(`cached_tokens`).
 
 Scores (a job with `logprobs`): every step that serves such a job also returns, per row, the log-probability of
 the token it took and the `MAX_LOGPROBS` most likely tokens with theirs (log-softmax of the model's logits, before
@@ -38,9 +38,9 @@ scored, nothing generated). On static backends the scores are part of every step
 
 Shapes on XLA: the rows, the cache length and the prefill call ((`STATIC_PREFILL_ROWS`, `prefill_chunk`), unused
 rows padded) are fixed and every step runs all rows with per-row sampling settings (greedy rows included), so after
-`warm_up` (the prefill call, the same keeping every position's scores, the decode step and the prefix block copy:
-four graphs) nothing compiles. On the CPU and GPUs a step runs the rows up to the highest in use and the cache
-positions in use (`Batch`), and a prefill call the rows and chunk lengths it has.
+`warm_up` (the prefill call, the same keeping every position's scores and the decode step: three graphs; the block
+table is an input, the same shape whatever it holds) nothing compiles. On the CPU and GPUs a step runs the rows up
+to the highest in use and the cache positions in use (`Batch`), and a prefill call the rows and chunk lengths it has.
 
 A model with sliding-window layers whose cache is a ring (`lit_gpt.kv_cache`) keeps only a window per row. Its
 prompts are prefilled in chunks too on eager backends (a chunk attends over the ring as it was and its own keys,
@@ -49,7 +49,7 @@ whose write lands at the position its next chunk starts at: that ring entry hold
 window of every later query, so no entry still in use is overwritten (first come first served, a prompt part-way
 through is first in the next prefill call: its position never moves on past that). Prefix caching stays off: a
 ring entry holds position p mod window, so what a row holds is the last window of its tokens, not a prefix another
-prompt could reuse, and a copied block would not be a block of positions. On static backends (XLA) rings still
+prompt could reuse: rings are not paged (--kv_cache_tokens refused in one line). On static backends (XLA) rings still
 prefill whole prompts in one call (all waiting prompts together): chunks over a ring are not tested there.
 """
 
@@ -62,7 +62,9 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from lit_gpt.generate import Batch, RowSampling, _exponential
+from lit_gpt.generate import Batch, RowSampling, _exponential, unwrap
+from lit_gpt.lora_bank import select_adapters
+from lit_gpt.recipes.kv_blocks import paging
 from lit_gpt.recipes.prefix_cache import PREFIX_BLOCK, block_hashes, shared_blocks
 from lit_gpt.sampling import sample
 from lit_gpt.utils import LitError
@@ -107,6 +109,7 @@ class Job:
     """With `logprobs`: a score per generated token (a stop token, which ends the job unseen, has none)."""
     prompt_scores: Optional[List[Score]] = None
     """With `echo_scores`: a score per prompt token after the first."""
+    adapter: int = 0  # its LoRA adapter's id (0: the base; recipes.serve_loras): its row's weights, its hashes' key
     # the engine's bookkeeping
     row: Optional[int] = None
     generated: int = 0
@@ -127,7 +130,7 @@ class Engine:
 
     def __init__(self, loaded: Any, slots: int, max_seq_length: int, max_queue: int,
                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK, prefix_cache: bool = True,
-                 log: Callable[[str], None] = lambda line: None) -> None:
+                 log: Callable[[str], None] = lambda line: None, kv_cache_tokens: Optional[int] = None) -> None:
         if slots < 1:
             raise LitError(f"--slots must be >= 1, got {slots}")
         if max_queue < 0:
@@ -147,9 +150,13 @@ class Engine:
         self.scoring = self.static
         self.scores: Optional[Tuple[torch.Tensor, ...]] = None
         self.prompt_scores: Optional[Tuple[torch.Tensor, ...]] = None
+        self.kv = paging(unwrap(loaded.model), slots, max_seq_length, kv_cache_tokens, PREFIX_BLOCK)
+        paged = (self.kv.blocks, PREFIX_BLOCK) if self.kv is not None else None
+        # the most tokens (prompt + max_tokens) one request may have: a row's positions, or the pool's blocks
+        self.request_tokens = min(max_seq_length, self.kv.row_limit * PREFIX_BLOCK) if self.kv else max_seq_length
         with self.runtime.inference_context():
             self.batch = Batch(loaded.model, slots, max_seq_length, runtime=self.runtime, static=self.static,
-                               exact_length=True, decode_fn=self._decode)
+                               exact_length=True, decode_fn=self._decode, paged=paged)
         self.chunk = min(prefill_chunk or max_seq_length, max_seq_length)
         self.prefix_cache = prefix_cache
         self.prefill_rows = min(slots, STATIC_PREFILL_ROWS) if self.static else slots
@@ -163,13 +170,20 @@ class Engine:
         self.jobs: List[Optional[Job]] = [None] * slots
         self.waiting: Deque[Job] = collections.deque()
         self.lock = threading.Condition()
-        # what each row's cache holds (its first len(...) positions) and those tokens' hash chain
+        self.tasks: Deque[Callable[[], None]] = collections.deque()  # other threads' device work, between steps
+        # the tokens whose keys/values each row holds (its first len(...) positions)
         self.row_tokens: List[List[int]] = [[] for _ in range(slots)]
-        self.row_hashes: List[List[int]] = [[] for _ in range(slots)]
         self.admissions = 0
+        self.blocked = False  # the head of the queue waits for KV blocks (free rows take nobody then)
         self.stats = self.new_stats()
         self.warm_compiles = self.runtime.compile_count()
         self.metrics: Any = None  # lit_gpt.recipes.serve_metrics.ServeMetrics once serving (not in the warm-up)
+
+    def kv_blocks(self) -> Dict[str, int]:
+        """The paged KV cache's blocks (/health, /metrics; read from any thread): all (but scratch), those rows hold,
+        and those cached for their prefix (held by nobody); zeros when unpaged."""
+        return self.kv.counts() if self.kv is not None else dict.fromkeys(("kv_blocks", "kv_blocks_in_use",
+                                                                           "kv_blocks_cached"), 0)
 
     @staticmethod
     def new_stats() -> Dict[str, int]:
@@ -182,9 +196,15 @@ class Engine:
     # ----------------------------------------------------------------- from the HTTP threads
     def submit(self, jobs: Sequence[Job]) -> None:
         """Queue jobs (a request's choices, all or none); raises QueueFull when they would pass the bound."""
+        for job in jobs:
+            if len(job.prompt_ids) + job.max_tokens > self.request_tokens:
+                raise LitError(f"a prompt of {len(job.prompt_ids)} tokens + max_tokens {job.max_tokens} is more than"
+                               f" this server's KV cache holds for one request ({self.request_tokens} tokens)")
         with self.lock:
-            if len(self.waiting) + len(jobs) > self.max_queue + self.free_rows():
-                raise QueueFull(f"{len(self.waiting)} requests are waiting for a free slot (--max_queue"
+            # the free rows take waiting jobs at the next step boundary, unless the head of the queue waits for blocks
+            taken = 0 if self.blocked and self.waiting else self.free_rows()
+            if len(self.waiting) + len(jobs) > self.max_queue + taken:
+                raise QueueFull(f"{len(self.waiting)} requests are waiting for a free slot or KV blocks (--max_queue"
                                 f" {self.max_queue}): retry later")
             now = time.perf_counter()
             for job in jobs:
@@ -208,6 +228,8 @@ class Engine:
         """Admit, step and end jobs until `should_stop()` is true and nothing is in flight or waiting."""
         with self.runtime.inference_context():
             while True:
+                while self.tasks:
+                    self.tasks.popleft()()
                 with self.lock:
                     if not self.waiting and all(job is None for job in self.jobs):
                         if should_stop():
@@ -225,11 +247,16 @@ class Engine:
         while True:
             with self.lock:  # the row is taken under the lock: `submit` counts free rows and waiting jobs
                 free = [r for r, job in enumerate(self.jobs) if job is None]
-                job = self.waiting.popleft() if free and self.waiting else None
+                job = self.waiting[0] if free and self.waiting else None
                 row = None
                 if job is not None and not job.cancelled:
                     row = self._pick_row(job, free)
+                    self.blocked = row is None
+                    if row is None:  # not enough KV blocks yet: the head of the queue waits, and those behind it
+                        break
                     self.jobs[row] = job
+                if job is not None:
+                    self.waiting.popleft()
             if job is None:
                 break
             if row is None:
@@ -245,6 +272,8 @@ class Engine:
         self.scoring = self.static or wanted
         for r in rows:  # this step writes the pending token's keys/values into the row
             self.row_tokens[r].append(self.jobs[r].pending)
+        if self.kv is not None:  # rows that ended: scratch in the device's table
+            self.kv.sync(self.batch.set_block_table)
         tokens = self.batch.step().tolist()  # the one host read per step: every row's new token
         scores = _read_scores(self.scores) if wanted else None
         self.stats["steps"] += 1
@@ -252,14 +281,21 @@ class Engine:
             self._take(row, tokens[row], scores[row] if scores is not None else None)
 
     # ----------------------------------------------------------------- admission and the prefix cache
-    def _pick_row(self, job: Job, free: List[int]) -> int:
-        """The free row holding the longest prefix of the job's prompt, else the lowest free row (which, on eager
-        backends, keeps the decode step to the fewest rows)."""
-        if not self.prefix_cache or job.echo_scores:
-            return free[0]
-        job.hashes = block_hashes(job.prompt_ids)
-        best = max(free, key=lambda r: (shared_blocks(self.row_hashes[r], job.hashes), -r))
-        return best if shared_blocks(self.row_hashes[best], job.hashes) else free[0]
+    def _pick_row(self, job: Job, free: List[int]) -> Optional[int]:
+        """The lowest free row (which, on eager backends, keeps the decode step to the fewest rows) with the KV
+        blocks of the job's prompt + max_tokens, sharing the registered blocks of its prompt's prefix (`done_pos`:
+        the tokens they hold); None when the blocks are not there yet."""
+        row = free[0]
+        if self.kv is None:
+            return row
+        if self.prefix_cache:
+            job.hashes = block_hashes(job.prompt_ids, job.adapter)
+        reuse = self._reusable(job, len(job.hashes)) // PREFIX_BLOCK
+        shared = self.kv.admit(row, len(job.prompt_ids) + job.max_tokens, job.hashes, job.prompt_ids, reuse)
+        if shared is None:
+            return None
+        job.done_pos = shared * PREFIX_BLOCK
+        return row
 
     def _reusable(self, job: Job, blocks: int) -> int:
         """Prompt tokens that `blocks` shared blocks let the job reuse: never its last token (its logits give the
@@ -275,58 +311,25 @@ class Engine:
         self.stats["admitted"] += 1
         if self.metrics is not None:
             self.metrics.prompt_tokens.inc(len(job.prompt_ids))
-        # what the row already holds of this prompt stays (the row's decode-step position is past it: no write
-        # lands there); the rest of the row is dropped
-        keep = self._reusable(job, shared_blocks(self.row_hashes[row], job.hashes))
-        if keep and self.row_tokens[row][:keep] != job.prompt_ids[:keep]:
-            keep = 0  # a hash collision: never trust a hash alone
-        self._count_cached(keep)
-        job.done_pos = keep
-        self.row_tokens[row] = list(job.prompt_ids[:keep])
-        self.row_hashes[row] = job.hashes[: keep // PREFIX_BLOCK]
+        self._count_cached(job.done_pos)  # the shared blocks `_pick_row` found
+        self.row_tokens[row] = list(job.prompt_ids[: job.done_pos])
 
     def _count_cached(self, tokens: int) -> None:
         self.stats["cached_tokens"] += tokens
         if self.metrics is not None and tokens:
             self.metrics.cached_tokens.inc(tokens)
 
-    def _copy_prefix(self, row: int, job: Job) -> None:
-        """Copy into `row` the blocks of the job's prompt that another row holds beyond what it has."""
-        have = job.done_pos // PREFIX_BLOCK
-        best, source = have, None
-        for r in range(self.slots):
-            if r != row:
-                n = shared_blocks(self.row_hashes[r], job.hashes, start=have)
-                if n > best:
-                    best, source = n, r
-        end = self._reusable(job, best)
-        if source is None or end <= job.done_pos:
+    def _share_prefix(self, job: Job) -> None:
+        """Before its first prefill call: the blocks of the job's prompt that other rows have computed since its
+        admission replace its own (`BlockAllocator.share_more`)."""
+        if self.kv is None or self.kv.published[job.row]:
             return
-        start = have * PREFIX_BLOCK
-        if self.row_tokens[source][:end] != job.prompt_ids[:end]:
-            return  # a hash collision: never trust a hash alone
-        self._copy_blocks(source, row, start, end)
-        self._count_cached(end - job.done_pos)
-        job.done_pos = end
-        self.row_tokens[row] = list(job.prompt_ids[:end])
-        self.row_hashes[row] = job.hashes[: end // PREFIX_BLOCK]
-
-    def _copy_blocks(self, source: int, row: int, start: int, end: int) -> None:
-        """Keys and values of positions [start, end) of row `source` into row `row`, in every layer; the row's
-        decode-step position moves to `end` (its idle writes must not land on the copy). Static backends copy a
-        block per call (one graph); eager ones the range at once."""
-        to_device = self.runtime.to_device
-        spans = [(s, s + PREFIX_BLOCK) for s in range(start, end, PREFIX_BLOCK)] if self.static else [(start, end)]
-        src, dst = to_device(torch.tensor([source])), to_device(torch.tensor([row]))
-        for s, e in spans:
-            pos = to_device(torch.arange(s, e))
-            for block in self.batch.gpt.transformer.h:
-                cache = block.attn.kv_cache
-                for buf in (cache.k, cache.v):
-                    part = buf.index_select(0, src).index_select(2, pos)  # (1, groups, n, hs)
-                    buf[dst.view(1, 1), :, pos.view(1, -1)] = part.transpose(1, 2)
-            self.batch.positions.index_copy_(0, dst, to_device(torch.tensor([e])))
-            self.runtime.end_step()
+        start = job.done_pos // PREFIX_BLOCK
+        n = self.kv.share_more(job.row, job.hashes, job.prompt_ids, start,
+                               self._reusable(job, len(job.hashes)) // PREFIX_BLOCK) * PREFIX_BLOCK
+        self._count_cached(n)
+        job.done_pos += n
+        self.row_tokens[job.row] = list(job.prompt_ids[: job.done_pos])
 
     def _waits(self, job: Job, earlier: List[Job]) -> bool:
         """Whether an earlier prompt being prefilled shares blocks with this one that it has not computed yet (this
@@ -354,8 +357,8 @@ class Engine:
         earlier: List[Job] = []
         for job in order:
             if self.prefix_cache and not job.echo_scores:
-                self._copy_prefix(job.row, job)
-                if self._waits(job, earlier):
+                self._share_prefix(job)
+                if not (self.kv is not None and self.kv.published[job.row]) and self._waits(job, earlier):
                     earlier.append(job)
                     continue
             earlier.append(job)
@@ -391,6 +394,10 @@ class Engine:
             targets.append([0] * width)
             finishing.append(False)
         jobs = [self.jobs[r] for r in rows]
+        if self.kv is not None:
+            for r in rows:
+                self.kv.publish(r)
+            self.kv.sync(self.batch.set_block_table)
         score_prompt = any(job.echo_scores for job in jobs)
         self.scoring = self.static or any(job.logprobs is not None for job, f in zip(jobs, finishing) if f)
         settings = [job.sampling if f else RowSampling() for job, f in zip(jobs, finishing)]
@@ -403,6 +410,7 @@ class Engine:
         if not self.static:  # the positions this call writes and reads, rounded as `Batch` rounds the decode's
             need = max(p[-1] for p in pos) + 1
             visible = min(self.batch.length, -(-need // Batch.VISIBLE_MULTIPLE) * Batch.VISIBLE_MULTIPLE)
+        select_adapters(self.batch.gpt, [self.jobs[r] for r in all_rows])  # each row's LoRA (lit_gpt.lora_bank)
         token = self._chunk_forward(to_device(torch.tensor(ids)), to_device(torch.tensor(pos)), slots,
                                     to_device(torch.tensor(last)), visible, score_prompt,
                                     to_device(torch.tensor(targets)), self._row_sampling(settings))
@@ -428,8 +436,8 @@ class Engine:
             job = self.jobs[r]
             job.done_pos = e
             self.row_tokens[r].extend(job.prompt_ids[s:e])
-            if self.prefix_cache:
-                self.row_hashes[r] = job.hashes[: e // PREFIX_BLOCK]
+            if self.prefix_cache and self.kv is not None:  # its full blocks computed so far: shareable
+                self.kv.register(r, job.hashes[: e // PREFIX_BLOCK], job.prompt_ids)
             if job.echo_scores:
                 job.prompt_scores = (job.prompt_scores or []) + prompt_scores[i][: min(e, len(job.prompt_ids) - 1) - s]
             if not finishing[i]:
@@ -482,6 +490,7 @@ class Engine:
         if not self.static and isinstance(sampling.get("top_p"), torch.Tensor) and all(
                 s.top_p >= 1.0 for s in self.batch.sampling[: token.size(0)]):
             sampling = {**sampling, "top_p": 1.0}
+        select_adapters(self.batch.gpt, self.jobs[: token.size(0)])  # each row's LoRA (lit_gpt.lora_bank)
         logits = model(token.view(-1, 1), input_pos, cache_length=cache_length)[:, -1]
         token = sample(logits, **sampling)
         self.scores = _score(logits, token) if self.scoring else None
@@ -534,37 +543,40 @@ class Engine:
         if self.metrics is not None:
             self.metrics.finished.labels(reason).inc()
         self.batch.leave(row)
-        if self.prefix_cache:  # what the row holds stays reusable (its prompt and what it generated)
-            self.row_hashes[row] = block_hashes(self.row_tokens[row])
+        if self.kv is not None:
+            if self.prefix_cache:  # what the row holds stays reusable (its prompt and what it generated)
+                self.kv.register(row, block_hashes(self.row_tokens[row], self.jobs[row].adapter), self.row_tokens[row])
+            self.kv.release(row)
+            self.row_tokens[row] = []
         with self.lock:
             self.jobs[row] = None
 
     # ----------------------------------------------------------------- warm-up
     def warm_up(self) -> Dict[str, float]:
         """Run every graph the loop will need once, so that no request waits for a compilation: on a static
-        backend the prefill call (with and without the prompt's scores), the decode step and the prefix block copy
-        (two requests with one prompt at once: the second copies the first's blocks); elsewhere one short request.
-        Returns the compilations and the seconds it took."""
+        backend the prefill call (with and without the prompt's scores) and the decode step (sharing KV blocks runs
+        no graph: it is the block table's entries); elsewhere one short request. Returns the compilations and the
+        seconds it took."""
         t0, compiles = time.perf_counter(), self.runtime.compile_count()
         sampled = RowSampling(1.0, 0.9, torch.Generator().manual_seed(0))
-        ids = [0] * min(PREFIX_BLOCK + 1, self.max_seq_length - 1)
+        ids = [0] * min(PREFIX_BLOCK + 1, self.request_tokens - 1)
 
         def job(**kwargs: Any) -> Job:
-            return Job(list(ids), emit=lambda *a: None, **{"max_tokens": 2, **kwargs})
+            return Job(list(ids), emit=lambda *a: None, **{"max_tokens": min(2, self.request_tokens - len(ids)),
+                                                             **kwargs})
 
         rounds = [[job(sampling=sampled)]]
         if self.static:
             rounds.append([job(max_tokens=0, logprobs=1, echo_scores=True)])
-            if self.prefix_cache and self.slots > 1:
-                rounds.append([job(), job()])
         with self.runtime.inference_context():
             for jobs in rounds:
                 self.submit(jobs)
                 while self.busy():
                     self.iterate()
         self.stats = self.new_stats()
-        self.row_tokens = [[] for _ in range(self.slots)]  # the warm-up's prompts are nobody's prefix
-        self.row_hashes = [[] for _ in range(self.slots)]
+        self.row_tokens = [[] for _ in range(self.slots)]
+        if self.kv is not None:  # the warm-up's prompts are nobody's prefix
+            self.kv.reset()
         self.warm_compiles = self.runtime.compile_count()
         return {"compiles": self.runtime.compile_count() - compiles, "seconds": time.perf_counter() - t0,
                 "chunk": self.chunk, "rows": self.prefill_rows}

@@ -20,7 +20,7 @@ an input's sharding or a Python number baked into it changes):
 
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any, Callable, ContextManager, Dict, List, Optional
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -199,21 +199,26 @@ class XLARuntime(Runtime):
     def set_rope(self, gpt: nn.Module, length: int) -> None:
         set_rope_length(gpt, length)
 
-    def setup_kv_cache(self, gpt: nn.Module, batch_size: int, length: int, dtype: Optional[torch.dtype] = None) -> None:
+    def setup_kv_cache(self, gpt: nn.Module, batch_size: int, length: int, dtype: Optional[torch.dtype] = None,
+                       paged: Optional[Tuple[int, int]] = None) -> None:
         """A KV cache built on the host and transferred (no device computation, hence no compilation), and RoPE
         tables of at least that length. A cache of that size is kept: positions beyond the current one are
         masked, so a previous prompt's entries are harmless. The RoPE tables only grow, so that a training loop
         that generates samples keeps its own tables (and with them its compiled graphs)."""
-        from lit_gpt.kv_cache import KVCache
+        from lit_gpt.kv_cache import KVCache, allocate_paged_kv_cache
 
         device = gpt.transformer.wte.weight.device
         dtype = dtype or gpt.transformer.wte.weight.dtype
         if gpt.rope_cache_length is None or gpt.rope_cache_length < length or gpt.cos.device != device:
             set_rope_length(gpt, length)
+        if paged is not None:  # a paged cache (`paged`: blocks, block_size) is always new: its table starts empty
+            allocate_paged_kv_cache(gpt, batch_size, length, *paged, device=torch.device("cpu"), dtype=dtype,
+                                    place=lambda t: to_device(t, device))
+            return
         cache = gpt.transformer.h[0].attn.kv_cache
-        if cache is not None and cache.k.size(0) == batch_size and cache.length == length and (
+        if cache is not None and cache.rows == batch_size and cache.length == length and (
             cache.k.dtype == dtype and cache.k.device == device
-        ):
+        ) and not hasattr(cache, "pages"):
             return
         c = gpt.config
         for block in gpt.transformer.h:

@@ -347,6 +347,8 @@ class SPMDFSDPStrategy(XLAStrategy):
         if hasattr(module, "segment_attention"):  # packed rows: the TPU's flash kernel with segment ids
             module.segment_attention = tpu_segment_attention(self.mesh, self.batch_axes)
         use_pallas_gmm(module)  # MoE on a TPU: the dropless dispatch through the Pallas grouped matmul (megablox)
+        if getattr(module, "serve_placement", None) is not None:  # placed for serving (xla/serve_placement.py): FSDP
+            return module  # would shard the weights again and all-gather every one of them in every decode step
 
         self.scanning = resolve_scan_layers(self.scan_layers, module)
         if self.scanning:
@@ -366,13 +368,8 @@ class SPMDFSDPStrategy(XLAStrategy):
 
         wrapper = checkpointed if self.activation_checkpointing else None
 
-        return FSDPv2(
-            module,
-            mesh=self.mesh,
-            shard_output=self._shard_output,
-            auto_wrap_policy=policy,
-            auto_wrapper_callable=wrapper,
-        )
+        return FSDPv2(module, mesh=self.mesh, shard_output=self._shard_output, auto_wrap_policy=policy,
+                      auto_wrapper_callable=wrapper)
 
     def setup_module_and_optimizers(
         self, module: nn.Module, optimizers: List[Optimizer], scheduler: Optional[Any] = None

@@ -1,16 +1,20 @@
-"""serve/base.py --accelerator xla on XLA:CPU, 1 and 8 devices, driven by the real `openai` client: 32 concurrent
+"""serve/base.py --accelerator xla on XLA:CPU, 1, 2 and 8 devices, driven by the real `openai` client: 32 concurrent
 clients (chat and completions, streamed and not, mixed lengths) all get the answers the CPU server gives each
-request alone (greedy), and nothing compiles after the warm-up (one prefill per prompt bucket and one decode step,
-the slot count and cache length fixed).
+request alone (greedy), and nothing compiles after the warm-up (the prefill call, the decode step, ...; the slot
+count and cache length fixed).
 
 The CPU and 1-device servers start together, each its own process (the XLA runtime reads PJRT_DEVICE and
-CPU_NUM_DEVICES once); the 8-device run (weights sharded over the mesh) is marked slow: on this machine's 2 cores
-its 8 virtual devices take about a second per step. The loop's batch on 8 devices is in the default suite through
-tests/xla/test_xla_lm_eval.py (batched generation, two graphs per bucket)."""
+CPU_NUM_DEVICES once). Slow: the weights' placement (lit_gpt/xla/serve_placement.py), read from the optimized HLO
+that XLA dumps (--xla_dump_to): a 2-device server with --weights replicated compiles no all-gather at all, and the
+8-device one (--weights tensor_parallel) none of a weight, only all-reduces of activations (under the training
+layout, FSDP, every decode step all-gathered every weight: ~0.35 s a step on 8 virtual devices on 2 cores). The
+loop's batch on 8 devices is in the default suite through tests/xla/test_xla_lm_eval.py (batched generation, two
+graphs per bucket)."""
 
 import asyncio
 import os
 import re
+from pathlib import Path
 from typing import Any, Dict, List, Tuple
 
 import pytest
@@ -113,7 +117,7 @@ def reference(servers):
     return run_load(servers["cpu"].ready(START_TIMEOUT).url, "tiny-llama", concurrent=False)
 
 
-def check_server(server: Any, reference: List[Tuple[str, str]], compiles: int = 4) -> None:
+def check_server(server: Any, reference: List[Tuple[str, str]], compiles: int = 3) -> None:
     url = server.ready(START_TIMEOUT).url
     answers = run_load(url, "tiny-llama", concurrent=True)
     assert len(answers) == 32
@@ -125,7 +129,8 @@ def check_server(server: Any, reference: List[Tuple[str, str]], compiles: int = 
                      server.log())
     assert warm and warm.group(2, 3) == ("4", "32"), server.log()[-2000:]  # --prefill_chunk's default, 4 rows
     # chunked prefill (lit_gpt/recipes/serving.py): the prefill call, the same keeping every position's scores
-    # (echo with logprobs), the decode step, the prefix cache's block copy; no prompt-length buckets
+    # (echo with logprobs), the decode step; no prompt-length buckets, and no block copy (the paged cache shares a
+    # prefix's blocks through the block table)
     assert int(warm.group(1)) == compiles
 
 
@@ -152,19 +157,81 @@ def test_1_device_scores_equal_the_cpu_servers_and_compile_nothing(servers, refe
         assert xlps == pytest.approx(lps, abs=1e-4)
     assert servers["xla1"].health()["compilations_after_warm_up"] == 0
 
-@pytest.mark.slow  # 8 virtual devices on 2 cores: about a second per decode step, 4 minutes in all
-def test_8_devices_concurrent_clients_get_the_cpu_answers_and_nothing_compiles_after_warm_up(servers, reference,
-                                                                                            xla_env):
-    """The weights sharded over the SPMD mesh, the batch's state replicated: nothing recompiles per step. Started
-    after the others are idle: its 8 device threads must not starve (XLA:CPU aborts a collective that waits for a
-    thread over 10 s)."""
+def collectives(dump: Path) -> Dict[str, List[Tuple[str, Tuple[int, ...]]]]:
+    """The collectives of every program XLA compiled from the model's first forward on (XLA_FLAGS=--xla_dump_to: the
+    SPMD-partitioned, optimized HLO of each), by program: [(op, result shape), ...]. The programs before it are the
+    load's: each parameter resharded once from the loader's FSDP layout (all-gathers, once, not per step)."""
+    found, serving = {}, False
+    for path in sorted(dump.glob("*after_optimizations.txt")):
+        text = path.read_text()
+        serving = serving or " dot(" in text  # the first forward (the warm-up's prefill call)
+        if serving:
+            found[path.name.split(".")[0]] = [(op, tuple(int(d) for d in dims.split(",") if d))
+                                              for dims, op in COLLECTIVE.findall(text)]
+    assert found, f"no optimized HLO of a forward was dumped in {dump}"
+    return found
+
+
+COLLECTIVE = re.compile(r"= \w+\[([\d,]*)\]\S* (all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)"
+                        r"(?:-start)?\(")
+
+
+def dump_vars(xla_env: Any, devices: int, dump: Path) -> Dict[str, str]:
+    env = xla_vars(xla_env, devices)
+    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_dump_to={dump} --xla_dump_hlo_as_text".strip()
+    return env
+
+
+@pytest.mark.slow  # a 2-device server's warm-up: ~30 s
+def test_replicated_weights_compile_no_all_gather(servers, reference, xla_env, tmp_path):
+    """--weights replicated (what auto chooses on XLA:CPU): every graph the server compiles (the warm-up compiles all
+    of them: the prefill calls, the decode step) holds no all-gather, and its answers are the CPU's. Two devices (no
+    8-device lock): replicated weights need no more to show that nothing is gathered."""
     from serve_client import ServerProcess
 
-    servers["xla8"] = ServerProcess(servers["tiny_dir"], *servers["flags"], accelerator="xla",
-                                    env=xla_vars(xla_env, 8), forks=servers["forks"]).start()
-    # 4 traced graphs as on 1 device (PT_XLA_DEBUG_LEVEL=1 reports the same four, each from a torch_xla.sync), and 2
-    # compilations no traced step triggers: the SPMD runtime's programs for the state the warm-up places sharded
-    check_server(servers["xla8"], reference, compiles=6)
+    server = ServerProcess(servers["tiny_dir"], *servers["flags"], "--weights", "replicated", accelerator="xla",
+                           env=dump_vars(xla_env, 2, tmp_path), forks=servers["forks"]).start()
+    try:
+        server.ready(START_TIMEOUT)
+        assert "Weights replicated on every device (--weights replicated)" in server.log()
+        found = collectives(tmp_path)
+        assert not [op for ops in found.values() for op in ops if op[0] == "all-gather"], found
+        client = server.client()
+        for i in (0, 1, 2, 4):  # a few of the load's requests, alone: the CPU server's answers
+            req = requests()[i]
+            if "prompt" in req and not req["stream"]:
+                r = client.completions.create(model="tiny-llama", prompt=req["prompt"], temperature=0,
+                                              max_tokens=req["max_tokens"])
+                assert (r.choices[0].text, r.choices[0].finish_reason) == reference[i]
+    finally:
+        server.stop()
+
+
+@pytest.mark.slow  # 8 virtual devices on 2 cores
+def test_8_devices_concurrent_clients_get_the_cpu_answers_and_nothing_compiles_after_warm_up(servers, reference,
+                                                                                            xla_env, tmp_path):
+    """The weights tensor-parallel over the mesh (--weights tensor_parallel: the tiny model's 2 KV heads make it 2-way,
+    4 replicas), the KV cache split on heads, the batch's state replicated: the CPU answers, nothing recompiles per
+    step, and no compiled graph all-gathers anything (the partitioner all-reduces activations instead). Started after
+    the others are idle: its 8 device threads must not starve (XLA:CPU aborts a collective that waits for a thread
+    over 10 s)."""
+    from serve_client import ServerProcess
+
+    servers["xla8"] = ServerProcess(servers["tiny_dir"], *servers["flags"], "--weights", "tensor_parallel",
+                                    accelerator="xla", env=dump_vars(xla_env, 8, tmp_path),
+                                    forks=servers["forks"]).start()
+    # the traced graphs of 1 device and nothing else: the 2 more programs the FSDP layout compiled here (the SPMD
+    # runtime's, for state the warm-up placed sharded) are gone with it
+    check_server(servers["xla8"], reference)
+    assert "Weights tensor-parallel over 2 devices, 4 replica(s) (--weights tensor_parallel)" in servers["xla8"].log()
+    found = collectives(tmp_path)
+    # no all-gather at all, of a weight or otherwise (the embedding and head are replicated: sampling needs no
+    # gathered logits); what moves is the activations: an all-reduce after each output projection and the fused
+    # qkv's rows to their heads (collective-permutes of one token's q/k/v per step)
+    assert not [(name, shape) for name, ops in found.items() for op, shape in ops if op == "all-gather"], found
+    # the step's two all-reduces per layer (after attention's and the MLP's output projections; 2 layers)
+    assert max(sum(op == "all-reduce" for op, _ in ops) for ops in found.values()) >= 2 * 2, found
+
 
 
 def test_cpu_server_concurrent_equals_alone(servers, reference):

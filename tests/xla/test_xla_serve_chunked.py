@@ -1,8 +1,8 @@
 """serve/base.py --accelerator xla (XLA:CPU, 1 device) with chunked prefill and the prefix cache, driven by the real
-`openai` client: prompts longer than the chunk, prompts sharing a prefix (copied between rows one block at a time),
-`n` > 1 and a scored prompt, sent at once, get the greedy answers of the CPU server that prefills whole prompts and
-shares nothing, and nothing compiles after the warm-up (four graphs: the prefill call, the same keeping every
-position's scores, the decode step, the block copy)."""
+`openai` client: prompts longer than the chunk, prompts sharing a prefix (their KV blocks shared through the block
+table), `n` > 1 and a scored prompt, sent at once, get the greedy answers of the CPU server that prefills whole prompts
+and shares nothing, and nothing compiles after the warm-up (three graphs: the prefill call, the same keeping every
+position's scores, the decode step)."""
 
 import asyncio
 import re
@@ -42,7 +42,7 @@ def run_load(server: Any, concurrent: bool) -> List[Tuple[Any, ...]]:
     return asyncio.run(main())
 
 
-@pytest.mark.slow  # two server processes and XLA:CPU's four compilations: about a minute on 2 cores
+@pytest.mark.slow  # two server processes and XLA:CPU's three compilations: about a minute on 2 cores
 def test_chunked_prefill_and_prefix_cache_on_xla_give_the_cpu_answers_and_compile_nothing_after_warm_up(
         tiny_dir, xla_env, xla_forks):
     from serve_client import ServerProcess
@@ -63,10 +63,10 @@ def test_chunked_prefill_and_prefix_cache_on_xla_give_the_cpu_answers_and_compil
                                                                                abs=1e-4)
         health = xla.health()
         assert health["compilations_after_warm_up"] == 0, health
-        assert health["cached_prompt_tokens"] > 0, health  # the shared prefix was copied, not recomputed
+        assert health["cached_prompt_tokens"] > 0, health  # the shared prefix's blocks were shared, not recomputed
         warm = re.search(r"Warm-up: [\d.]+ s, (\d+) compilations \(prefill calls of (\d+) rows x (\d+) tokens\)",
                          xla.log())
-        assert warm and warm.groups() == ("4", "4", "16"), xla.log()[-2000:]
+        assert warm and warm.groups() == ("3", "4", "16"), xla.log()[-2000:]
     finally:
         cpu.stop()
         xla.stop()
