@@ -16,9 +16,9 @@ family x LoRA / adapter / full on the three backends (two optimizer steps, fp32,
 both steps, relative 1e-4, and final weights within `WEIGHT_ATOL`; adapter_v2 on the CPU: there is no XLA
 adapter_v2 recipe), and resume after step 1 bit-exact for each of them on each backend.
 
-Cost: each XLA device count is one process that runs all its recipe calls in turn (tests/xla/families_worker.py:
-the runtime starts once; each family pays for its own compilations only); the two processes run side by side
-while the CPU runs happen in this process."""
+Cost: each XLA device count is one process that runs all its recipe calls in turn, generation and the matrix
+together (tests/xla/families_worker.py: the runtime starts once; each family pays for its own compilations only); the
+two processes run side by side while the CPU runs happen in this process."""
 
 import contextlib
 import csv
@@ -198,18 +198,47 @@ def checkpoints(tmp_path_factory):
     return family_checkpoints(tmp_path_factory.mktemp("families"), list(FAMILIES), family_rows())
 
 
+MATRIX = [(f, m) for f in FAMILIES for m in METHODS]
+
+
+def _selected(request, fixture: str) -> List[int]:
+    """The device counts (1, 8) that the selected tests of this module reading `fixture` need (the matrix tests read
+    both)."""
+    found = set()
+    for item in request.session.items:
+        if item.module is request.module and fixture in getattr(item, "fixturenames", ()):
+            callspec = getattr(item, "callspec", None)
+            devices = callspec.params.get("devices") if callspec is not None else None
+            found.update([devices] if devices is not None else (1, 8))
+    return sorted(found, reverse=True)
+
+
 @pytest.fixture(scope="module")
-def default_runs(checkpoints, xla_env, selected_devices, request, xla_forks):
-    """The XLA workers (one per device count the selected tests need: 1; also 8 under -m slow): Gemma 3 generation
-    in a fresh runtime; the CPU generation happens here meanwhile."""
-    ckpt, root = checkpoints, checkpoints / "default"
+def runs(checkpoints, xla_env, request, xla_forks):
+    """One XLA worker per device count that the selected tests need (the default suite: 1 device, generation only;
+    -m slow: 8 devices for generation, and 1 and 8 for the matrix), running their jobs in one runtime: Gemma 3
+    generation first (a fresh runtime: the first prompt's 2 compilations), then the matrix's training runs (each a
+    fresh recipe run whose graphs no earlier job traced). The CPU runs happen here meanwhile."""
+    ckpt, root = checkpoints, checkpoints / "runs"
+    generation, matrix = _selected(request, "default_runs"), _selected(request, "matrix")
     jobs = {devices: [{"name": f"gen_{key}", "script": "xla/generate/base.py", "args": _gen_args(ckpt, prompt)}
-                      for key, prompt in GEN_PROMPTS.items()]
-            for devices in selected_devices(request)}
+                      for key, prompt in GEN_PROMPTS.items() if devices in generation]
+            + [job for family, method in MATRIX if matrix and METHODS[method][2]
+               for job in _train_jobs(ckpt, root, family, method, devices, resume=True, micro=MICRO_SLOW)]
+            for devices in sorted(set(generation) | set(matrix), reverse=True)}
     workers = Workers(xla_env, root / "workers", jobs, xla_forks)
-    cpu_gen = {key: _cpu("generate/base.py", _gen_args(ckpt, prompt)) for key, prompt in GEN_PROMPTS.items()}
+    cpu_gen = {key: _cpu("generate/base.py", _gen_args(ckpt, prompt)) for key, prompt in GEN_PROMPTS.items()
+               } if generation else {}
+    for family, method in MATRIX if matrix else ():
+        _cpu_runs(ckpt, root, family, method)
     yield {"ckpt": ckpt, "root": root, "workers": workers, "cpu_gen": cpu_gen}
     workers.stop()
+
+
+@pytest.fixture(scope="module")
+def default_runs(runs):
+    """Gemma 3 generation on the device counts the selected tests need (1; also 8 under -m slow), and on the CPU."""
+    return runs
 
 
 def _assert_same_training(root: Path, family: str, method: str, workers: Workers,
@@ -300,24 +329,14 @@ def test_gemma3_generation_compiles_twice_per_bucket_and_matches_cpu(default_run
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# slow: the full matrix
+# slow: the full matrix (MATRIX, above)
 # ---------------------------------------------------------------------------------------------------------------
-MATRIX = [(f, m) for f in FAMILIES for m in METHODS]
-
-
 @pytest.fixture(scope="module")
-def matrix(checkpoints, xla_env, xla_forks):
-    """Every family x method: the CPU runs (and resumes) here, the XLA ones (and resumes) in two workers (1 and 8
-    devices). Marked slow: the README's default test command leaves it out (`-m "not slow"`), CI runs it."""
-    ckpt, root = checkpoints, checkpoints / "matrix"
-    jobs = {devices: [job for family, method in MATRIX if METHODS[method][2]
-                      for job in _train_jobs(ckpt, root, family, method, devices, resume=True, micro=MICRO_SLOW)]
-            for devices in (1, 8)}
-    workers = Workers(xla_env, root / "workers", jobs, xla_forks)
-    for family, method in MATRIX:
-        _cpu_runs(ckpt, root, family, method)
-    yield {"root": root, "workers": workers}
-    workers.stop()
+def matrix(runs):
+    """Every family x method: the CPU runs (and resumes), the XLA ones (and resumes) on 1 and 8 devices (the module's
+    one worker per device count: `runs`). Marked slow: the README's default test command leaves it out
+    (`-m "not slow"`), CI runs it."""
+    return runs
 
 
 @pytest.mark.slow

@@ -30,6 +30,10 @@ The runs on 1 and 8 devices:
   the loop's: tests/xla/test_scan.py).
 
 The matrix: every family x LoRA / adapter / full on the three backends, and resume on XLA for each.
+
+Cost: one worker process per device count runs every job the selected tests need (fixture `runs`): the runtime
+starts once, and under -m slow the three training runs above (and gpt-oss's resume) are the matrix's own cells, run
+once.
 """
 
 import json
@@ -41,7 +45,7 @@ import torch
 
 # this file also runs as a worker job (tests/xla/families_worker.py, launched with tests/ on PYTHONPATH as pytest has it)
 from test_xla_families import (  # the families' helpers: same workers, same CPU runs
-    METHODS, REPO, Workers, _cpu, _losses, _weights,
+    METHODS, REPO, Workers, _cpu, _losses, _selected, _weights,
 )
 from words import GEN_PROMPT, MOE_FAMILIES, WORDS, family_checkpoints
 
@@ -206,27 +210,46 @@ def _probe_job(ckpt: Path, root: Path, devices: int) -> dict:
             "args": ["--checkpoint_dir", str(ckpt / "gpt_oss"), "--out", str(root / f"probe{devices}.json")]}
 
 
+MATRIX = [(f, m) for f in FAMILIES for m in ("lora", "adapter", "full")]
+
+
 @pytest.fixture(scope="module")
-def default_runs(checkpoints, xla_env, selected_devices, request, xla_forks):
-    """An XLA worker per device count the selected tests need (1; also 8 under -m slow): generation first (a fresh
-    runtime), then the probe and the training runs; the CPU runs happen here meanwhile."""
-    ckpt, root = checkpoints, checkpoints / "default"
+def runs(checkpoints, xla_env, request, xla_forks):
+    """One XLA worker per device count that the selected tests need, running the union of their jobs once (under
+    -m slow the default tests' training runs are cells of the matrix: each runs once, in the worker's one runtime):
+    generation first (a fresh runtime: the first prompt's 2 compilations), then the probe, then the training runs
+    (each a fresh recipe run whose graphs no earlier job traced: its own compilation counts); the CPU runs happen
+    here meanwhile."""
+    ckpt, root = checkpoints, checkpoints / "runs"
     root.mkdir()
-    jobs = {devices: [{"name": f"gen_{family}_{key}", "script": "xla/generate/base.py",
-                       "args": _gen_args(ckpt, family, prompt)}
-                      for family in FAMILIES for key, prompt in GEN_PROMPTS.items()]
-            + [_probe_job(ckpt, root, devices)]
-            + [job for family in FAMILIES for job in _train_jobs(ckpt, root, family, DEFAULT_METHOD[family], devices,
-                                                                 resume=family == RESUME_FAMILY)]
-            for devices in selected_devices(request)}
+    default, matrix = _selected(request, "default_runs"), _selected(request, "matrix")
+    cells = [(f, m) for f, m in MATRIX if matrix or m == DEFAULT_METHOD[f]]
+    jobs = {}
+    for devices in sorted(set(default) | set(matrix), reverse=True):
+        device_jobs = []
+        if devices in default:
+            device_jobs += [{"name": f"gen_{family}_{key}", "script": "xla/generate/base.py",
+                             "args": _gen_args(ckpt, family, prompt)}
+                            for family in FAMILIES for key, prompt in GEN_PROMPTS.items()]
+            device_jobs.append(_probe_job(ckpt, root, devices))
+        device_jobs += [job for family, method in cells
+                        for job in _train_jobs(ckpt, root, family, method, devices,
+                                               resume=bool(matrix) or family == RESUME_FAMILY)]
+        jobs[devices] = device_jobs
     workers = Workers(xla_env, root / "workers", jobs, xla_forks)
     cpu_gen = {(family, key): _cpu("generate/base.py", _gen_args(ckpt, family, prompt))
-               for family in FAMILIES for key, prompt in GEN_PROMPTS.items()}
-    for family in FAMILIES:
-        method = DEFAULT_METHOD[family]
+               for family in FAMILIES for key, prompt in GEN_PROMPTS.items()} if default else {}
+    for family, method in cells:
         _cpu(f"finetune/{method}.py", _args(ckpt, family, method, "cpu", _dir(root, family, method, "cpu")))
     yield {"ckpt": ckpt, "root": root, "workers": workers, "cpu_gen": cpu_gen}
     workers.stop()
+
+
+@pytest.fixture(scope="module")
+def default_runs(runs):
+    """Generation, the probe and one method per family (`DEFAULT_METHOD`), with gpt-oss's resume, on the device
+    counts the selected tests need."""
+    return runs
 
 
 def _assert_same_training(root: Path, family: str, method: str, workers: Workers, devices: int) -> None:
@@ -376,21 +399,11 @@ def test_scan_layers_scans_moe_models_like_dense_ones():
 # ---------------------------------------------------------------------------------------------------------------
 # slow: every family x method, resume on XLA for each
 # ---------------------------------------------------------------------------------------------------------------
-MATRIX = [(f, m) for f in FAMILIES for m in ("lora", "adapter", "full")]
-
-
 @pytest.fixture(scope="module")
-def matrix(checkpoints, xla_env, xla_forks):
-    ckpt, root = checkpoints, checkpoints / "matrix"
-    root.mkdir()
-    jobs = {devices: [job for family, method in MATRIX
-                      for job in _train_jobs(ckpt, root, family, method, devices, resume=True)]
-            for devices in (1, 8)}
-    workers = Workers(xla_env, root / "workers", jobs, xla_forks)
-    for family, method in MATRIX:
-        _cpu(f"finetune/{method}.py", _args(ckpt, family, method, "cpu", _dir(root, family, method, "cpu")))
-    yield {"root": root, "workers": workers}
-    workers.stop()
+def matrix(runs):
+    """Every family x method on 1 and 8 devices, each resumed on XLA, and its CPU run (from the module's one worker
+    per device count: `runs`)."""
+    return runs
 
 
 @pytest.mark.slow
