@@ -74,8 +74,8 @@ def xla_env(devices: int, **extra: str) -> Dict[str, str]:
     # TF_CPP_MIN_LOG_LEVEL=2: no "GSPMD sharding propagation is going to be deprecated" line per compilation.
     # --xla_backend_optimization_level=0: XLA:CPU compiles ~4x faster; the tests check graphs, not speed.
     # --xla_llvm_disable_expensive_passes=true: ~7% less CPU time per XLA process (5 A/B pairs of 8-device recipe
-    # runs on a loaded machine; the same trained weights bit for bit: LLVM does not reorder float operations without fast-math,
-    # which XLA:CPU leaves off)
+    # runs on a loaded machine; the same trained weights bit for bit: LLVM does not reorder float operations
+    # without fast-math, which XLA:CPU leaves off)
     env.update(PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(devices), TF_CPP_MIN_LOG_LEVEL="2",
                XLA_FLAGS="--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true", **extra)
     if devices >= 8 and MULTI_DEVICE_LOCK is not None:
