@@ -114,7 +114,15 @@ class ServerProcess:
         self.proc.send_signal(signum)
 
     def stop(self) -> None:
-        """Kill it (if still running) and remove its log."""
+        """Kill it (if still running) and remove its log. A server holding the run's 8-device lock
+        (tests/xla/conftest.py `xla_env`) is stopped with SIGTERM first (it finishes and exits 0, through its exit
+        handlers): one killed at once would not log how long it held the lock, which the run's summary reports."""
+        if self.proc is not None and self.proc.poll() is None and "LIT_GPT_TEST_XLA_LOCK" in self.env:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:  # pragma: no cover
+                pass
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             try:
