@@ -595,8 +595,9 @@ def main(
                         system_tokens=system_tokens, prefix_requests=prefix_requests)
     if multi_lora_row:
         settings.update(lora_adapters=lora_adapters, lora_rank=lora_rank)
-    if not throughput:
-        results = {}
+
+    def more_rows(results: Dict[str, Any]) -> Dict[str, Any]:
+        """The scheduling scenarios and the many-LoRAs row, each where asked for."""
         if scenarios:
             results["scheduling"] = scheduling(checkpoint_dir, tokenizer, threads, startup_timeout, scenario_slots,
                                                burst_tokens, short_tokens, chat_requests, chat_tokens, system_tokens,
@@ -604,6 +605,10 @@ def main(
         if multi_lora_row:
             results["multi_lora"] = multi_lora(checkpoint_dir, threads, startup_timeout, slots, requests, max_tokens,
                                                max_seq_length, lora_adapters, lora_rank)
+        return results
+
+    if not throughput:
+        results = more_rows({})
         result_files.write(results_file, "serve", settings, results, note)
         return results
 
@@ -667,13 +672,7 @@ def main(
                "server": {"start_s": server.start_s, "exit_code": exit_code, "warm_up": server.line("Warm-up:"),
                           "stopped": server.line("Stopped after")},
                "answers": {"prompts": prompts, **texts}}
-    if scenarios:
-        results["scheduling"] = scheduling(checkpoint_dir, tokenizer, threads, startup_timeout, scenario_slots,
-                                           burst_tokens, short_tokens, chat_requests, chat_tokens, system_tokens,
-                                           prefix_requests, scenario_servers)
-    if multi_lora_row:
-        results["multi_lora"] = multi_lora(checkpoint_dir, threads, startup_timeout, slots, requests, max_tokens,
-                                           max_seq_length, lora_adapters, lora_rank)
+    more_rows(results)
     settings.update({"slots": slots, "max_seq_length": max_seq_length, "requests": requests,
                 "max_tokens": max_tokens, "concurrency": list(concurrency), "prompt_tokens": [min(map(len, prompt_ids)),
                 longest], "prompt": "Once upon a time, there was a {word} who", "sampling": "greedy",
