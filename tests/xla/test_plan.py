@@ -210,7 +210,9 @@ SMALL = dict(name="plan-small", block_size=2048, vocab_size=8192, n_layer=4, n_h
 
 def _plan(checkpoint_dir, tmp_path, name, *flags):
     out = tmp_path / f"{name}.json"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    from child_env import python_path
+
+    env = {**os.environ, "PYTHONPATH": python_path()}
     proc = subprocess.run([sys.executable, str(SCRIPT), "--checkpoint_dir", str(checkpoint_dir), "--method", "lora",
                            "--topology", "v5e-8", "--train.max_seq_length", "128", "--results_file", str(out),
                            *flags], capture_output=True, text=True, timeout=1800, cwd=ROOT, env=env)
@@ -407,12 +409,12 @@ def test_checkpoint_block_leaves_frozen_weights_out_of_the_step(tmp_path):
     checkpoint and as no checkpointing (1 XLA:CPU device). The plan's drop: test_plan_compiles_for_v5e_8."""
     if importlib.util.find_spec("torch_xla") is None:
         pytest.skip("torch_xla is not installed (pip install torch_xla==2.9.0)")
-    sys.path.insert(0, str(ROOT / "tests"))
+    from child_env import python_path
     from tolerance import fp32_tolerance, longest_reduction
 
     out = tmp_path / "checkpoint.json"
     env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "1", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+           "PYTHONPATH": python_path()}
     proc = subprocess.run([sys.executable, "-c", _CHECKPOINT, str(out)], env=env, capture_output=True, text=True,
                           timeout=900, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
