@@ -20,7 +20,9 @@ summed logits as the loss, seconds per step of
   `ours_capacity` (capacity buffers of ceil(2.0 * N * k / E) rows per expert: what a traced XLA step runs),
   `ours_dense`, `transformers` and `transformers_eager`.
 MXFP4 (`--mxfp4`): the same model's experts as MXFP4 values in bf16, then packed (lit_gpt.mxfp4.pack_experts_mxfp4):
-the experts' bytes in memory both ways, and whether 16 greedy tokens are equal.
+the experts' bytes in memory both ways, and whether 16 greedy tokens are equal; on disk, the whole weights file both
+ways (bf16 experts, as conversion wrote gpt-oss before, and packed, as it writes it now), and whether the packed file
+loaded the way --quantize mxfp4 loads it (`load_model(..., "mxfp4")`: the bytes into the buffers) gives the tokens.
 XLA eval FLOPs (`--xla_flops`, one XLA:CPU process): XLA's cost analysis of the traced eval forward of the same
 model on `--batch` x `--seq` tokens, with the dropless tiles ("auto" in evaluation since issue 38), the capacity
 buffers of C = N (what evaluation ran before) and the gather path (each token through its k experts only: the
@@ -42,6 +44,7 @@ from lit_gpt.config import Config
 from lit_gpt.generate import timed_generate
 from lit_gpt.loading import load_model
 from lit_gpt.utils import run_cli
+from lit_gpt.weights import save_weights
 
 import result_files  # bench/result_files.py (this script's folder is on sys.path)
 from generate import run_theirs  # bench/generate.py
@@ -151,9 +154,20 @@ def mxfp4_memory(model: torch.nn.Module, prompt: torch.Tensor) -> Dict[str, floa
     packed = copy.deepcopy(bf16)
     pack_experts_mxfp4(packed)
     with torch.inference_mode():
-        same = torch.equal(generate(bf16, prompt, 16, temperature=0.0), generate(packed, prompt, 16, temperature=0.0))
+        expected = generate(bf16, prompt, 16, temperature=0.0)
+        same = torch.equal(generate(packed, prompt, 16, temperature=0.0), expected)
+    file_bytes = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, m in (("bf16", bf16), ("packed", packed)):
+            save_weights(m.state_dict(), Path(tmp) / name)
+            file_bytes[name] = (Path(tmp) / name / "lit_model.safetensors").stat().st_size
+        packed.config.save(Path(tmp) / "packed")
+        loaded = load_model(Path(tmp) / "packed", "mxfp4").to(device=prompt.device, dtype=torch.bfloat16)
+        with torch.inference_mode():
+            same_file = torch.equal(generate(loaded, prompt, 16, temperature=0.0), expected)
     return {"mxfp4_expert_mib_bf16": expert_bytes / 2**20, "mxfp4_expert_mib_packed": packed_bytes(packed) / 2**20,
-            "mxfp4_tokens_equal_to_bf16": same}
+            "mxfp4_tokens_equal_to_bf16": same, "mxfp4_file_mib_bf16": file_bytes["bf16"] / 2**20,
+            "mxfp4_file_mib_packed": file_bytes["packed"] / 2**20, "mxfp4_file_tokens_equal_to_bf16": same_file}
 
 
 def xla_eval_flops(n_expert: int, k: int, batch: int, seq: int) -> Dict[str, float]:

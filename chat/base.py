@@ -77,7 +77,7 @@ def setup(
     steps = compile_steps(mode, compile_prefill=False)
 
     with loading(fabric, f"{checkpoint_dir} ({style.name} prompt style)"):
-        model = quantize_weights(fabric, scale_rope(load_model(checkpoint_dir), rope_scaling), quantize)
+        model = quantize_weights(fabric, scale_rope(load_model(checkpoint_dir, quantize), rope_scaling), quantize)
         model = prepare_for_device(fabric, model, steps)  # precision dtype, CPU layout, Fabric
     fabric.print(describe_style(style, checkpoint_dir, prompt_style), file=sys.stderr)  # which style, and why
     fabric.seed_everything(seed)

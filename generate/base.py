@@ -27,7 +27,8 @@ def main(fabric: L.Fabric, args: GenerationArgs) -> None:
 
     with loading(fabric, args.checkpoint_dir):
         # built on the meta device and given the memory-mapped weights: they exist once in memory
-        model = scale_rope(load_model(args.checkpoint_dir), args.rope_scaling)  # --rope_scaling: longer context
+        # --rope_scaling: a longer context; --quantize mxfp4: the experts loaded packed
+        model = scale_rope(load_model(args.checkpoint_dir, args.quantize), args.rope_scaling)
         model = quantize_weights(fabric, model, args.quantize)
         model = prepare_for_device(fabric, model, steps)
     print_style(fabric, request)  # which prompt style, and why (stderr)

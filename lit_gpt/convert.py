@@ -23,6 +23,7 @@ from lit_gpt.convert_layouts import FUSED_MLP, LAYOUTS, group_qkv, layer_map, qk
 from lit_gpt.convert_moe import MOE_MODEL_TYPES, MoEImport, moe_export
 from lit_gpt.hf_write import SUPPORTED_MODEL_TYPES, hf_config_dict, hf_model_type
 from lit_gpt.model import GPT
+from lit_gpt.mxfp4 import packed_prefixes
 from lit_gpt.utils import (
     LitError,
     cannot_write,
@@ -70,10 +71,15 @@ def _parse_dtype(dtype: Optional[Union[str, torch.dtype]]) -> Optional[torch.dty
     return DTYPES[name]
 
 
-def _expected_state(config: Config) -> Dict[str, torch.Size]:
-    """Names and shapes of `GPT(config).state_dict()`, from a model on the meta device (no memory)."""
+def _expected_state(config: Config, packed: bool = False) -> Dict[str, torch.Size]:
+    """Names and shapes of `GPT(config).state_dict()`, from a model on the meta device (no memory); `packed`: with
+    the experts packed in MXFP4 (`lit_gpt.mxfp4.packed_shells`: their `.blocks` / `.scales` instead of `.weight`)."""
     with torch.device("meta"):
         model = GPT(config)
+    if packed:
+        from lit_gpt.mxfp4 import packed_shells
+
+        packed_shells(model)
     return {k: v.shape for k, v in model.state_dict().items()}
 
 
@@ -157,15 +163,17 @@ def _open_weights(path: Path) -> Iterator[Tuple[List[str], Callable[[str], torch
 class _HFToLit:
     """Maps HF tensor names to lit names, fusing each layer's q/k/v as soon as all three have been read."""
 
-    def __init__(self, model_type: str, config: Config, dtype: Optional[torch.dtype] = None) -> None:
+    def __init__(self, model_type: str, config: Config, dtype: Optional[torch.dtype] = None,
+                 dequantize_mxfp4: bool = False) -> None:
         self.model_type = model_type
         self.config = config
         self.layout = LAYOUTS[model_type]
         self.skip = [re.compile(p) for p in self.layout.skip]
         self.layer_re = re.compile(rf"^{re.escape(self.layout.layers)}\.(\d+)\.(.+)\.(weight|bias)$")
         self.pending: Dict[Tuple[int, str], Dict[str, torch.Tensor]] = {}
-        # the experts (stacked per layer, MXFP4 decoded to `dtype` or bf16) and gpt-oss's sinks
-        self.moe = MoEImport(model_type, config, dtype) if model_type in MOE_MODEL_TYPES else None
+        # the experts (stacked per layer; MXFP4 kept packed, or decoded to `dtype` or bf16) and gpt-oss's sinks
+        self.moe = (MoEImport(model_type, config, dtype, keep_mxfp4=not dequantize_mxfp4)
+                    if model_type in MOE_MODEL_TYPES else None)
         self.any_layer_re = re.compile(rf"^{re.escape(self.layout.layers)}\.(\d+)\.(.+)$")
 
     def __call__(self, name: str, tensor: torch.Tensor) -> List[Tuple[str, torch.Tensor]]:
@@ -231,6 +239,7 @@ def convert_hf_checkpoint(
     dtype: Optional[str] = None,
     overwrite: bool = False,
     max_shard_size: Union[int, str] = DEFAULT_MAX_SHARD_SIZE,
+    dequantize_mxfp4: bool = False,
 ) -> Path:
     """Convert the HF checkpoint in `checkpoint_dir` into `lit_model.safetensors` + `lit_config.json` in the same
     folder (above `max_shard_size` the weights are sharded: `lit_model-0000k-of-0000n.safetensors` and
@@ -238,7 +247,9 @@ def convert_hf_checkpoint(
 
     The config comes from the registry entry `model_name` when given, else from `config.json` (named like the
     folder). `dtype` casts floating-point weights (float32, bfloat16 or float16). Existing lit weights (also an
-    earlier version's `lit_model.pth`) or `lit_config.json` are replaced only with `overwrite`. Returns the path that
+    earlier version's `lit_model.pth`) or `lit_config.json` are replaced only with `overwrite`. gpt-oss's MXFP4
+    experts are written packed as the Hub has them (`lit_gpt.mxfp4`: every loader decodes them, or keeps them packed
+    for --quantize mxfp4); `dequantize_mxfp4` writes them decoded (to `dtype`, else bf16). Returns the path that
     `lit_gpt.weights.load_weights` reads: the weights file, or the index of the shards.
     """
     checkpoint_dir = Path(checkpoint_dir)
@@ -278,8 +289,7 @@ def convert_hf_checkpoint(
     config.hf_model_type = "gemma3_text" if model_type == "gemma3" else model_type
 
     files = _weight_files(checkpoint_dir)
-    expected = _expected_state(config)
-    mapper = _HFToLit(model_type, config, target_dtype)
+    mapper = _HFToLit(model_type, config, target_dtype, dequantize_mxfp4)
     state: Dict[str, torch.Tensor] = {}
     with tqdm(total=0, desc="Converting", unit="tensor", file=sys.stderr) as bar:
         for path in files:
@@ -307,6 +317,7 @@ def convert_hf_checkpoint(
     if config.tie_embeddings and "transformer.wte.weight" in state:
         # one tensor for both names, as in the model (the weights file stores it once, under the embedding's name)
         state["lm_head.weight"] = state["transformer.wte.weight"]
+    expected = _expected_state(config, packed=bool(packed_prefixes(state)))
     _check_state(state, expected, f"converting {str(checkpoint_dir)!r}", _mismatch_hint(model_name))
 
     try:

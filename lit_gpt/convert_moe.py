@@ -7,8 +7,9 @@ lit holds each MoE layer's experts stacked: `transformer.h.{i}.mlp.experts.{fc_1
   Qwen3-MoE   `model.layers.{i}.mlp.experts.{e}.gate_proj|up_proj|down_proj.weight`, one per expert;
   gpt-oss     fused `model.layers.{i}.mlp.experts.gate_up_proj` (E, H, 2I) with gate and up interleaved along the
               last dim (gate 0, up 0, gate 1, ...) and `_bias` (E, 2I); `down_proj` (E, I, H) and `_bias` (E, H);
-              the Hub's folders store the two weights as MXFP4 `_blocks` / `_scales` (lit_gpt.mxfp4), which are
-              dequantized here (to --dtype, else bf16).
+              the Hub's folders store the two weights as MXFP4 `_blocks` / `_scales` (lit_gpt.mxfp4), kept packed
+              here: `experts.{fc_1,fc_2,proj}.{blocks,scales}` (the gate / up rows of gate_up split as whole rows,
+              no byte changed); with `keep_mxfp4=False` decoded to `.weight` (to --dtype, else bf16).
 transformers 5 keeps Mixtral and Qwen3-MoE experts fused in memory (`mlp.experts.gate_up_proj` (E, 2I, H), gate
 rows first, and `down_proj` (E, H, I)): a folder written with those names converts too. Export writes the Hub
 layouts (gpt-oss in bf16 / the checkpoint's dtype, never MXFP4).
@@ -57,8 +58,10 @@ class MoEImport:
     """Turns one layer's HF MoE tensors (and gpt-oss's sinks) into lit tensors; `take` returns None for any other
     tensor, [] while a layer's experts (or an MXFP4 pair) are still incomplete."""
 
-    def __init__(self, model_type: str, config: Config, mxfp4_dtype: Optional[torch.dtype] = None) -> None:
+    def __init__(self, model_type: str, config: Config, mxfp4_dtype: Optional[torch.dtype] = None,
+                 keep_mxfp4: bool = True) -> None:
         self.model_type, self.config = model_type, config
+        self.keep_mxfp4 = keep_mxfp4
         self.mxfp4_dtype = mxfp4_dtype or torch.bfloat16
         self.pending: Dict[Tuple[int, str], Dict[object, torch.Tensor]] = {}
         prefix, projections = _PER_EXPERT.get(model_type, ("", {}))
@@ -111,6 +114,8 @@ class MoEImport:
                 if len(parts) < 2:
                     return []
                 del self.pending[(i, proj)]
+                if self.keep_mxfp4:
+                    return self._packed(i, lit, proj, parts[BLOCKS_SUFFIX], parts[SCALES_SUFFIX])
                 try:
                     w = dequantize_mxfp4(parts[BLOCKS_SUFFIX], parts[SCALES_SUFFIX], self.mxfp4_dtype)  # (E, out, in)
                 except ValueError as e:
@@ -131,6 +136,18 @@ class MoEImport:
         if name == "down_proj_bias":
             return [(f"{lit}.proj.bias", tensor)]
         return None
+
+    def _packed(self, i: int, lit: str, proj: str, blocks: torch.Tensor, scales: torch.Tensor) -> Pairs:
+        """The Hub's MXFP4 bytes as they are, under MXFP4ExpertLinear's buffer names."""
+        if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 or scales.shape != blocks.shape[:-1] \
+                or blocks.dim() != 4:
+            raise LitError(f"layer {i} {proj}: MXFP4 blocks {blocks.dtype} {tuple(blocks.shape)} and scales"
+                           f" {scales.dtype} {tuple(scales.shape)} do not match; download the checkpoint again")
+        if proj == "down_proj":
+            return [(f"{lit}.proj.blocks", blocks), (f"{lit}.proj.scales", scales)]
+        # (E, 2I, G, 16): gate and up rows interleaved; each row's groups span the input dim, so a row split is exact
+        return [(f"{lit}.{fc}.{what}", _contiguous(t[:, row::2])) for fc, row in (("fc_1", 0), ("fc_2", 1))
+                for what, t in (("blocks", blocks), ("scales", scales))]
 
     def finish(self) -> None:
         if self.pending:

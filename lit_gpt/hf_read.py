@@ -188,7 +188,7 @@ _DEFAULTS: Dict[str, Dict[str, Any]] = {
 # gpt-oss's RoPE when its config.json names none (GptOssConfig.__post_init__)
 _GPT_OSS_ROPE = dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
                      original_max_position_embeddings=4096)
-# quantized checkpoints the converter reads: gpt-oss's MXFP4 experts, dequantized (lit_gpt.mxfp4)
+# quantized checkpoints the converter reads: gpt-oss's MXFP4 experts, kept packed (lit_gpt.mxfp4)
 QUANTIZATIONS = {"gpt_oss": ("mxfp4",)}
 
 
@@ -201,7 +201,7 @@ def _check_quantization(hf: Dict[str, Any]) -> None:
     if method not in QUANTIZATIONS.get(hf.get("model_type"), ()):
         raise ValueError(
             f"quantization_config quant_method {method!r} is not implemented for {hf.get('model_type')!r} (only"
-            " gpt-oss's mxfp4 experts, dequantized on conversion): download the unquantized (bf16) weights"
+            " gpt-oss's mxfp4 experts, which every loader decodes): download the unquantized (bf16) weights"
         )
 
 

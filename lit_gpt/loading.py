@@ -39,13 +39,19 @@ def check_model_dir(checkpoint_dir: PathLike) -> Path:
     return check_checkpoint_dir(checkpoint_dir)
 
 
-def load_model(checkpoint_dir: PathLike) -> GPT:
+def load_model(checkpoint_dir: PathLike, quantize: Optional[str] = None) -> GPT:
     """Build the model on the meta device and assign the weights as read (memory-mapped: they exist once, in the page
-    cache, instead of once initialised and once loaded). Tied embeddings stay one tensor. In eval mode."""
+    cache, instead of once initialised and once loaded). Tied embeddings stay one tensor. In eval mode. `quantize`:
+    the run's --quantize; with "mxfp4" the experts are built packed (`lit_gpt.mxfp4.packed_shells`) and take the
+    checkpoint's MXFP4 bytes as they are (the float experts are never made); other modes apply after loading."""
     path = check_model_dir(checkpoint_dir)
     config = load_config(checkpoint_dir)
     with torch.device("meta"):
         model = GPT(config)
+    if quantize == "mxfp4":
+        from lit_gpt.mxfp4 import packed_shells
+
+        packed_shells(model)
     load_checkpoint(model, path, assign=True)
     return model.eval()
 

@@ -149,7 +149,7 @@ def _pack_mxfp4(model: nn.Module, device: torch.device) -> int:
     from lit_gpt.moe import ExpertLinear
     from lit_gpt.mxfp4 import MXFP4ExpertLinear, pack_experts_mxfp4
 
-    if not any(type(m) is ExpertLinear for m in model.modules()):
+    if not any(isinstance(m, (ExpertLinear, MXFP4ExpertLinear)) for m in model.modules()):
         raise LitError("--quantize mxfp4 packs the experts of a mixture-of-experts model (gpt-oss); this model has"
                        " none: run without --quantize mxfp4")
     try:

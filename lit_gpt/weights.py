@@ -281,10 +281,19 @@ def _header_bytes(path: Path) -> bytes:
         return f.read(n)
 
 
-def load_weights(path: PathLike, mmap: bool = True) -> Dict[str, torch.Tensor]:
+def load_weights(path: PathLike, mmap: bool = True, packed: bool = False) -> Dict[str, torch.Tensor]:
     """{name: tensor} on the CPU from a `.safetensors` file, a sharded index, or an earlier version's `.pth` pickle
     (memory-mapped, weights only). A missing, truncated or corrupt file, an index that names a missing shard, or a
-    pickle that would run code is one LitError line."""
+    pickle that would run code is one LitError line. gpt-oss's experts, which a converted checkpoint keeps packed in
+    MXFP4, come decoded to float `.weight`s, or packed (`.blocks` / `.scales`) for a model that holds them so
+    (`packed`: `load_checkpoint` asks the model): `lit_gpt.mxfp4.fit_state`, the one hook of every loader."""
+    from lit_gpt.mxfp4 import fit_state
+
+    state = _load_weights(path, mmap)
+    return fit_state(state, packed, where=f"weights {str(path)!r}")
+
+
+def _load_weights(path: PathLike, mmap: bool) -> Dict[str, torch.Tensor]:
     path = location(path)
     name = path.name
     if name.endswith(INDEX_SUFFIX):
@@ -505,7 +514,9 @@ def load_checkpoint(model: nn.Module, path: Union[str, Path], strict: bool = Tru
     """Load lit weights (`lit_gpt.weights.load_weights`: safetensors, a sharded index, or an earlier version's
     `.pth`) into `model`; a file that does not fit the model is one LitError line."""
 
-    state_dict = load_weights(path)
+    from lit_gpt.mxfp4 import holds_packed
+
+    state_dict = load_weights(path, packed=holds_packed(model))  # packed experts for a model built to hold them
     state_dict = state_dict.get("model", state_dict)
     try:
         return model.load_state_dict(state_dict, strict=strict, assign=assign)

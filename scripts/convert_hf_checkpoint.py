@@ -23,6 +23,7 @@ def setup(
     overwrite: bool = False,
     peft_path: Optional[Path] = None,
     out_dir: Optional[Path] = None,
+    dequantize_mxfp4: bool = False,
 ) -> None:
     """Convert the HF weights in `checkpoint_dir`; with `--peft_path`, the LoRA adapter in that folder instead.
 
@@ -37,18 +38,22 @@ def setup(
             `checkpoint_dir`, converted already: written as `lit_model.lora.safetensors` + `lit_model.lora.json`
             (recording `checkpoint_dir`'s fingerprint) for generate/lora.py, the eval recipes and serve/base.py.
         out_dir: where the imported LoRA weights go (with `--peft_path`; default: the adapter's folder).
+        dequantize_mxfp4: gpt-oss: write the experts decoded to --dtype (else bf16), as earlier versions did, instead
+            of the Hub's MXFP4 bytes as they are (the default: 3.8x smaller; every recipe loads either, decoding or,
+            with --quantize mxfp4, keeping them packed). For a file that any safetensors reader takes as the model's
+            float weights.
     """
     if peft_path is not None:
-        if model_name is not None or dtype is not None:
+        if model_name is not None or dtype is not None or dequantize_mxfp4:
             raise LitError("--peft_path imports the adapter for the converted model in --checkpoint_dir: leave out"
-                           " --model_name and --dtype")
+                           " --model_name, --dtype and --dequantize_mxfp4")
         path = import_peft(peft_path, checkpoint_dir, out_dir, overwrite=overwrite)
         print(f"Saved the LoRA weights to {path}", file=sys.stderr)
         return
     if out_dir is not None:
         raise LitError("--out_dir is for --peft_path; a checkpoint is converted in its own folder")
     convert_hf_checkpoint(checkpoint_dir, model_name=model_name, dtype=dtype, overwrite=overwrite,
-                          max_shard_size=max_shard_size)
+                          max_shard_size=max_shard_size, dequantize_mxfp4=dequantize_mxfp4)
 
 
 if __name__ == "__main__":

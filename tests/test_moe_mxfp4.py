@@ -109,8 +109,8 @@ def _run_recipe(capsys, monkeypatch, script, *args):
 
 @pytest.fixture(scope="module")
 def oss(tmp_path_factory):
-    """A tiny gpt-oss word checkpoint whose experts are MXFP4 values (what converting the Hub's checkpoint gives),
-    and 8 Alpaca rows over its words prepared for it (root/data, no validation split)."""
+    """A tiny gpt-oss word checkpoint whose experts are MXFP4, stored packed (what converting the Hub's checkpoint
+    gives), and 8 Alpaca rows over its words prepared for it (root/data, no validation split)."""
     import contextlib
     import io
     import json
@@ -122,7 +122,9 @@ def oss(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("mxfp4")
     ckpt = make_word_checkpoint(root / "gpt_oss", family="gpt_oss")
-    save_weights(_mxfp4_valued(load_model(ckpt)).state_dict(), ckpt)
+    model = _mxfp4_valued(load_model(ckpt))
+    pack_experts_mxfp4(model)  # saved as conversion writes a gpt-oss: the experts' MXFP4 blocks and scales
+    save_weights(model.state_dict(), ckpt)
     rows = [{"instruction": GEN_PROMPT, "input": " ".join(WORDS[(i + j) % len(WORDS)] for j in range(n)),
              "output": " ".join(WORDS[(i + j) % len(WORDS)] for j in range(n))} for i, n in enumerate([1, 6, 3, 9] * 2)]
     (root / "rows.json").write_text(json.dumps(rows))
@@ -311,5 +313,152 @@ def test_eval_recipes_refuse_quantize_they_cannot_run_in_one_line(oss):
     assert check_eval_args(oss / "gpt_oss", accelerator="cpu", quantize="mxfp4") == ("base", None)
     with pytest.raises(LitError, match="--quantize must be one of"):
         check_eval_args(oss / "gpt_oss", accelerator="cpu", quantize="int4")
-    with pytest.raises(LitError, match="not with --accelerator xla"):
-        check_eval_args(oss / "gpt_oss", accelerator="xla", quantize="mxfp4")
+    # on XLA mxfp4 only (tests/xla/test_xla_mxfp4.py runs it); the torchao / bitsandbytes kernels are refused
+    assert check_eval_args(oss / "gpt_oss", accelerator="xla", quantize="mxfp4") == ("base", None)
+    with pytest.raises(LitError, match="runs on the CPU and CUDA, not on XLA .there only mxfp4"):
+        check_eval_args(oss / "gpt_oss", accelerator="xla", quantize="torchao.int8wo")
+
+
+# ------------------------------------------------------------------ on disk: conversion keeps the Hub's MXFP4 bytes
+@pytest.fixture(scope="module")
+def converted_pair(tmp_path_factory):
+    """A Hub-style gpt-oss folder (tests/test_moe_parity.py's `write_mxfp4_folder`: MXFP4 `_blocks` / `_scales` in
+    their own shard, `quantization_config: mxfp4`) converted twice: packed (the default) and with
+    `dequantize_mxfp4=True` (the earlier bf16-expert output). Returns (packed folder, bf16 folder, the Hub's
+    tensors)."""
+    import shutil
+
+    pytest.importorskip("transformers")
+    from safetensors.torch import load_file
+    from test_moe_parity import write_mxfp4_folder
+    from tiny_hf import build_hf_model
+
+    from lit_gpt.convert import convert_hf_checkpoint
+
+    root = tmp_path_factory.mktemp("mxfp4_disk")
+    write_mxfp4_folder(build_hf_model("gpt_oss", seed=1), root / "packed")
+    shutil.copytree(root / "packed", root / "bf16")
+    hub = {k: v for f in sorted((root / "packed").glob("model-*.safetensors")) for k, v in load_file(f).items()}
+    convert_hf_checkpoint(root / "packed")
+    convert_hf_checkpoint(root / "bf16", dequantize_mxfp4=True)
+    return root / "packed", root / "bf16", hub
+
+
+def _file_tensors(folder):
+    from safetensors import safe_open
+
+    with safe_open(str(folder / "lit_model.safetensors"), framework="pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}
+
+
+@torch.no_grad()
+def test_conversion_keeps_the_hubs_mxfp4_bytes_and_every_loader_gives_the_bf16_conversions_model(converted_pair):
+    """The file holds the Hub's uint8 blocks and scales (gate_up's interleaved rows split into fc_1 / fc_2, no byte
+    changed), no float expert weight, in fewer bytes; `load_weights` (every loader's reader) decodes them to the
+    bf16 conversion's values, so the model's logits are bit-equal to the bf16-expert conversion's."""
+    from lit_gpt.loading import load_model
+    from lit_gpt.weights import load_weights
+
+    packed_dir, bf16_dir, hub = converted_pair
+    on_disk = _file_tensors(packed_dir)
+    layer = "transformer.h.0.mlp.experts"
+    hub_gate_up = hub["model.layers.0.mlp.experts.gate_up_proj_blocks"]
+    assert on_disk[f"{layer}.fc_1.blocks"].dtype == torch.uint8
+    assert torch.equal(on_disk[f"{layer}.fc_1.blocks"], hub_gate_up[:, 0::2])
+    assert torch.equal(on_disk[f"{layer}.fc_2.blocks"], hub_gate_up[:, 1::2])
+    assert torch.equal(on_disk[f"{layer}.proj.scales"], hub["model.layers.0.mlp.experts.down_proj_scales"])
+    assert not any(".experts." in k and k.endswith(".weight") for k in on_disk)
+    assert (packed_dir / "lit_model.safetensors").stat().st_size < (bf16_dir / "lit_model.safetensors").stat().st_size
+
+    decoded = load_weights(packed_dir / "lit_model.safetensors")
+    reference = load_weights(bf16_dir / "lit_model.safetensors")
+    assert decoded.keys() == reference.keys()
+    # the same values; the decoded experts take the checkpoint's float dtype (its biases': float32 here)
+    assert all(torch.equal(decoded[k].float(), reference[k].float()) for k in decoded)
+    assert decoded[f"{layer}.fc_1.weight"].dtype == decoded[f"{layer}.fc_1.bias"].dtype == torch.float32
+    x = torch.randint(0, 50, (2, 9), generator=torch.Generator().manual_seed(5))
+    assert torch.equal(load_model(packed_dir)(x), load_model(bf16_dir).float()(x))
+
+
+@torch.no_grad()
+def test_a_packed_run_loads_the_file_into_its_buffers_as_packing_after_loading_would(converted_pair):
+    """`load_model(..., quantize="mxfp4")` (generate, chat, eval and serve with --quantize mxfp4): the experts are
+    built packed and take the file's bytes as they are; the same buffers and logits as the earlier path (the bf16
+    file loaded, then packed: `lit_gpt.quantize`), and a bf16 file loads into the packed model too (packed on the
+    fly)."""
+    from lit_gpt.loading import load_model
+    from lit_gpt.quantize import quantize_model
+
+    packed_dir, bf16_dir, _ = converted_pair
+    direct = load_model(packed_dir, "mxfp4")
+    pack_on_load = load_model(bf16_dir)
+    quantize_model(pack_on_load.float(), "mxfp4", torch.device("cpu"))
+    from_bf16_file = load_model(bf16_dir, "mxfp4")
+    on_disk = _file_tensors(packed_dir)
+    buffers = dict(direct.named_buffers())
+    assert all(torch.equal(buffers[k], v) for k, v in on_disk.items() if k.endswith((".blocks", ".scales")))
+    for model in (direct, pack_on_load, from_bf16_file):
+        assert sum(isinstance(m, MXFP4ExpertLinear) for m in model.modules()) == 3 * model.config.n_layer
+        # packing decoded values may pick another (equal-valued) encoding of a group whose largest code is 3: the
+        # same weights, not always the same bytes
+        for (name, m), ref in zip(model.named_modules(), direct.modules()):
+            if isinstance(m, MXFP4ExpertLinear):
+                assert torch.equal(m.weight.float(), ref.weight.float()), name
+    x = torch.randint(0, 50, (2, 9), generator=torch.Generator().manual_seed(6))
+    expected = pack_on_load(x)
+    assert torch.equal(direct.float()(x), expected) and torch.equal(from_bf16_file.float()(x), expected)
+
+
+@torch.no_grad()
+def test_packed_experts_without_a_bias_decode_in_the_dtype_the_model_is_cast_to():
+    """Mixtral-like experts (no bias to carry the dtype): built packed in float32 (`packed_shells`, as a packed run
+    loads), then cast with the model (`model.to(bfloat16)`, `.half()`), they decode to the model's dtype."""
+    from lit_gpt.mxfp4 import packed_shells
+
+    lin = ExpertLinear(2, 64, 8)
+    lin.weight.copy_(dequantize_mxfp4(*quantize_mxfp4(lin.weight), torch.float32))
+    with torch.device("meta"):
+        model = torch.nn.Sequential(ExpertLinear(2, 64, 8))
+    assert packed_shells(model) == 1 and model[0].dtype == torch.float32
+    blocks, scales = quantize_mxfp4(lin.weight)
+    model.load_state_dict({"0.blocks": blocks, "0.scales": scales}, assign=True)
+    x = torch.randn(2, 3, 64)
+    assert torch.equal(model(x), lin(x))
+    for dtype, cast in ((torch.bfloat16, lambda m: m.to(torch.bfloat16)), (torch.float16, lambda m: m.half())):
+        assert cast(model)[0].weight.dtype == dtype and torch.equal(model(x.to(dtype)), lin.to(dtype)(x.to(dtype)))
+
+
+def test_a_packed_file_that_lost_its_scales_is_one_line(converted_pair, tmp_path):
+    from lit_gpt.utils import LitError
+    from lit_gpt.weights import load_weights, save_weights
+
+    state = _file_tensors(converted_pair[0])
+    del state["transformer.h.1.mlp.experts.proj.scales"]
+    save_weights(state, tmp_path)
+    for packed in (False, True):
+        with pytest.raises(LitError, match=r"proj\.blocks without its \.scales: it is incomplete, convert it again"):
+            load_weights(tmp_path / "lit_model.safetensors", packed=packed)
+
+
+def test_the_xla_loaders_sources_give_either_file_in_the_form_either_model_takes(converted_pair):
+    """The XLA staged loader reads tensor by tensor (`lit_gpt.xla.loader._Sources`, no XLA needed): a packed file
+    read for a model of float experts gives `load_weights`' decoded tensors, a bf16 file read for a packed model
+    gives the packed ones (tests/xla/test_xla_mxfp4.py runs both on XLA:CPU)."""
+    from lit_gpt import GPT, Config
+    from lit_gpt.mxfp4 import packed_shells
+    from lit_gpt.weights import load_weights
+    from lit_gpt.xla.loader import _Sources
+
+    packed_dir, bf16_dir, _ = converted_pair
+    for folder, packed in ((packed_dir, False), (bf16_dir, True), (packed_dir, True), (bf16_dir, False)):
+        with torch.device("meta"):
+            model = GPT(Config.from_checkpoint(folder))
+        if packed:
+            packed_shells(model)
+        wanted = model.state_dict().keys()
+        sources = _Sources([folder / "lit_model.safetensors"])
+        sources.fit_mxfp4(wanted)
+        assert set(sources.keys()) == set(wanted), (folder.name, packed)
+        expected = load_weights(folder / "lit_model.safetensors", packed=packed)
+        got = {k: sources.take(k) for k in sorted(wanted)}
+        assert all(got[k].dtype == expected[k].dtype and torch.equal(got[k], expected[k]) for k in wanted), folder

@@ -69,6 +69,7 @@ OWN: Dict[Tuple[str, str], str] = {
                                                     "xla/finetune/adapter.py")
        for s in ("adapter_prompt_length", "adapter_start_layer")},
     ("finetune/lora.py", "quantize"): QLORA,
+    ("xla/finetune/lora.py", "quantize"): QLORA,
     **{(f"{d}finetune/lora.py", "lora_init_from"): "the LoRA weights a LoRA run starts from (a run's, or an imported"
        " PEFT adapter): LoRA's own" for d in ("", "xla/")},
     # DPO (finetune/dpo.py, xla/finetune/dpo.py): LoRA or full finetuning on preference pairs
@@ -119,8 +120,8 @@ XLA_FINETUNED = "the XLA recipes read the weights that either finetuning recipe 
 ACROSS: Dict[Tuple[str, str], Dict[str, Tuple[set, str]]] = {
     ("generate", "xla_generate"): {
         "compile": ({"missing"}, XLA_COMPILES),
-        "quantize": ({"missing"}, "weight-only quantization runs through torchao / bitsandbytes kernels for the CPU and"
-                                  " CUDA, not on XLA"),
+        "quantize": ({"help"}, "weight-only quantization runs through torchao / bitsandbytes kernels for the CPU and"
+                               " CUDA; on XLA only gpt-oss's MXFP4 experts, kept packed by the staged loader"),
         "precision": ({"help"}, XLA_PRECISION),
         "accelerator": ({"help"}, XLA_ACCELERATOR),
         "devices": ({"missing"}, XLA_DEVICES),
@@ -152,8 +153,8 @@ ACROSS: Dict[Tuple[str, str], Dict[str, Tuple[set, str]]] = {
                                                   " CPU/GPU recipes do not offer recomputation)"),
         "compile_cache_dir": ({"missing"}, XLA_CACHE),
         "xla_metrics": ({"missing"}, "torch_xla's metrics report: XLA only"),
-        "quantize": ({"missing"}, "QLoRA quantizes with bitsandbytes, a CUDA library; LoRA over gpt-oss's MXFP4 experts"
-                                  " is wired on the CPU/GPU recipe only"),
+        "quantize": ({"help"}, "QLoRA quantizes with bitsandbytes, a CUDA library: on XLA only gpt-oss's MXFP4"
+                               " experts, kept packed by the staged loader"),
     },
 }
 """(group, other group) -> {flag: (aspects that may differ: "missing" (one group lacks it), "annotation", "default",

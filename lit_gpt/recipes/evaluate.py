@@ -143,12 +143,15 @@ def check_eval_args(checkpoint_dir: Union[str, Path], lora_path: Optional[Union[
 
 
 def _check_quantize(quantize: Optional[str], accelerator: str, precision: Optional[str]) -> None:
-    """--quantize: generate/base.py's check on the device it will run on; not on XLA (torchao / bitsandbytes are CPU
-    and CUDA kernels, and the XLA loader shards the weights as it reads them)."""
+    """--quantize: generate/base.py's check on the device it will run on; on XLA mxfp4 only (torchao / bitsandbytes
+    are CPU and CUDA kernels; the XLA loader places gpt-oss's packed experts as it reads them)."""
     if quantize is None:
         return
     if str(accelerator).lower() == "xla":
-        raise LitError(f"--quantize {quantize} runs on the CPU and CUDA, not with --accelerator xla: run without it")
+        from lit_gpt.recipes.xla_generate import check_xla_quantize
+
+        check_xla_quantize(quantize)
+        return
     from lit_gpt.quantize import check_quantize
     from lit_gpt.runtime import resolve_accelerator
 
@@ -191,7 +194,7 @@ def load_eval_model(checkpoint_dir: Union[str, Path], lora_path: Optional[Union[
         check_finetuned_base(path, checkpoint_dir, allow_other_base, method)  # before any weights are read
     if str(accelerator).lower() == "xla":
         fabric, model, precision, placement = _load_xla(checkpoint_dir, method, path, precision, allow_other_base,
-                                                        rope_scaling, weights, kv_positions)
+                                                        rope_scaling, weights, kv_positions, quantize)
         from lit_gpt.xla.runtime import XLARuntime
 
         if placement is None:
@@ -235,7 +238,7 @@ def _load_eager(checkpoint_dir: Path, method: str, path: Optional[Path], precisi
         if path is None:
             from lit_gpt.loading import load_model
 
-            model = load_model(checkpoint_dir)
+            model = load_model(checkpoint_dir, quantize)  # mxfp4: the experts loaded packed
         else:
             from lit_gpt.peft import load_variant_model
 
@@ -285,7 +288,7 @@ def compile_forward(model: torch.nn.Module, mode: str) -> None:
 
 def _load_xla(checkpoint_dir: Path, method: str, path: Optional[Path], precision: Optional[str],
               allow_other_base: bool, rope_scaling: Optional[Dict[str, Any]] = None, weights: Optional[str] = None,
-              kv_positions: int = 0) -> Any:
+              kv_positions: int = 0, quantize: Optional[str] = None) -> Any:
     """As xla/generate/*.py load: a Fabric over every PJRT device (SPMD), the weights block by block onto the
     devices (LoRA merged), set up by Fabric. With `weights` (serving) the loaded weights are then placed
     replicated or tensor-parallel (`lit_gpt.xla.serve_placement`) instead of staying FSDP-sharded; returns that
@@ -300,11 +303,11 @@ def _load_xla(checkpoint_dir: Path, method: str, path: Optional[Path], precision
     fabric.launch()  # SPMD: nothing to spawn; sets up the mesh over every device in this process
     with loading(fabric, path or checkpoint_dir):
         if path is None:
-            model = load_base_staged(fabric, checkpoint_dir)
+            model = load_base_staged(fabric, checkpoint_dir, quantize)  # mxfp4: gpt-oss's experts placed packed
         else:
             variant = _variant(method)
             model = load_variant_staged(fabric, variant.GPT, variant.Config, checkpoint_dir, path,
-                                        allow_other_base=allow_other_base)
+                                        allow_other_base=allow_other_base, quantize=quantize)
         from lit_gpt.loading import scale_rope
 
         model = scale_rope(model, rope_scaling).eval()

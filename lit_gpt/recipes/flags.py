@@ -151,6 +151,12 @@ QLORA: List[Flag] = [
          "--lora_experts). The saved LoRA weights merge into the unquantized base as usual."),
 ]
 
+XLA_QLORA = [
+    Flag("quantize", Optional[str], None,
+         '"mxfp4": gpt-oss\'s experts frozen in MXFP4, placed packed by the staged loader (lossless; not with\n'
+         "--lora_experts). The saved LoRA weights merge into the unquantized base as usual."),
+]
+
 
 def finetune_flags(base: Sequence[Flag], own: Sequence[Flag], tail: Sequence[Flag] = (), **defaults: Any) -> List[Flag]:
     """A finetune recipe's flags: the backend's run flags with the method's own after `optimizer` (where they

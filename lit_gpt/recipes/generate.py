@@ -90,8 +90,10 @@ XLA_FLAG_HELP = {
     "devices": '"auto" (all devices of the XLA runtime) or their number: the SPMD mesh spans all of them.',
     "compile_cache_dir": "Persistent XLA compilation cache: a second run skips compiling (TPU/GPU).",
     "accelerator": 'The PJRT device: "auto" (the TPU when there is one, else the CPU), "tpu", "cpu" or "cuda".',
+    "quantize": ('"mxfp4": gpt-oss\'s experts kept packed in MXFP4 on the devices (lossless; the other modes are'
+                 " torchao / bitsandbytes kernels of the CPU and CUDA recipes). Default: none."),
 }
-"""The XLA generate recipes' flags: no --compile (XLA compiles the loop's graphs itself) and no --quantize."""
+"""The XLA generate recipes' flags: no --compile (XLA compiles the loop's graphs itself); --quantize mxfp4 only."""
 
 
 def flag_help(help_texts: Mapping[str, str], **own: str) -> Callable[[F], F]:
@@ -348,6 +350,7 @@ XLA_GENERATE: List[Flag] = [
     _flag("devices", Union[int, str], "auto", XLA_FLAG_HELP),
     _flag("compile_cache_dir", Optional[Path], None, XLA_FLAG_HELP),
     _flag("accelerator", str, "auto", XLA_FLAG_HELP),
+    _flag("quantize", Optional[str], None, XLA_FLAG_HELP),
     ROPE_SCALING,
 ]
 """The flags of every generate recipe on XLA devices (xla/generate/*.py)."""

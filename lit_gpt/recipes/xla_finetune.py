@@ -93,17 +93,19 @@ def check_moe(config: Config, scan_layers: Union[bool, str], activation_checkpoi
 
 
 def load_model(fabric: Any, build: Callable[[], nn.Module], checkpoint_dir: Path,
-               own_filter: Optional[Callable[[str, Any], bool]] = None, init_from: Optional[Path] = None) -> nn.Module:
+               own_filter: Optional[Callable[[str, Any], bool]] = None, init_from: Optional[Path] = None,
+               quantize: Optional[str] = None) -> nn.Module:
     """`build()` (a GPT or a PEFT variant) with the base checkpoint loaded block by block onto the devices
     (`lit_gpt.xla.load_staged`). Only the variant's own parameters (`own_filter`) may be missing from the
     checkpoint; they are initialised by their modules, like on the CPU/GPU, or taken from `init_from`
-    (--lora_init_from, checked by `lit_gpt.recipes.finetune.lora_init_from`), a file staged after the base."""
+    (--lora_init_from, checked by `lit_gpt.recipes.finetune.lora_init_from`), a file staged after the base.
+    `quantize="mxfp4"`: gpt-oss's experts placed packed, frozen (xla/finetune/lora.py --quantize mxfp4)."""
     from lit_gpt.weights import check_checkpoint_dir
     from lit_gpt.xla.loader import load_staged
 
     allow = (lambda name: bool(own_filter(name, None))) if own_filter is not None else None
     files = [check_checkpoint_dir(checkpoint_dir)] + ([init_from] if init_from is not None else [])
-    return load_staged(build, files, fabric, allow_missing=allow)
+    return load_staged(build, files, fabric, allow_missing=allow, quantize=quantize)
 
 
 
@@ -150,7 +152,8 @@ def xla_finetune_command(
             accelerator=flags["accelerator"], scan_layers=flags["scan_layers"],
         )
         run = FinetuneRun(method, flags["checkpoint_dir"], flags["out_dir"], config, flags["data"], flags["train"],
-                          flags["eval"], flags["resume"], flags["optimizer"], platform="xla",
+                          flags["eval"], flags["resume"], flags["optimizer"], quantize=flags.get("quantize"),
+                          platform="xla",
                           options={"xla_metrics": flags["xla_metrics"]},
                           base=base_record(flags["checkpoint_dir"]), allow_other_base=flags["allow_other_base"],
                           allow_other_data=flags["allow_other_data"], rope_scaling=flags["rope_scaling"])

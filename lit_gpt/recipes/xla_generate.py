@@ -27,17 +27,27 @@ def default_precision(precision: Optional[str]) -> str:
     return choose(precision, ("32-true", "bf16-true"), "for generation on XLA")
 
 
-def load_base_staged(fabric: Any, checkpoint_dir: Path) -> GPT:
+def load_base_staged(fabric: Any, checkpoint_dir: Path, quantize: Optional[str] = None) -> GPT:
     """The model of a checkpoint folder (`lit_gpt.loading.check_model_dir` finds its weights file) loaded block by
-    block onto the devices."""
+    block onto the devices; `quantize="mxfp4"`: gpt-oss's experts placed packed (`lit_gpt.xla.loader.load_staged`)."""
     from lit_gpt.xla.loader import load_staged
 
-    return load_staged(load_config(checkpoint_dir), check_model_dir(checkpoint_dir), fabric)
+    return load_staged(load_config(checkpoint_dir), check_model_dir(checkpoint_dir), fabric, quantize=quantize)
+
+
+def check_xla_quantize(quantize: Optional[str]) -> None:
+    """--quantize on XLA: "mxfp4" (gpt-oss's experts placed packed by the staged loader) or nothing; the other modes
+    are CPU / CUDA kernels (one LitError line, before the runtime starts)."""
+    from lit_gpt.utils import LitError
+
+    if quantize not in (None, "mxfp4"):
+        raise LitError(f"--quantize {quantize} runs on the CPU and CUDA, not on XLA (there only mxfp4, gpt-oss's"
+                       " experts kept packed): run without it")
 
 
 def load_variant_staged(
     fabric: Any, model_cls: Type[GPT], config_cls: Type[Config], checkpoint_dir: Path, finetuned_path: Path,
-    allow_other_base: bool = False,
+    allow_other_base: bool = False, quantize: Optional[str] = None,
 ) -> GPT:
     """An Adapter / LoRA model (`lit_gpt.adapter.GPT`, `lit_gpt.lora.GPT`, ...) with the base weights and the
     finetuned-weights file (`lit_gpt.peft` format) loaded block by block onto the devices. The variant's settings
@@ -55,7 +65,7 @@ def load_variant_staged(
     check_finetuned_base(finetuned_path, checkpoint_dir, allow_other_base, model_cls.peft_method)
     config = config_cls.from_checkpoint(checkpoint_dir, **fields)
     # the later file overrides: the finetuned weights on top of the base checkpoint
-    model = load_staged(lambda: model_cls(config), [base_path, finetuned_path], fabric)
+    model = load_staged(lambda: model_cls(config), [base_path, finetuned_path], fabric, quantize=quantize)
     if isinstance(model, LoRAGPT):
         merge_lora_weights(model)
     return model
@@ -75,6 +85,7 @@ def xla_generate_command(summary: str, main: Callable[[Any, Any], None], own: Se
 
         args = generation_args(flags, own[0].name if own else None)
         check_request(args)  # before the XLA runtime starts: bad input fails fast
+        check_xla_quantize(args.quantize)
         if own:
             check_file(args.finetuned_path, f"--{own[0].name}", writer)
         select_pjrt_device(flags["accelerator"])

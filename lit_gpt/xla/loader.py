@@ -18,6 +18,10 @@ therefore stays within about the larger of one block and one (no cast) or two (c
 tensor; only models whose embedding outweighs a block (SmolLM2, Llama 3, Gemma) reach the tensor term
 (bench/load.py measures every combination).
 
+gpt-oss's experts, which a converted checkpoint keeps packed in MXFP4 (`lit_gpt.mxfp4`), are read in the form the
+model holds them, one projection at a time (`_Sources.fit_mxfp4`): decoded for float experts, or, with
+`quantize="mxfp4"`, as the file's uint8 blocks and scales, sharded as the expert weight they stand for would be.
+
 Parameters that are not in any checkpoint (new adapter or LoRA weights) are initialised by their module's
 `reset_parameters()`; tied parameters (`lm_head.weight` / `transformer.wte.weight`) stay one tensor.
 `fabric.setup(model, ...)` afterwards wraps the blocks without moving or resharding anything.
@@ -51,6 +55,8 @@ class _Sources:
     def __init__(self, paths: Sequence[PathLike]) -> None:
         self._where: Dict[str, Tuple[str, Any, str]] = {}  # name -> (kind, file path or state dict, key in it)
         self._handles: List[Any] = []
+        self._decoded: Dict[str, Tuple[str, Any, str]] = {}  # MXFP4 (`fit_mxfp4`): float experts to pack
+        self._packed_half: Dict[str, torch.Tensor] = {}  # the half of a packed projection not yet placed
         for path in paths:
             path = Path(path)
             if path.name.endswith(INDEX_SUFFIX):
@@ -105,12 +111,49 @@ class _Sources:
 
     def take(self, key: str) -> torch.Tensor:
         kind, source, name = self._where.pop(key)
+        if kind == "decode":  # a packed MXFP4 projection read as the float weight of a model of float experts
+            from lit_gpt.mxfp4 import fit_state
+
+            return fit_state({f"{source}.{k}": self._read(*name[k]) for k in name}, where="the checkpoint")[key]
+        if kind == "pack":  # the other way: a decoded projection packed (both halves made at once, one kept)
+            if key not in self._packed_half:
+                from lit_gpt.mxfp4 import fit_state
+
+                packed = fit_state({f"{source}.weight": self._read(*self._decoded.pop(source))}, packed=True)
+                self._packed_half.update({f"{source}.{h}": packed[f"{source}.{h}"] for h in ("blocks", "scales")})
+            return self._packed_half.pop(key)
+        return self._read(kind, source, name, pop=True)
+
+    def _read(self, kind: str, source: Any, name: str, pop: bool = False) -> torch.Tensor:
         if kind == "safetensors":
             from safetensors import safe_open
 
             with safe_open(source, framework="pt", device="cpu") as f:
                 return f.get_tensor(name)
-        return source.pop(name)  # drop the dict's reference: the mapped pages can go once the tensor is placed
+        # pop: drop the dict's reference, the mapped pages can go once the tensor is placed
+        return source.pop(name) if pop else source[name]
+
+    def fit_mxfp4(self, wanted: Iterable[str]) -> None:
+        """gpt-oss's experts in the form the model holds them (`lit_gpt.mxfp4.fit_state`'s rule, one projection at a
+        time as it is placed): a packed file's `.blocks` / `.scales` read as the decoded `.weight` of a model of float
+        experts (in its bias's dtype), a decoded file's `.weight` packed for a model of `MXFP4ExpertLinear`s."""
+        from lit_gpt.mxfp4 import packed_prefixes
+
+        wanted = set(wanted)
+        for prefix in packed_prefixes(dict.fromkeys(self._where)):
+            if f"{prefix}.weight" in wanted and f"{prefix}.blocks" not in wanted:
+                parts = {"blocks": self._where.pop(f"{prefix}.blocks")}
+                if f"{prefix}.scales" in self._where:
+                    parts["scales"] = self._where.pop(f"{prefix}.scales")
+                if f"{prefix}.bias" in self._where:  # read, not taken: the decoded weight takes its dtype
+                    parts["bias"] = self._where[f"{prefix}.bias"]
+                self._where[f"{prefix}.weight"] = ("decode", prefix, parts)  # type: ignore[assignment]
+        for key in [k for k in self._where if k.endswith(".weight")]:
+            prefix = key[: -len(".weight")]
+            if f"{prefix}.blocks" in wanted and f"{prefix}.blocks" not in self._where:
+                self._decoded[prefix] = self._where.pop(key)
+                for half in ("blocks", "scales"):
+                    self._where[f"{prefix}.{half}"] = ("pack", prefix, prefix)
 
 
 def _fsdp_spec(t: torch.Tensor) -> Tuple[Optional[str], ...]:
@@ -147,6 +190,7 @@ def load_staged(
     strict: bool = True,
     progress: bool = True,
     allow_missing: Optional[Callable[[str], bool]] = None,
+    quantize: Optional[str] = None,
 ) -> nn.Module:
     """Build `model` (a `Config` for `GPT`, or a function returning a module) on the meta device and fill it
     from `checkpoint` (one file or several, later ones override) block by block onto the XLA devices.
@@ -156,7 +200,10 @@ def load_staged(
     `strict=False` allows checkpoint keys the model does not have. A tensor missing from every checkpoint is an
     error unless `allow_missing(name)` says the variant adds it itself (adapter / LoRA parameters): those are
     initialised by their module's `reset_parameters()`. The rule is the CPU/GPU recipes' (one line naming the
-    missing tensors): a base checkpoint that lacks a base weight is refused, never filled with random values."""
+    missing tensors): a base checkpoint that lacks a base weight is refused, never filled with random values.
+    `quantize="mxfp4"`: gpt-oss's experts stay packed (`lit_gpt.mxfp4.packed_shells`): the file's uint8 blocks and
+    scales go to the devices as they are, sharded as the expert weights they stand for would be; otherwise a packed
+    file's experts are decoded one projection at a time on the way (`_Sources.fit_mxfp4`)."""
     from tqdm import tqdm
 
     mesh, dtype, device = _resolve_target(fabric, mesh, dtype, device)
@@ -169,6 +216,10 @@ def load_staged(
         model_fn = model
     with torch.device("meta"):
         module = model_fn()
+    if quantize == "mxfp4":
+        from lit_gpt.mxfp4 import packed_shells
+
+        packed_shells(module)
     if layer_cls is None:
         from lit_gpt.model import Block
 
@@ -206,6 +257,7 @@ def load_staged(
             plan[owner_unit(name)].append((name, False))
 
     expected_keys = persistent  # parameters under all their names, and persistent buffers
+    sources.fit_mxfp4(expected_keys)
     unexpected = sorted(k for k in sources.keys() if k not in expected_keys)
     if unexpected and strict:
         raise LitError(
@@ -253,7 +305,8 @@ def load_staged(
                 )
             target = dtype if dtype is not None and cpu.is_floating_point() else cpu.dtype
             nbytes = cpu.numel() * target.itemsize
-            xt = _to_device(cpu, device, mesh, target)  # casts on the way: per shard when sharded
+            # casts on the way: per shard when sharded (MXFP4 blocks / scales as the weight they stand for)
+            xt = _to_device(cpu, device, mesh, target, _packed_spec(old, owner, attr) if mesh is not None else None)
             del cpu
             if nbytes >= _TRIM_BYTES and str(device).startswith("xla"):
                 import torch_xla.core.xla_model as xm
@@ -364,7 +417,20 @@ def _release_host_memory() -> None:
         libc.malloc_trim(0)
 
 
-def _to_device(cpu: torch.Tensor, device: torch.device, mesh: Any, dtype: torch.dtype) -> torch.Tensor:
+def _packed_spec(old: torch.Tensor, owner: nn.Module, attr: str) -> Optional[Tuple[Optional[str], ...]]:
+    """The partition spec of an MXFP4 expert projection's `blocks` (E, out, G, 16) or `scales` (E, out, G): the spec
+    FSDPv2 gives the (E, out, in) weight they stand for, its in dim as the G groups (each device then decodes its
+    own rows or groups: no gather before the matmul); None for any other tensor."""
+    from lit_gpt.mxfp4 import PACKED, MXFP4ExpertLinear
+
+    if not isinstance(owner, MXFP4ExpertLinear) or attr not in PACKED:
+        return None
+    spec = _fsdp_spec(torch.empty(owner.n_expert, owner.out_features, owner.in_features, device="meta"))
+    return tuple(spec) + (None,) * (old.dim() - 3)
+
+
+def _to_device(cpu: torch.Tensor, device: torch.device, mesh: Any, dtype: torch.dtype,
+               spec: Optional[Tuple[Optional[str], ...]] = None) -> torch.Tensor:
     """`cpu` (usually mapped file pages) as `dtype` on the device(s); sharded the FSDPv2 way over `mesh` if given.
 
     Host memory: torch_xla's own sharded transfer (`send_cpu_data_to_device` with a sharding spec) copies the
@@ -378,7 +444,7 @@ def _to_device(cpu: torch.Tensor, device: torch.device, mesh: Any, dtype: torch.
     import torch_xla.core.xla_model as xm
     import torch_xla.distributed.spmd as xs
 
-    spec = _fsdp_spec(cpu)
+    spec = spec if spec is not None else _fsdp_spec(cpu)
     if cpu.dim() == 1:
         # torch_xla 2.9's direct sharded transfer fails for 1-D tensors on a mesh with a replicated axis
         # ("too many indices"); these are norms and biases, small enough to place first and shard after

@@ -4,8 +4,8 @@
     PJRT_DEVICE=CPU CPU_NUM_DEVICES=8 python xla/generate/base.py --prompt "The capital of France is" \\
         --prompt_style raw --temperature 0 --max_new_tokens 8
 
-Flags and output as in `generate/base.py` (text on stdout; timings on stderr), less `--compile` and `--quantize`,
-plus `--devices` (an SPMD mesh spans every device: "auto" or their number) and `--compile_cache_dir`. The weights
+Flags and output as in `generate/base.py` (text on stdout; timings on stderr), less `--compile` (and `--quantize`
+takes mxfp4 only: gpt-oss's experts kept packed on the devices), plus `--devices` (an SPMD mesh spans every device: "auto" or their number) and `--compile_cache_dir`. The weights
 are loaded block by block onto the devices (`lit_gpt.xla.load_staged`) and sharded with FSDP over SPMD. The prompt
 is padded to a power-of-two bucket, so XLA compiles two graphs (prefill, decode step) per bucket, whatever
 --max_new_tokens is; stderr reports the time to the first token (compilation included), the steady decode speed
@@ -24,8 +24,8 @@ def main(fabric, args: GenerationArgs) -> None:
     # generate/base.py's steps (lit_gpt.recipes.generate.run) with XLA's parts: the weights loaded block by block
     # onto the devices, sharded; eager steps that XLA traces and compiles itself; XLA's runtime (host-side prompt
     # buckets, replicated caches, a graph cut per step)
-    run(fabric, args, lambda args: load_base_staged(fabric, args.checkpoint_dir), runtime=XLARuntime(fabric),
-        steps=compile_steps(None))
+    run(fabric, args, lambda args: load_base_staged(fabric, args.checkpoint_dir, args.quantize),
+        runtime=XLARuntime(fabric), steps=compile_steps(None))
 
 
 setup = xla_generate_command("Generate `num_samples` continuations of a prompt on XLA devices.", main)

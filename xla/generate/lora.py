@@ -28,7 +28,7 @@ def main(fabric, args: GenerationArgs) -> None:
 
     def load(args: GenerationArgs) -> lora.GPT:  # block by block onto the devices, sharded; LoRA merged in
         return load_variant_staged(fabric, lora.GPT, lora.Config, args.checkpoint_dir, args.finetuned_path,
-                                   allow_other_base=args.allow_other_base)
+                                   allow_other_base=args.allow_other_base, quantize=args.quantize)
 
     # generate/base.py's steps with this load: eager steps that XLA traces and compiles itself, XLA's runtime
     # (host-side prompt buckets, replicated caches, a graph cut per step)
