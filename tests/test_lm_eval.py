@@ -8,6 +8,7 @@ the merged model's scores; `--model lit_gpt` works inside the harness; bad input
 the command line writes the harness's results JSON.
 """
 
+import inspect
 import json
 import os
 import subprocess
@@ -49,10 +50,15 @@ def manager(tasks_dir):
 
 
 def run(lm, manager, tasks=TASKS, limit=None, num_fewshot=None):
+    from unittest import mock
+
     from lm_eval import simple_evaluate
 
-    return simple_evaluate(model=lm, tasks=list(tasks), task_manager=manager, limit=limit, num_fewshot=num_fewshot,
-                           bootstrap_iters=0, log_samples=True)
+    # left out: the harness's report of this machine (torch's collect_env runs pip, conda, nvidia-smi, ... as
+    # subprocesses: ~3 s a call), which no comparison here reads; the CLI runs below keep it
+    with mock.patch("lm_eval.evaluator.add_env_info", lambda results: None):
+        return simple_evaluate(model=lm, tasks=list(tasks), task_manager=manager, limit=limit,
+                               num_fewshot=num_fewshot, bootstrap_iters=0, log_samples=True)
 
 
 def ours(checkpoint_dir, manager, batch_size=4, **kwargs):
@@ -167,9 +173,10 @@ def test_real_smollm2_scores_equal_the_hf_backend(smollm2_dir, manager, tmp_path
     from lit_gpt.convert import convert_lit_checkpoint
 
     hf = convert_lit_checkpoint(smollm2_dir, tmp_path / "hf")
+    reference, model = hflm(hf), ours(smollm2_dir, manager)  # each loaded once, for both runs of the harness
     for tasks, shots in ((["lit_mc", "lit_ppl"], None), (["lit_gen"], 1)):
-        expected = run(hflm(hf), manager, tasks=tasks, limit=4, num_fewshot=shots)
-        got = run(ours(smollm2_dir, manager), manager, tasks=tasks, limit=4, num_fewshot=shots)
+        expected = run(reference, manager, tasks=tasks, limit=4, num_fewshot=shots)
+        got = run(model, manager, tasks=tasks, limit=4, num_fewshot=shots)
         assert_same_scores(got, expected, tasks=tasks)
         if "lit_mc" in tasks:
             assert got["results"]["lit_mc"]["acc,none"] >= 0.5  # a real model: above chance on these facts
@@ -179,8 +186,13 @@ def test_real_smollm2_scores_equal_the_hf_backend(smollm2_dir, manager, tmp_path
 # the command line
 # ---------------------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module", autouse=True)
-def cli_run(tiny_dir, tasks_dir, tmp_path_factory):
-    """The CLI once, as a user runs it (its start overlaps the tests in between: started first, checked last)."""
+def cli_run(request, tiny_dir, tasks_dir, tmp_path_factory):
+    """The CLI once, as a user runs it (its start overlaps the tests in between: started first, checked last); not
+    started when no selected test of this module reads it (`-m slow` selects none: a whole process for nothing)."""
+    if not any(getattr(item, "module", None) is request.module
+               and "cli_run" in inspect.signature(item.function).parameters for item in request.session.items):
+        yield None
+        return
     out = tmp_path_factory.mktemp("cli") / "results"
     cmd = [sys.executable, str(REPO / "eval/lm_eval.py"), "--tasks", "lit_mc,lit_ppl", "--include_path",
            str(tasks_dir), "--checkpoint_dir", str(tiny_dir), "--out_dir", str(out), "--batch_size", "2",
