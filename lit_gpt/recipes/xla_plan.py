@@ -31,7 +31,7 @@ from lit_gpt.xla.plan_report import progress
 
 CHILD_ENV = "LIT_GPT_PLAN_TRACE"  # set in the tracing child: the path of its job file
 # part of the trace cache's key: a trace cached by an older tracer is traced again (2: the scanned weights' shardings)
-TRACER_VERSION = 2
+TRACER_VERSION = 3  # 3: MoE layers traced with the TPU's grouped matmul
 
 
 def model_config(model_name: Optional[str], checkpoint_dir: Optional[Path], method: str, lora: Dict[str, Any],
@@ -78,7 +78,8 @@ def trace_in_child(job: Dict[str, Any], depths: List[int], cache: Optional[Path]
     with tempfile.TemporaryDirectory(prefix="lit-gpt-plan-") as tmp:
         job_file = Path(tmp) / "job.json"
         job_file.write_text(json.dumps({**job, "n_layers": todo, "out": tmp}))
-        env = {**os.environ, CHILD_ENV: str(job_file), "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(job["devices"])}
+        env = {**os.environ, CHILD_ENV: str(job_file), "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(job["devices"]),
+               "JAX_PLATFORMS": "cpu"}  # jax only lowers kernels for the TPU here: no TPU backend to look for
         env.pop("TPU_SKIP_MDS_QUERY", None)
         t0 = time.perf_counter()
         proc = subprocess.Popen([sys.executable, "-m", "lit_gpt.recipes.xla_plan"], env=env, stdout=subprocess.PIPE,
@@ -119,9 +120,16 @@ class _Captured(Exception):
 
 
 def trace_child(job: Dict[str, Any]) -> None:
+    import lit_gpt.xla.moe_gmm as moe_gmm
+    from lit_gpt.xla.plan import pallas_for_tpu
     from lit_gpt.xla.strategy import make_fabric
 
     progress(f"imported torch_xla; {job['devices']} XLA:CPU devices")
+    if getattr(model_config(job["model_name"], job["checkpoint_dir"], job["method"], job["lora"]), "n_expert", 0):
+        # the step as a TPU runs it: the strategy gives MoE layers the Pallas grouped matmul on a TPU (for their
+        # dropless dispatch, --moe.capacity_factor none), lowered here for the TPU (traced, not run)
+        pallas_for_tpu()
+        moe_gmm.device_type = lambda: "TPU"
     fabric = make_fabric("auto", job["precision"], activation_checkpointing=job["activation_checkpointing"],
                          scan_layers=job["scan_layers"])
     fabric.launch(_trace_main, job)

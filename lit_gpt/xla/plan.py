@@ -12,7 +12,7 @@ What is here, the part that needs no torch_xla:
     nothing aliases (wrong bytes, higher peak).
   * `count_collectives`: the collectives of the compiled (partitioned) HLO text.
   * `roofline`, `extrapolate`: a step's time bound and MFU bound, and the per-layer line through depth-truncated
-    compiles (a 70B model is traced with 1 and 2 layers at its real width and vocabulary, not in host memory whole).
+    compiles (a 70B model is traced with 2 and 3 layers at its real width and vocabulary, not in host memory whole).
 The TPU compiler is optional (requirements-tpu-plan.txt): `tpu_compiler_missing()` says so in one line.
 """
 
@@ -132,16 +132,24 @@ def count_collectives(hlo_text: str) -> Dict[str, Dict[str, int]]:
 
 def roofline(flops: float, hbm_bytes: float, chip: Chip, model_flops: Optional[float] = None) -> Dict[str, float]:
     """Per-chip step-time bound (the slower of compute at peak and HBM traffic at full bandwidth) and the MFU that
-    bound allows (`model_flops` per chip: the useful FLOPs, 6N or 4N per token; default the compiled FLOPs)."""
+    bound allows (`model_flops` per chip: the useful FLOPs, 6N or 4N per token; default the compiled FLOPs).
+
+    Compute is timed on the compiled FLOPs, or on `model_flops` where XLA's cost analysis counted fewer (it did on
+    Llama-3.1-70B's steps: 0.6-1.0x the model's, so the bound came out above 100%): the step cannot do less than
+    the model's own arithmetic. `flops_counted_ratio` (compiled / model FLOPs) and `compute_from` ("compiled" or
+    "model") say which was used."""
     if flops < 0 or hbm_bytes < 0:
         raise ValueError("flops and bytes must be non-negative")
-    compute_s = flops / chip.peak_flops
+    useful = flops if model_flops is None else model_flops
+    short = model_flops is not None and flops < model_flops
+    compute_s = (model_flops if short else flops) / chip.peak_flops
     memory_s = hbm_bytes / chip.hbm_bandwidth
     step_s = max(compute_s, memory_s)
-    useful = flops if model_flops is None else model_flops
     return {"compute_s": compute_s, "memory_s": memory_s, "step_s": step_s,
             "bound": "compute" if compute_s >= memory_s else "memory",
-            "mfu_bound": (useful / chip.peak_flops) / step_s if step_s > 0 else 0.0}
+            "mfu_bound": (useful / chip.peak_flops) / step_s if step_s > 0 else 0.0,
+            "compute_from": "model" if short else "compiled",
+            **({"flops_counted_ratio": flops / model_flops} if model_flops else {})}
 
 
 def extrapolate(points: Dict[int, float], n_layer: int) -> float:
@@ -309,6 +317,8 @@ def pallas_for_tpu(mosaic_version: int = MOSAIC_VERSION) -> None:
     """Make torch_xla's Pallas kernels (flash attention, grouped matmul) trace for the TPU in an XLA:CPU process:
     torch_xla lowers a kernel with jax for the default backend, which off a TPU is the CPU ("Only interpret mode is
     supported on CPU backend"); this lowers it for the "tpu" platform instead, in the Mosaic version libtpu reads.
+    Both of torch_xla's ways in are lowered so: `trace_pallas` (flash attention) and `call_jax`'s `JaxCallable`
+    (the grouped matmul's gmm and tgmm).
     The step's HLO then holds the kernels' `tpu_custom_call`s, as on a TPU (XLA:CPU cannot run them: trace only)."""
     import jax
     import jax._src.tpu_custom_call as tpu_custom_call
@@ -334,6 +344,23 @@ def pallas_for_tpu(mosaic_version: int = MOSAIC_VERSION) -> None:
         return custom_kernel._extract_backend_config(lowered.compiler_ir()), tensor_args
 
     custom_kernel.trace_pallas = trace_pallas
+
+    # the grouped matmul (gmm / tgmm, lit_gpt.xla.moe_gmm) goes another way: torch_xla's call_jax
+    # (xla_builder.JaxCallable) lowers the jax function, kernel included, for jax's default backend, the CPU
+    import torch_xla.core.xla_builder as xla_builder
+
+    def specialize(self: Any, sample_flat_args: Any) -> Any:
+        # torch_xla 2.9's JaxCallable.specialize, lowered for the TPU
+        tx = xla_builder.maybe_get_torchax()
+        sample = tuple(None if a is None else jax.ShapeDtypeStruct(a.shape, tx.ops.mappings.t2j_dtype(a.dtype))
+                       for a in sample_flat_args)
+        lowered = jax.jit(self._flat_input_func.flat_call, keep_unused=True).trace(sample).lower(
+            lowering_platforms=("tpu",))
+        module = xla_builder.computation_from_module_proto(
+            "jax_callable", lowered.compiler_ir("hlo").as_serialized_hlo_module_proto())
+        return xla_builder.xla_computation_as_func(module, "jax_func")
+
+    xla_builder.JaxCallable.specialize = specialize
 
 
 # ---------------------------------------------------------------------------------------------------------------

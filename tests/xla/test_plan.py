@@ -1,13 +1,15 @@
 """The TPU planner (xla/scripts/plan.py, lit_gpt/recipes/xla_plan.py, lit_gpt/xla/plan.py, lit_gpt/xla/plan_report.py).
 
-Fast: the pure-Python parts (topologies, argument checks, the recipes' flags, roofline, HLO collective counting,
-per-layer extrapolation and its check against a full-depth compile, the buffer assignment's bytes, libtpu's
-out-of-memory message, the one-line install hint). Slow (libtpu's compiler installed from requirements-tpu-plan.txt
-if missing): a small model's LoRA step traced at 1, 2 and 4 layers in one XLA:CPU process and compiled for v5e-8 up
-to libtpu's buffer assignment (~35 s of CPU): per-chip weight bytes = parameters x 2 bytes / 8 (FSDP over 8
-chips), the 1+2-layer extrapolation within 5% of the 4-layer compile on peak HBM and FLOPs, a model too big for
-the slice reported as not fitting (from the same compiles); and torch_xla's Pallas flash attention traced on
-XLA:CPU and compiled for v5e-8 through libtpu's code generator. (An oversized batch's compile is not tested:
+Fast: the pure-Python parts (topologies, argument checks, the recipes' flags, roofline and its model-FLOPs floor,
+HLO collective counting, per-layer extrapolation from the default depths and its check against a full-depth compile,
+the buffer assignment's bytes, libtpu's out-of-memory message, the one-line install hint). Slow (libtpu's compiler
+installed from requirements-tpu-plan.txt if missing; ~95 s of CPU for the three on 2 cores at load 6, 260 s before
+they were trimmed): a small model's LoRA step traced at 1, 2 and 4 layers in one XLA:CPU process and compiled for
+v5e-8 up to libtpu's buffer assignment: per-chip weight bytes = parameters x 2 bytes / 8 (FSDP over 8 chips), the
+1+2-layer extrapolation within 5% of the 4-layer compile on peak HBM and FLOPs, a model too big for the slice
+reported as not fitting (from the same compiles), a checkpointed block's frozen weights out of the step's outputs;
+torch_xla's Pallas flash attention and grouped matmul traced on XLA:CPU and compiled for v5e-8 through libtpu's code
+generator; the strategy's checkpoint against torch_xla's on 1 device. (An oversized batch's compile is not tested:
 libtpu's compiler spends many minutes and many GB of host memory rematerializing before it gives up; the
 out-of-memory message's parsing is tested on its text.)"""
 
@@ -57,8 +59,60 @@ def test_roofline():
     # memory-bound: two seconds of traffic; useful FLOPs are half of the compiled ones (e.g. recomputation)
     r = plan.roofline(chip.peak_flops, 2 * chip.hbm_bandwidth, chip, model_flops=chip.peak_flops / 2)
     assert r["bound"] == "memory" and r["step_s"] == pytest.approx(2.0) and r["mfu_bound"] == pytest.approx(0.25)
+    assert r["compute_from"] == "compiled" and r["flops_counted_ratio"] == pytest.approx(2.0)
     with pytest.raises(ValueError):
         plan.roofline(-1.0, 0.0, chip)
+
+
+def test_roofline_where_the_cost_analysis_counts_fewer_flops_than_the_model():
+    """XLA's cost analysis counted 0.6-1.0x the model's analytic FLOPs on Llama-3.1-70B's steps (the MFU bound came
+    out at 136% on one): compute is then timed on the model's FLOPs, the bound stays at most 100%, and the plan says
+    so in one line."""
+    chip = plan.CHIPS["v5p"]
+    # compiled: 0.6 s of compute at peak, 0.8 s of HBM traffic; the model: 1.2 s of compute
+    r = plan.roofline(0.6 * chip.peak_flops, 0.8 * chip.hbm_bandwidth, chip, model_flops=1.2 * chip.peak_flops)
+    assert r["compute_from"] == "model" and r["flops_counted_ratio"] == pytest.approx(0.5)
+    assert r["bound"] == "compute" and r["step_s"] == pytest.approx(1.2) and r["mfu_bound"] == pytest.approx(1.0)
+    # still memory-bound when the traffic is slower than the model's FLOPs
+    r = plan.roofline(0.6 * chip.peak_flops, 2.4 * chip.hbm_bandwidth, chip, model_flops=1.2 * chip.peak_flops)
+    assert r["bound"] == "memory" and r["mfu_bound"] == pytest.approx(0.5)
+    script = _script()
+    config = script.model_config("Llama-3.2-1B", None, "lora", {"lora_r": 8})
+    job = {"model_name": "Llama-3.2-1B", "checkpoint_dir": None, "micro_batch_size": 1, "max_seq_length": 2048,
+           "precision": "bf16-true", "optimizer": "adamw", "activation_checkpointing": False, "scan_layers": False,
+           "lora": {"lora_r": 8}}
+    model = 2 * config.flops_per_token(2048) * 2048  # per chip per step
+    compiled = {"fits": True, "argument_bytes": 1, "output_bytes": 0, "alias_bytes": 0, "temp_bytes": 1,
+                "peak_bytes": 2, "bytes_accessed": 1e6, "collectives": {}}
+    short = script.summarise(config, plan.parse_topology("v5e-8"), job,
+                             {config.n_layer: {**compiled, "flops": 0.7 * model}}, "lora")
+    assert short["roofline"]["compute_from"] == "model" and short["roofline"]["mfu_bound"] == pytest.approx(1.0)
+    assert sum("counts 0.70x the model's analytic FLOPs" in line for line in script.report(short).splitlines()) == 1
+    enough = script.summarise(config, plan.parse_topology("v5e-8"), job,
+                              {config.n_layer: {**compiled, "flops": 1.1 * model}}, "lora")
+    assert enough["roofline"]["compute_from"] == "compiled" and "analytic" not in script.report(enough)
+
+
+def test_collectives_that_do_not_grow_per_layer_are_not_extrapolated_below_the_compiles():
+    """A collective whose count falls with depth (Llama-3.1-8B LoRA's all-reduces: 4 at 2 layers, 3 at 3, which the
+    compiler combined differently) keeps the deepest compile's figure at the model's depth, not a negative count."""
+    script = _script()
+    config = script.model_config("Llama-3.2-1B", None, "lora", {"lora_r": 8})
+    job = {"model_name": "Llama-3.2-1B", "checkpoint_dir": None, "micro_batch_size": 1, "max_seq_length": 2048,
+           "precision": "bf16-true", "optimizer": "adamw", "activation_checkpointing": False, "scan_layers": False,
+           "lora": {"lora_r": 8}}
+
+    def point(layers, reduces):
+        collectives = {op: {"count": 0, "bytes": 0} for op in plan.COLLECTIVES}
+        collectives["all-reduce"] = {"count": reduces, "bytes": 100 * reduces}
+        collectives["all-gather"] = {"count": 10 * layers, "bytes": 1000 * layers}
+        return {"fits": True, "argument_bytes": layers, "output_bytes": 0, "alias_bytes": 0, "temp_bytes": layers,
+                "peak_bytes": 2 * layers, "flops": 1e12 * layers, "bytes_accessed": 1e9 * layers,
+                "collectives": collectives}
+
+    p = script.summarise(config, plan.parse_topology("v5e-8"), job, {2: point(2, 4), 3: point(3, 3)}, "lora")
+    assert p["collectives"]["all-reduce"] == {"count": 3, "bytes": 300}
+    assert p["collectives"]["all-gather"] == {"count": 10 * config.n_layer, "bytes": 1000 * config.n_layer}
 
 
 HLO = """
@@ -150,6 +204,35 @@ def test_bad_arguments(flags, message):
         _script().setup(**flags)
 
 
+def test_the_per_layer_line_starts_after_the_first_block(monkeypatch, tmp_path):
+    """By default the plan traces 2 and 3 layers, not 1: the first block is unlike the others (under LoRA its input
+    needs no gradient, so activation checkpointing leaves it plain), and the 1-layer program peaks elsewhere
+    (Llama-3.1-70B LoRA with checkpointing on v5p-32: 13.7, 15.9, 16.1, 16.4 GiB at 1-4 layers; 186 GiB at 80 from
+    1 and 2 layers, 34 GiB from 2, 3 and 4). A model of at most 3 layers is compiled whole; --layers still chooses."""
+    script = _script()
+    traced = []
+
+    class Stop(Exception):
+        pass
+
+    def trace(job, depths, cache):
+        traced.append(depths)
+        raise Stop
+
+    monkeypatch.setattr(script, "tpu_compiler_missing", lambda: None)
+    monkeypatch.setattr(script, "trace_in_child", trace)
+    for flags in (dict(model_name="Llama-3.2-1B"), dict(model_name="Llama-3.2-1B", activation_checkpointing=True),
+                  dict(model_name="Llama-3.2-1B", layers=[1, 2])):
+        with pytest.raises(Stop):
+            script.setup(**flags)
+    from lit_gpt import lora
+
+    lora.Config.from_name("Llama-3.2-1B", n_layer=3).save(tmp_path)
+    with pytest.raises(Stop):
+        script.setup(checkpoint_dir=tmp_path)
+    assert traced == [[2, 3], [2, 3], [1, 2], [3]]
+
+
 def test_summary_extrapolates_per_layer():
     """The plan at the model's depth from 1- and 2-layer compiles: every byte and FLOP figure on the line."""
     script = _script()
@@ -227,8 +310,8 @@ def _plan(checkpoint_dir, tmp_path, name, *flags):
 @pytest.mark.slow
 def test_plan_compiles_for_v5e_8(tmp_path):
     """One plan traces the 1-, 2- and 4-layer steps in one XLA:CPU process and compiles each for v5e-8 up to libtpu's
-    buffer assignment; a second plan of a far deeper model reuses those compiles (--trace_cache); a third plans the
-    1- and 2-layer steps with activation checkpointing. ~35 s of CPU (+~15 s for the third)."""
+    buffer assignment; a second plan of a far deeper model reuses those compiles (--trace_cache); a third plans a
+    2-layer model's step with activation checkpointing. ~60 s of CPU in all (2 cores, load ~5)."""
     if importlib.util.find_spec("torch_xla") is None:
         pytest.skip("torch_xla is not installed (pip install torch_xla==2.9.0)")
     if plan.tpu_compiler_missing():  # the optional requirements, installed as a user would
@@ -260,6 +343,8 @@ def test_plan_compiles_for_v5e_8(tmp_path):
     assert check["flops"]["extrapolated"] == pytest.approx(four["flops"], rel=0.05)
     assert plan.extrapolate({1: one["peak_bytes"], 2: two["peak_bytes"]}, 4) == check["peak_bytes"]["extrapolated"]
     assert full["host"]["max_rss_gib"] > 0 and four["compile_max_rss_gib"] > 0
+    for d in (one, two, four):  # all the step writes out: the donated LoRA matrices, their AdamW state, the loss
+        assert 0 < d["alias_bytes"] and d["output_bytes"] - d["alias_bytes"] < 64 * 1024, d
     # a model too deep for v5e-8 (the same blocks, 30,000 of them: ~90B parameters, 1/8 of their bf16 weights alone
     # is ~23 GiB per chip) is reported as not fitting, by how much, and with no micro batch that fits. Its 1- and
     # 2-layer steps are the ones traced and compiled above (the trace cache): seconds. (A program that is too big
@@ -274,14 +359,15 @@ def test_plan_compiles_for_v5e_8(tmp_path):
     assert deep["over_by_bytes"] == pytest.approx(deep["per_chip"]["peak_bytes"] - hbm) and deep["over_by_bytes"] > 0
     assert deep["per_chip"]["argument_bytes"] > hbm and deep["largest_micro_batch_estimate"] == 0
     # with activation checkpointing (lit_gpt.xla.scan.checkpoint_block) the 2-layer step's second block is
-    # checkpointed, and its frozen weights stay out of the step: all it writes out is the donated LoRA matrices and
-    # their AdamW state (and the loss). Under torch_xla's checkpoint the outputs also held that block's frozen weight
-    # shards (+0.05 GiB per block per chip on Llama-3.1-70B, v5e-32; here ~0.8 MB).
-    ckpt = _plan(tmp_path, tmp_path, "ckpt", "--layers", "[1, 2]", "--train.micro_batch_size", "1",
-                 "--activation_checkpointing", "true")
-    for depth in ("1", "2"):
-        d = ckpt["depths"][depth]
-        assert 0 < d["alias_bytes"] and d["output_bytes"] - d["alias_bytes"] < 64 * 1024, (depth, d)
+    # checkpointed (the first is not: under LoRA its input needs no gradient, so its step is the one checked above),
+    # and its frozen weights stay out of the step: all it writes out is the donated LoRA matrices and their AdamW
+    # state (and the loss). Under torch_xla's checkpoint the outputs also held that block's frozen weight shards
+    # (+0.05 GiB per block per chip on Llama-3.1-70B, v5e-32; here ~0.8 MB). A 2-layer model: one trace, one compile.
+    lora.Config(**{**SMALL, "n_layer": 2}).save(tmp_path)
+    ckpt = _plan(tmp_path, tmp_path, "ckpt", "--train.micro_batch_size", "1", "--activation_checkpointing", "true")
+    assert sorted(ckpt["depths"]) == ["2"] and ckpt["settings"]["activation_checkpointing"]
+    d = ckpt["depths"]["2"]
+    assert 0 < d["alias_bytes"] and d["output_bytes"] - d["alias_bytes"] < 64 * 1024, d
 
 
 def test_flags_are_the_recipes():
@@ -332,27 +418,43 @@ segments = torch.tensor([[0] * 100 + [1] * 156], dtype=torch.int32).to(dev)  # t
 out = ck.flash_attention(q, k, v, causal=True, q_segment_ids=segments, kv_segment_ids=segments, sm_scale=0.1)
 out.float().sum().backward()
 open(sys.argv[1], "wb").write(torch_xla._XLAC._get_xla_tensors_hlo_proto([out, q.grad, k.grad, v.grad]))
+# the grouped matmul of an MoE layer's dropless dispatch (lit_gpt.xla.moe_gmm: gmm forward, gmm and tgmm backward)
+from lit_gpt.xla.moe_gmm import pallas_gmm
+x = torch.randn(512, 256, dtype=torch.bfloat16).to(dev).requires_grad_()  # rows sorted by expert
+w = torch.randn(4, 384, 256, dtype=torch.bfloat16).to(dev).requires_grad_()  # 4 experts, (out, in)
+sizes = torch.tensor([128, 0, 256, 128], dtype=torch.int32).to(dev)  # one expert gets no rows
+y = pallas_gmm(x, w, sizes)
+y.float().sum().backward()
+open(sys.argv[2], "wb").write(torch_xla._XLAC._get_xla_tensors_hlo_proto([y, x.grad, w.grad]))
 """
 
 
 @pytest.mark.slow
-def test_pallas_flash_attention_compiles_for_v5e(tmp_path):
-    """torch_xla's Pallas flash attention with segment ids (packed rows' kernel on a TPU), forward and backward,
-    traced on XLA:CPU devices for the TPU (`pallas_for_tpu`) and compiled by libtpu for v5e-8: the three Mosaic
-    kernels (forward, dq, dkv) are in the program and lower. Seconds."""
+def test_pallas_kernels_compile_for_v5e(tmp_path):
+    """torch_xla's Pallas kernels, forward and backward, traced on XLA:CPU devices for the TPU (`pallas_for_tpu`) in
+    one process and compiled by libtpu for v5e-8: flash attention with segment ids (packed rows' kernel on a TPU: its
+    three Mosaic kernels, forward, dq and dkv) and the MoE dispatch's grouped matmul (`lit_gpt.xla.moe_gmm`: gmm
+    forward, gmm and tgmm backward, through torch_xla's call_jax), each in its program and lowered. Seconds."""
     if importlib.util.find_spec("torch_xla") is None:
         pytest.skip("torch_xla is not installed (pip install torch_xla==2.9.0)")
     if plan.tpu_compiler_missing():
         pytest.skip(plan.tpu_compiler_missing())  # test_plan_compiles_for_v5e_8 installs it
-    module = tmp_path / "flash.pb"
-    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "8", "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, "-c", _FLASH, str(module)], env=env, capture_output=True, text=True,
-                          timeout=600, cwd=ROOT)
+    flash, gmm = tmp_path / "flash.pb", tmp_path / "gmm.pb"
+    from child_env import python_path
+
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "8", "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": python_path()}
+    proc = subprocess.run([sys.executable, "-c", _FLASH, str(flash), str(gmm)], env=env, capture_output=True,
+                          text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    data = module.read_bytes()
+    data = flash.read_bytes()
     assert data.count(b"tpu_custom_call") == 3
     result = plan.compile_for_topology(data, plan.parse_topology("v5e-8"))
     assert result["fits"] and result["flops"] > 0 and result["peak_bytes"] > 0
+    data = gmm.read_bytes()
+    assert data.count(b"tpu_custom_call") == 3  # gmm forward; gmm (dx) and tgmm (dW) backward
+    result = plan.compile_for_topology(data, plan.parse_topology("v5e-8"))
+    assert result["fits"] and result["peak_bytes"] > 0
 
 
 _CHECKPOINT = """
@@ -391,6 +493,8 @@ def run(fabric, wrap):
     frozen = [p for p in model.parameters() if not p.requires_grad]
     # frozen weights that the step would write out (their value is no longer their own data)
     pending = sum(torch_xla._XLAC._check_tensor_need_materialization(frozen))
+    # one graph for the loss and all the gradients (reading each alone compiles a graph per tensor: minutes)
+    torch_xla.sync()
     grads = {n: p.grad.detach().cpu().flatten().tolist() for n, p in model.named_parameters() if p.requires_grad}
     return {"loss": loss.item(), "grads": grads, "frozen_written": pending, "frozen": len(frozen)}
 
