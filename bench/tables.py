@@ -485,7 +485,8 @@ def tpu_plan() -> str:
                 + (", act. ckpt" if st.get("activation_checkpointing") else "") + (", scan" if st.get("scan_layers") else ""))
         lines.append(f"| {r['model']} | {r['method']} | {r['topology']} | {step} | {peak} | {fits} | {instead(r)} |"
                      f" {'n/a' if largest is None else largest} | {r['model_flops_per_token'] / 1e9:.1f} G |"
-                     + (f" {100 * roof['mfu_bound']:.0f}% | {roof['step_s'] * 1e3:.0f} ms ({roof['bound']}) |"
+                     + (f" {100 * roof['mfu_bound']:.0f}%{_short(roof)} | {roof['step_s'] * 1e3:.0f} ms"
+                        f" ({roof['bound']}) |"
                         if roof else " n/a | n/a |") +
                      f" {ram:.1f} GiB, {h.get('wall_s', 0) / 60:.1f} min |")
     s = plans[0]["settings"]
@@ -500,14 +501,22 @@ def tpu_plan() -> str:
             " executable's peak was 3% lower for a layer of Llama-3.1-8B), against what libtpu lets a program use;"
             " FLOPs and HBM bytes are XLA's HLO cost analysis of the optimized per-chip program. The MFU bound is the"
             " model FLOPs (forward + backward, 2 or 3 x the forward's) over the chip's peak, in the roofline step"
-            " time (the slower of the compiled FLOPs at peak and the compiled HBM bytes at full bandwidth): an upper"
-            " bound, not a prediction. The largest micro batch is an estimate from the same compile (temporaries"
+            " time (the slower of the compiled FLOPs at peak and the compiled HBM bytes at full bandwidth; the model"
+            " FLOPs at peak where the cost analysis counted fewer: marked *): an upper bound, not a prediction. The"
+            " largest micro batch is an estimate from the same compile (temporaries"
             " taken as proportional to the rows; 0: not one row fits this slice: a bigger slice, or activation"
             " checkpointing where a row does not use it).\n\n")
     text += "\n".join(lines) + "\n"
     if any(r.get("cost_not_counted") and r["settings"].get("scan_layers") for r in plans):
         text += ("\nn/a: a scanned step (`scan` rows) is an HLO while loop, whose body XLA's cost analysis counts once"
                  " whatever the number of layers: its FLOPs and bytes, hence the roofline, are not given.\n")
+    short = [r for r in plans if (r.get("roofline") or {}).get("compute_from") == "model"]
+    if short:
+        text += ("\n*: XLA's cost analysis of the compiled program counted fewer FLOPs than the model's analytic ones ("
+                 + ", ".join(f"{r['roofline']['flops_counted_ratio']:.2f}x for {r['model']} {r['method']} on"
+                             f" {r['topology']}{_ckpt(r)}" for r in short)
+                 + "): the roofline times compute on the model's FLOPs (a step does no less arithmetic than the"
+                   " model's).\n")
     for r in plans:  # a plan whose depths give no per-layer line, as it states it
         if r["fits"] is None:
             text += f"\nnot known for {r['model']} {r['method']} on {r['topology']}{_ckpt(r)}: {r['how']}.\n"
@@ -525,18 +534,25 @@ def tpu_plan() -> str:
     return text
 
 
+def _short(roof: dict) -> str:
+    """The MFU bound's mark where compute was timed on the model's FLOPs, not the fewer the cost analysis counted."""
+    return "*" if roof.get("compute_from") == "model" else ""
+
+
 def _ckpt(r: dict) -> str:
     return " with act. ckpt" if r["settings"].get("activation_checkpointing") else ""
 
 
 def _plan_depths(plans: List[dict]) -> str:
-    """The plans compiled at other depths than 1 and 2, named (e.g. a model whose layers repeat in sixes)."""
+    """The plans compiled at other depths than 1 and 2, named row by row (the planner's default is 2 and 3 since
+    the per-layer line from 1 and 2 layers went wrong; older rows keep 1 and 2)."""
     other = {}
     for r in plans:
         depths = sorted(int(d) for d in r.get("depths", {}))
         if depths and depths != [1, 2] and r.get("n_layer") not in depths:
-            other.setdefault(" and ".join(map(str, depths)), set()).add(r["model"])
-    return "".join(f"; {d} for {', '.join(sorted(m))}" for d, m in sorted(other.items()))
+            other.setdefault(" and ".join(map(str, depths)), []).append(
+                f"{r['model']} {r['method']} on {r['topology']}{_ckpt(r)}")
+    return "".join(f"; {d} for {', '.join(rows)}" for d, rows in sorted(other.items()))
 
 
 _MOE_MODELS = ("Mixtral-8x7B-v0.1", "Qwen3-30B-A3B", "Qwen3-235B-A22B", "gpt-oss-20b", "gpt-oss-120b")
@@ -631,6 +647,12 @@ def moe_dispatch() -> str:
                  f" model's experts as MXFP4 values: {_f(res['mxfp4_expert_mib_packed'], '.1f')} MiB instead of"
                  f" {_f(res['mxfp4_expert_mib_bf16'], '.1f')} MiB in bf16; 16 greedy tokens "
                  + ("equal to bf16's" if res.get("mxfp4_tokens_equal_to_bf16") else "DIFFERENT from bf16's") + ".\n")
+        if "mxfp4_file_mib_packed" in res:  # on disk: conversion keeps the experts packed (issue 38)
+            text += (f"On disk the weights file is {_f(res['mxfp4_file_mib_packed'], '.1f')} MiB with the experts"
+                     f" packed instead of {_f(res['mxfp4_file_mib_bf16'], '.1f')} MiB in bf16; loaded packed"
+                     " (`--quantize mxfp4`), 16 greedy tokens "
+                     + ("equal to bf16's" if res.get("mxfp4_file_tokens_equal_to_bf16") else "DIFFERENT from bf16's")
+                     + ".\n")
     text += "\nGPU: not measured (no GPU on the machines this table was made on; `--device cuda` measures one).\n"
     return text + _source(r)
 
@@ -821,6 +843,15 @@ def serve_scheduling() -> str:
                  " tokens, not streamed) one at a time and all at once; seeded answers identical both ways:"
                  f" {sched.get('chat_same_texts', 'n/a')}/{s['chat_requests']}. The `openai` client ran on the same"
                  " cores.\n")
+        lora = r["results"].get("multi_lora")
+        if lora:  # the many-LoRAs row of the same run
+            text += (f"\nMany LoRAs on one base (`--lora` x {lora['adapters']}, rank {lora['rank']}, every layer):"
+                     f" {s.get('requests', 'n/a')} greedy completions of {s.get('max_tokens', 'n/a')} tokens per run,"
+                     f" up to {s.get('slots', 'n/a')} in flight: base model {_f(lora['base']['tokens_per_s'], '.1f')} tokens/s, all for one adapter"
+                     f" {_f(lora['one_adapter']['tokens_per_s'], '.1f')} ({_f(lora['one_adapter_x_base'])}x the base),"
+                     f" spread over all {lora['adapters']} in every step"
+                     f" {_f(lora['all_adapters']['tokens_per_s'], '.1f')} ({_f(lora['all_adapters_x_one_adapter'])}x"
+                     " one adapter).\n")
     return text + _source(*records)
 
 
