@@ -420,9 +420,10 @@ out.float().sum().backward()
 open(sys.argv[1], "wb").write(torch_xla._XLAC._get_xla_tensors_hlo_proto([out, q.grad, k.grad, v.grad]))
 # the grouped matmul of an MoE layer's dropless dispatch (lit_gpt.xla.moe_gmm: gmm forward, gmm and tgmm backward)
 from lit_gpt.xla.moe_gmm import pallas_gmm
-x = torch.randn(512, 256, dtype=torch.bfloat16).to(dev).requires_grad_()  # rows sorted by expert
+# 600 rows sorted by expert: not a whole number of the kernels' 512-row tiles (pallas_gmm pads them)
+x = torch.randn(600, 256, dtype=torch.bfloat16).to(dev).requires_grad_()
 w = torch.randn(4, 384, 256, dtype=torch.bfloat16).to(dev).requires_grad_()  # 4 experts, (out, in)
-sizes = torch.tensor([128, 0, 256, 128], dtype=torch.int32).to(dev)  # one expert gets no rows
+sizes = torch.tensor([128, 0, 344, 128], dtype=torch.int32).to(dev)  # one expert gets no rows
 y = pallas_gmm(x, w, sizes)
 y.float().sum().backward()
 open(sys.argv[2], "wb").write(torch_xla._XLAC._get_xla_tensors_hlo_proto([y, x.grad, w.grad]))

@@ -35,10 +35,9 @@ Not covered: the real device order of a slice, the TPU runtime's own flags (e.g.
 pipeline and host work between steps, and packed rows (no --data.packing: the Pallas flash attention that packed rows
 use on a TPU is not in the planned step; `lit_gpt.xla.plan.pallas_for_tpu` makes such kernels trace and compile for the
 TPU, tests/xla/test_plan.py). Mixture-of-experts models are traced with the TPU's grouped matmul (lit_gpt.xla.moe_gmm,
-used by their dropless dispatch, --moe.capacity_factor none), as the strategy installs it on a TPU; with torch_xla 2.9's
-default tiling the kernel needs the dispatch's padded rows to be a multiple of 512, and a plan whose rows are not
-(a 2-layer Qwen3-MoE-shaped model at 8 x 128 tokens: 3048 rows) stops in tracing with the kernel's ValueError, as the
-recipe's step would on a TPU.
+used by their dropless dispatch, --moe.capacity_factor none), as the strategy installs it on a TPU (megablox needs
+whole 512-row tiles: `pallas_gmm` pads the dispatch's rows to them; a 2-layer Qwen3-MoE-shaped plan at 8 x 128 tokens,
+3048 rows, stopped in tracing with the kernel's ValueError before it did, as the recipe's step would have on a TPU).
 
 Where each part is: this script (the flags, their checks and the order of the phases); `lit_gpt.recipes.xla_plan`
 (the tracing child and the trace cache); `lit_gpt.xla.plan` (the chips and slices with their sources, the compile
