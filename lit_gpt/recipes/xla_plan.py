@@ -31,7 +31,7 @@ from lit_gpt.xla.plan_report import progress
 
 CHILD_ENV = "LIT_GPT_PLAN_TRACE"  # set in the tracing child: the path of its job file
 # part of the trace cache's key: a trace cached by an older tracer is traced again (2: the scanned weights' shardings)
-TRACER_VERSION = 3  # 3: MoE layers traced with the TPU's grouped matmul
+TRACER_VERSION = 4  # 3: MoE layers traced with the TPU's grouped matmul; 4: the Pallas kernels counted
 
 
 def model_config(model_name: Optional[str], checkpoint_dir: Optional[Path], method: str, lora: Dict[str, Any],
@@ -125,10 +125,13 @@ def trace_child(job: Dict[str, Any]) -> None:
     from lit_gpt.xla.strategy import make_fabric
 
     progress(f"imported torch_xla; {job['devices']} XLA:CPU devices")
-    if getattr(model_config(job["model_name"], job["checkpoint_dir"], job["method"], job["lora"]), "n_expert", 0):
+    moe = getattr(model_config(job["model_name"], job["checkpoint_dir"], job["method"], job["lora"]), "n_expert", 0)
+    if moe or job.get("packing"):
         # the step as a TPU runs it: the strategy gives MoE layers the Pallas grouped matmul on a TPU (for their
-        # dropless dispatch, --moe.capacity_factor none), lowered here for the TPU (traced, not run)
+        # dropless dispatch, --moe.capacity_factor none) and packed rows the Pallas flash attention with segment ids
+        # (`_trace_depth`), lowered here for the TPU (traced, not run)
         pallas_for_tpu()
+    if moe:
         moe_gmm.device_type = lambda: "TPU"
     fabric = make_fabric("auto", job["precision"], activation_checkpointing=job["activation_checkpointing"],
                          scan_layers=job["scan_layers"])
@@ -184,16 +187,32 @@ def _trace_depth(fabric: Any, job: Dict[str, Any]) -> None:
         wrapped, opt = fabric.setup(model, opt)
     finally:
         xs.mark_sharding = original_mark
+    if job.get("packing"):  # what the strategy installs for packed rows on a TPU (lit_gpt.xla.flash)
+        from torch_xla.experimental.custom_kernel import flash_attention
+
+        from lit_gpt.xla.flash import segment_attention
+
+        model.segment_attention = segment_attention(flash_attention, strategy.mesh, strategy.batch_axes)
     placeholders.prime_optimizer(opt)  # the steady step: the state exists (as placeholders) before it runs
     progress("wrapped by the recipe's strategy; optimizer state as placeholders")
     donated = {k for p in model.parameters() if p.requires_grad for k in _keys(p)} | placeholders.state_ids
 
-    # the data: rows of max_seq_length tokens, every position a target (the head runs on all of them)
+    # the data: rows of max_seq_length tokens, every position a target (the head runs on all of them); packed: each
+    # row two documents (their segment ids go to the attention), collated as the recipe collates packed rows
     t = job["max_seq_length"]
     rows = job["micro_batch_size"] * runtime.local_devices
     tokens = torch.randint(0, config.vocab_size, (rows, 2, t))
     samples = [{"input_ids": row[0], "labels": row[1]} for row in tokens]
-    batches = TrainBatches(samples, rows, t, shuffle=False, batches_per_epoch=1)
+    if job.get("packing"):
+        from lit_gpt.packing import collate_packed
+
+        half = t // 2  # a document of `half` positions holds half + 1 tokens (its inputs and its last target)
+        docs = [[{"input_ids": row[0][:half + 1], "labels": row[1][:half + 1]},
+                 {"input_ids": row[0][half:], "labels": row[1][half:]}] for row in tokens]
+        batches = TrainBatches(docs, rows, t, shuffle=False, batches_per_epoch=1, collate_fn=collate_packed,
+                               packed=True)
+    else:
+        batches = TrainBatches(samples, rows, t, shuffle=False, batches_per_epoch=1)
     data = RunData(batches, [], t, PreparedData(samples, []), None, steps_per_epoch=1, rows=rows)
 
     out = Path(job["out"])
@@ -216,6 +235,7 @@ def _trace_depth(fabric: Any, job: Dict[str, Any]) -> None:
                 "arguments": [list(v.shape) for v in values], "outputs": len(pending),
                 "n_layer": job["n_layer"], "parameters": sum(p.numel() for p in model.parameters()),
                 "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
+                "tpu_kernels": module.count(b"tpu_custom_call"),
                 "trace_max_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 ** 2, 2)}
         (out / "module.pb").write_bytes(module)
         (out / "meta.json").write_text(json.dumps(meta))

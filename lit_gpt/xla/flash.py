@@ -49,6 +49,10 @@ def segment_attention(kernel: Callable[..., torch.Tensor], mesh: Any = None, bat
         if k.size(1) != q.size(1):
             k = k.repeat_interleave(q.size(1) // k.size(1), dim=1)
             v = v.repeat_interleave(q.size(1) // v.size(1), dim=1)
+        # int32 ids: the collated rows' int64 ids reach the Mosaic kernel as s64 operands, which the TPU compiler
+        # refuses ("While rewriting computation to not contain X64 element types ... not implemented": found by
+        # compiling a packed step for v5e-8 with xla/scripts/plan.py --packing true)
+        segments = segments.to(torch.int32)
         return kernel(q, k, v, causal=True, q_segment_ids=segments, kv_segment_ids=segments, sm_scale=scale,
                       partition_spec=spec, mesh=mesh)
 

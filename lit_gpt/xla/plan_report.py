@@ -85,7 +85,7 @@ def summarise(config: Any, topo: Any, job: Dict[str, Any], compiled: Dict[int, D
     else:
         for k in _EXTRAPOLATED:
             per_chip[k] = extrapolate({d: r[k] for d, r in compiled.items()}, n)
-        collectives = {op: {f: round(extrapolate({d: r["collectives"][op][f] for d, r in compiled.items()}, n))
+        collectives = {op: {f: _collective_at(n, {d: r["collectives"][op][f] for d, r in compiled.items()})
                             for f in ("count", "bytes")} for op in COLLECTIVES}
         fits = per_chip["peak_bytes"] <= topo.chip.hbm_bytes
         how = f"extrapolated per layer from {', '.join(str(d) for d in compiled)} layers"
@@ -119,7 +119,7 @@ def summarise(config: Any, topo: Any, job: Dict[str, Any], compiled: Dict[int, D
         "chips": topo.chips, "chip": topo.chip.name, "hbm_per_chip_bytes": topo.chip.hbm_bytes,
         "settings": {k: job[k] for k in ("micro_batch_size", "max_seq_length", "precision", "optimizer",
                                          "activation_checkpointing", "scan_layers")}
-        | ({"lora": job["lora"]} if method == "lora" else {}),
+        | {"packing": job.get("packing", False)} | ({"lora": job["lora"]} if method == "lora" else {}),
         "n_layer": n, "how": how, "fits": fits, "per_chip": per_chip, "collectives": collectives,
         # "buffer assignment" (the memory compile) or "executable" (libtpu's code generator ran too)
         "compiled_to": sorted({r.get("compiled_to", "executable") for r in compiled.values()}),
@@ -140,6 +140,15 @@ def summarise(config: Any, topo: Any, job: Dict[str, Any], compiled: Dict[int, D
     return plan
 
 
+def _collective_at(n_layer: int, points: Dict[int, float]) -> int:
+    """A collective's count or bytes at the model's depth: the per-layer line, or the deepest compile's figure where
+    the line falls (the compiler combined some collectives differently at each depth: Llama-3.1-8B's all-reduces,
+    4 at 2 layers and 3 at 3, would come out at -26 at 32 layers)."""
+    line = extrapolate(points, n_layer)
+    deepest = points[max(points)]
+    return round(line if line >= deepest else deepest)
+
+
 def largest_micro_batch(per_chip: Dict[str, Any], hbm_bytes: int, micro_batch_size: int) -> Optional[int]:
     """An estimate, not a compile: the micro batch whose temporaries (taken as proportional to the rows) still fit
     beside what does not grow with the batch (weights, optimizer state, outputs). 0: not even one row."""
@@ -155,7 +164,8 @@ def report(plan: Dict[str, Any]) -> str:
     pc = plan["per_chip"]
     s = plan["settings"]
     lines = [f"{plan['model']} {plan['method']} on {plan['topology']} ({plan['chips']} x {plan['chip']}),"
-             f" micro batch {s['micro_batch_size']} x {s['max_seq_length']} tokens per chip, {s['precision']}"
+             f" micro batch {s['micro_batch_size']} x {s['max_seq_length']} tokens per chip"
+             + (" (packed rows)" if s.get("packing") else "") + f", {s['precision']}"
              f" ({plan['how']})"]
     if "argument_bytes" in pc:
         lines.append(f"  per chip: arguments (weights, optimizer state, batch) {gib(pc['argument_bytes'])},"
@@ -174,6 +184,10 @@ def report(plan: Dict[str, Any]) -> str:
         lines.append(f"  per chip: {pc['flops']:.3g} FLOPs, {pc['bytes_accessed']:.3g} HBM bytes per step;"
                      f" roofline step {r['step_s'] * 1e3:.1f} ms ({r['bound']}-bound), MFU bound"
                      f" {100 * r['mfu_bound']:.1f}%; model FLOPs/token {plan['model_flops_per_token']:.3g}")
+        if r.get("compute_from") == "model":
+            lines.append(f"  XLA's cost analysis counts {r['flops_counted_ratio']:.2f}x the model's analytic FLOPs"
+                         " (2 or 3 x the forward's, attention included): the roofline's compute time is the"
+                         " model FLOPs'")
     if plan.get("collectives"):
         lines.append("  collectives per step: " + ", ".join(
             f"{op} {c['count']} ({gib(c['bytes'])})" for op, c in plan["collectives"].items() if c["count"]))

@@ -363,11 +363,36 @@ def test_plan_compiles_for_v5e_8(tmp_path):
     # and its frozen weights stay out of the step: all it writes out is the donated LoRA matrices and their AdamW
     # state (and the loss). Under torch_xla's checkpoint the outputs also held that block's frozen weight shards
     # (+0.05 GiB per block per chip on Llama-3.1-70B, v5e-32; here ~0.8 MB). A 2-layer model: one trace, one compile.
+    # Its rows are packed (--packing true): attention within documents by the TPU's Pallas flash attention with
+    # segment ids, as the strategy installs it on a TPU, lowered and compiled with the step (int64 segment ids made
+    # the TPU compiler refuse it: lit_gpt.xla.flash passes int32): per layer its forward, and dq and dkv backward;
+    # the checkpointed second block runs its forward again in the backward: 2 + 1 + 2 x 2 = 7 kernels
     lora.Config(**{**SMALL, "n_layer": 2}).save(tmp_path)
-    ckpt = _plan(tmp_path, tmp_path, "ckpt", "--train.micro_batch_size", "1", "--activation_checkpointing", "true")
+    ckpt = _plan(tmp_path, tmp_path, "ckpt", "--train.micro_batch_size", "1", "--activation_checkpointing", "true",
+                 "--packing", "true")
     assert sorted(ckpt["depths"]) == ["2"] and ckpt["settings"]["activation_checkpointing"]
+    assert ckpt["settings"]["packing"] and ckpt["tpu_kernels"] == {"2": 7} and ckpt["fits"]
     d = ckpt["depths"]["2"]
     assert 0 < d["alias_bytes"] and d["output_bytes"] - d["alias_bytes"] < 64 * 1024, d
+    assert full["tpu_kernels"] == {"1": 0, "2": 0, "4": 0}  # unpacked rows, no MoE: XLA's own attention
+
+
+@pytest.mark.slow
+def test_a_dropless_moe_plan_compiles_the_tpu_grouped_matmul(tmp_path):
+    """An MoE model's step with the dropless dispatch (--moe.capacity_factor none) traced as a TPU runs it: each
+    expert projection through torch_xla's Pallas grouped matmul (lit_gpt.xla.moe_gmm), lowered and compiled for
+    v5e-8 with the step: per layer gmm for fc_1, fc_2 and proj forward and for their input gradients (the experts are
+    frozen under LoRA: no tgmm): 2 x 6 = 12. ~25 s of CPU."""
+    if importlib.util.find_spec("torch_xla") is None:
+        pytest.skip("torch_xla is not installed (pip install torch_xla==2.9.0)")
+    if plan.tpu_compiler_missing():
+        pytest.skip(plan.tpu_compiler_missing())  # test_plan_compiles_for_v5e_8 installs it
+    from lit_gpt import lora
+
+    lora.Config(**{**SMALL, "n_layer": 2, "mlp_class_name": "LLaMAMoE", "n_expert": 8, "n_expert_per_token": 2,
+                   "moe_intermediate_size": 512}).save(tmp_path)
+    moe = _plan(tmp_path, tmp_path, "moe", "--train.micro_batch_size", "1", "--moe.capacity_factor", "none")
+    assert moe["tpu_kernels"] == {"2": 12} and moe["fits"]
 
 
 def test_flags_are_the_recipes():

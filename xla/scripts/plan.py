@@ -32,9 +32,9 @@ the RoPE tables built for the model's whole context (131,072 positions, 1 GiB ov
 length); one torch_xla import and teardown per depth (now one child for all depths, ended without teardown).
 
 Not covered: the real device order of a slice, the TPU runtime's own flags (e.g. LIBTPU_INIT_ARGS), the input
-pipeline and host work between steps, and packed rows (no --data.packing: the Pallas flash attention that packed rows
-use on a TPU is not in the planned step; `lit_gpt.xla.plan.pallas_for_tpu` makes such kernels trace and compile for the
-TPU, tests/xla/test_plan.py). Mixture-of-experts models are traced with the TPU's grouped matmul (lit_gpt.xla.moe_gmm,
+pipeline and host work between steps. Packed rows (`--packing true`, the recipe's --data.packing) are traced with the
+TPU's Pallas flash attention with segment ids, as the strategy installs it on a TPU (`lit_gpt.xla.plan.pallas_for_tpu`
+makes torch_xla's Pallas kernels trace and compile for the TPU, tests/xla/test_plan.py). Mixture-of-experts models are traced with the TPU's grouped matmul (lit_gpt.xla.moe_gmm,
 used by their dropless dispatch, --moe.capacity_factor none), as the strategy installs it on a TPU (megablox needs
 whole 512-row tiles: `pallas_gmm` pads the dispatch's rows to them; a 2-layer Qwen3-MoE-shaped plan at 8 x 128 tokens,
 3048 rows, stopped in tracing with the kernel's ValueError before it did, as the recipe's step would have on a TPU).
@@ -85,6 +85,9 @@ FLAGS = [
             doc="The recipe's --train flags: the step has --train.micro_batch_size rows per chip of\n"
                 "--train.max_seq_length tokens (one micro-batch: gradient accumulation repeats the same graph)."),
     _RECIPE["moe"],
+    Flag("packing", bool, False,
+         "Rows packed with several documents (the recipe's --data.packing true): the step attends within each\n"
+         "document through the TPU's Pallas flash attention with segment ids, traced and compiled for the TPU."),
     *LORA,  # the LoRA recipes' own flags (--lora_r, --lora_mlp, ...), used with --method lora
     Flag("layers", Optional[List[int]], None,
          "The depths compiled to extrapolate from (default 2 and 3: a step's first block is unlike the others)."),
@@ -105,7 +108,7 @@ FLAGS = [
 
 def plan_run(model_name: Optional[str], checkpoint_dir: Optional[Path], method: str, topology: str,
              precision: Optional[str], activation_checkpointing: bool, scan_layers: Any, optimizer: str,
-             train: TrainArgs, moe: Any, layers: Optional[List[int]], full_depth: bool, compile_to: str,
+             train: TrainArgs, moe: Any, packing: bool, layers: Optional[List[int]], full_depth: bool, compile_to: str,
              results_file: Optional[Path],
              hlo_dir: Optional[Path], trace_cache: Optional[Path], **lora: Any) -> Dict[str, Any]:
     """Compile a finetune recipe's training step for a TPU topology and report what it needs per chip."""
@@ -150,7 +153,7 @@ def plan_run(model_name: Optional[str], checkpoint_dir: Optional[Path], method: 
            "method": method, "devices": topo.chips, "micro_batch_size": train.micro_batch_size,
            "max_seq_length": train.max_seq_length, "precision": precision, "optimizer": optimizer,
            "activation_checkpointing": activation_checkpointing, "scan_layers": scan, "lora": lora,
-           "moe": asdict(moe),
+           "moe": asdict(moe), "packing": packing,
            "learning_rate": train.learning_rate, "weight_decay": train.weight_decay, "max_norm": train.max_norm}
     compiled: Dict[int, Dict[str, Any]] = {}
     progress(f"tracing the {method} step with {', '.join(map(str, depths))} of {config.n_layer} layers on"
@@ -179,6 +182,12 @@ def plan_run(model_name: Optional[str], checkpoint_dir: Optional[Path], method: 
         result["parameters"], result["trainable"] = traced["parameters"], traced["trainable"]
         compiled[depth] = result
     plan = summarise(config, topo, job, compiled, method)
+    # the TPU's Pallas kernels in the step (flash attention of packed rows: forward, dq, dkv per layer; the MoE
+    # dispatch's grouped matmuls), lowered for the TPU and compiled with it
+    plan["tpu_kernels"] = {str(d): steps[d].get("tpu_kernels", 0) for d in depths}
+    if any(plan["tpu_kernels"].values()):
+        progress(f"TPU Pallas kernels in the compiled step: {plan['tpu_kernels'][str(depths[-1])]}"
+                 f" at {depths[-1]} layers")
     own = host_memory()["plan_process_max_rss_gib"]  # this process (the executable compile runs here)
     trace_rss = max(r["trace_max_rss_gib"] for r in compiled.values())
     compile_rss = max(r.get("compile_max_rss_gib", own) for r in compiled.values())
