@@ -350,13 +350,13 @@ async def chat_phase(url: str, model: str, questions: List[str], max_tokens: int
     from openai import AsyncOpenAI
 
     async with AsyncOpenAI(base_url=url, api_key="none", max_retries=0, timeout=3600) as client:
-        async def ask(i: int) -> Tuple[str, int]:
+        async def ask(i: int, tokens: int = max_tokens) -> Tuple[str, int]:
             r = await client.chat.completions.create(
-                model=model, messages=[{"role": "user", "content": questions[i]}], max_tokens=max_tokens,
+                model=model, messages=[{"role": "user", "content": questions[i]}], max_tokens=tokens,
                 temperature=temperature, seed=i)
             return r.choices[0].message.content, r.usage.completion_tokens
 
-        await ask(0)  # warm
+        await ask(0, 2)  # warm (2 tokens: a whole answer one at a time is seconds of nothing measured)
         todo = iter(range(len(questions)))
         out: List[Any] = [None] * len(questions)
 
@@ -391,9 +391,10 @@ def scheduling(checkpoint_dir: Path, tokenizer: Any, threads: int, startup_timeo
         argv = ["serve/base.py", "--checkpoint_dir", str(checkpoint_dir), "--accelerator", "cpu", "--precision",
                 "32-true", "--port", "0", "--slots", str(slots), "--max_seq_length", str(length), *flags]
         log(f"[{name}] starting: python {' '.join(argv)}")
+        t0 = time.perf_counter()
         server = Server(argv, threads, startup_timeout)
         model = checkpoint_dir.name
-        r: Dict[str, Any] = {"command": server.command}
+        r: Dict[str, Any] = {"command": server.command, "start_s": server.start_s}
         try:
             r["alone"] = asyncio.run(burst_phase(server.url, model, short_prompts, long_prompts, short_tokens, 16,
                                                  False, 0))
@@ -416,6 +417,8 @@ def scheduling(checkpoint_dir: Path, tokenizer: Any, threads: int, startup_timeo
                 f" {r['chat_batched']['tokens_per_s']:.1f} at {slots} in flight (x{r['chat_x_sequential']:.2f})")
         finally:
             r["exit_code"] = server.stop()
+        r["seconds"] = time.perf_counter() - t0  # the server's whole life: what this server's rows cost
+        log(f"[{name}] {r['seconds']:.0f} s in all (start {server.start_s:.0f} s)")
         out[name] = r
     if len(out) != 2:
         return out
@@ -485,8 +488,9 @@ def multi_lora(checkpoint_dir: Path, threads: int, startup_timeout: float, slots
                 "32-true", "--port", "0", "--slots", str(slots), "--max_seq_length", str(max_seq_length),
                 *[a for name, path in zip(names, files) for a in ("--lora", f"{name}={path}")]]
         log(f"[multi-LoRA] starting: python {' '.join(argv)}")
+        t0 = time.perf_counter()
         server = Server(argv, threads, startup_timeout)
-        out: Dict[str, Any] = {"command": server.command, "adapters": adapters, "rank": rank}
+        out: Dict[str, Any] = {"command": server.command, "adapters": adapters, "rank": rank, "start_s": server.start_s}
         try:
             for key, models in (("base", [checkpoint_dir.name]), ("one_adapter", names[:1]), ("all_adapters", names)):
                 out[key] = asyncio.run(adapters_phase(server.url, models, prompts, max_tokens, slots))
@@ -494,6 +498,7 @@ def multi_lora(checkpoint_dir: Path, threads: int, startup_timeout: float, slots
                     f" {slots} in flight)")
         finally:
             out["exit_code"] = server.stop()
+        out["seconds"] = time.perf_counter() - t0
     out["all_adapters_x_one_adapter"] = out["all_adapters"]["tokens_per_s"] / out["one_adapter"]["tokens_per_s"]
     out["one_adapter_x_base"] = out["one_adapter"]["tokens_per_s"] / out["base"]["tokens_per_s"]
     log(f"[multi-LoRA] {adapters} adapters in one batch: x{out['all_adapters_x_one_adapter']:.2f} the tokens/s of one"
@@ -594,10 +599,12 @@ def main(
                         chat_requests=chat_requests, chat_tokens=chat_tokens, chat_temperature=0.8,
                         system_tokens=system_tokens, prefix_requests=prefix_requests)
     if multi_lora_row:
-        settings.update(lora_adapters=lora_adapters, lora_rank=lora_rank)
+        settings.update(lora_adapters=lora_adapters, lora_rank=lora_rank, slots=slots, requests=requests,
+                        max_tokens=max_tokens)  # the many-LoRAs row's load (also without the throughput levels)
 
     def more_rows(results: Dict[str, Any]) -> Dict[str, Any]:
         """The scheduling scenarios and the many-LoRAs row, each where asked for."""
+        t0 = time.perf_counter()
         if scenarios:
             results["scheduling"] = scheduling(checkpoint_dir, tokenizer, threads, startup_timeout, scenario_slots,
                                                burst_tokens, short_tokens, chat_requests, chat_tokens, system_tokens,
@@ -605,6 +612,8 @@ def main(
         if multi_lora_row:
             results["multi_lora"] = multi_lora(checkpoint_dir, threads, startup_timeout, slots, requests, max_tokens,
                                                max_seq_length, lora_adapters, lora_rank)
+        results["more_rows_seconds"] = time.perf_counter() - t0
+        log(f"scenarios and many-LoRAs row: {results['more_rows_seconds']:.0f} s")
         return results
 
     if not throughput:

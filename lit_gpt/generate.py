@@ -260,9 +260,9 @@ class Batch:
 
     def _fill_noise(self, settings: Sequence["RowSampling"]) -> torch.Tensor:
         """Eager backends: every row's Exp(1) draws (ones for greedy rows) written in place into one (rows, vocab)
-        buffer kept across steps, each sampling row's from its own generator (the same values as `_exponential`):
-        no new (rows x vocab) tensor and no stacked copy per step (measured: the stack was ~4% of an 8-row step of
-        SmolLM2-135M on the CPU). The step reads it before the next one refills it (eager: in order)."""
+        buffer kept across steps, each sampling row's from its own generator (the same values as `_exponential`:
+        `_exp_draws`): no new (rows x vocab) tensor and no stacked copy per step (measured: the stack was ~4% of an
+        8-row step of SmolLM2-135M on the CPU). The step reads it before the next one refills it (eager: in order)."""
         where = next((s.generator.device if s.generator is not None else torch.device("cpu")
                       for s in settings if s.temperature > 0), torch.device("cpu"))
         buf = self._noise
@@ -271,7 +271,7 @@ class Batch:
         noise = buf[: len(settings)]
         for row, s in zip(noise, settings):
             if s.temperature > 0:
-                row.exponential_(1.0, generator=s.generator)
+                _exp_draws(row, s.generator)
             else:
                 row.fill_(1.0)
         return noise
@@ -370,7 +370,15 @@ class RowSampling(NamedTuple):
 def _exponential(vocab: int, generator: Optional[torch.Generator]) -> torch.Tensor:
     """A row's Exp(1) draws for `sample`'s race, from its own generator, on that generator's device."""
     device = generator.device if generator is not None else torch.device("cpu")
-    return torch.empty(vocab, device=device).exponential_(1.0, generator=generator)
+    return _exp_draws(torch.empty(vocab, device=device), generator)
+
+
+def _exp_draws(out: torch.Tensor, generator: Optional[torch.Generator]) -> torch.Tensor:
+    """Exp(1) draws written into `out` in place: -log(U), U ~ U[0, 1) (P(-log U > x) = e^-x). On the CPU this is
+    ~5x cheaper than `exponential_` (measured: 8 rows of 49152 draws 2.1 ms against 11.3 ms, 1 thread), which a
+    sampled batch pays every step for every sampling row. U = 0 gives +inf, a draw that cannot win the race (never
+    0, which would let a token of probability 0 win)."""
+    return out.uniform_(generator=generator).log_().neg_()
 
 
 @torch.no_grad()

@@ -15,7 +15,9 @@ first decode step overwrites.
 
 A paged cache (`PagedKVCache`, the server's: lit_gpt/recipes/kv_blocks.py allocates) keeps every row's positions in
 blocks of a pool shared by the rows, through a `BlockTable`; it returns what a plain cache returns (entry s holds
-position s), so the masks below and `Prefill` serve both. Rings are not paged.
+position s), so the masks below and `Prefill` serve both. Rings are not paged. An eager decode step whose rows
+reach very different lengths gathers and attends them in two groups by length (`PagedDecode`), so short streams
+beside one long row do not pay for the long row's length.
 
 A prompt (T > 1) on an eager backend attends without the dense (T, S) mask (`Prefill`, made by `GPT.forward`): plain
 causal SDPA over its own keys where that is exactly the mask, else chunks of queries over the keys they can see, each
@@ -23,7 +25,7 @@ with its own small mask; tracing backends (XLA, torch.compile) keep `KVCache.mas
 positions' values.
 """
 
-from typing import Callable, Optional, Tuple
+from typing import Any, Callable, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -194,6 +196,7 @@ class BlockTable:
 
     def __init__(self, table: torch.Tensor, block_size: int) -> None:
         self.table, self.block_size = table, block_size
+        self.decode: Optional["PagedDecode"] = None  # this forward's grouped decode step (`PagedKVCache.mask`)
 
 
 class PagedKVCache(nn.Module):
@@ -223,8 +226,16 @@ class PagedKVCache(nn.Module):
     def rows(self) -> int:
         return self.pages.table.size(0)
 
-    def mask(self, input_pos: torch.Tensor, length: Optional[int] = None) -> torch.Tensor:
-        return cache_mask(input_pos, self.length if length is None else min(length, self.length), self.sliding_window)
+    def mask(self, input_pos: torch.Tensor, length: Optional[int] = None) -> Any:
+        """`cache_mask` over the rows' first `length` positions; for an eager decode step (T = 1) whose rows'
+        lengths differ enough, a `PagedDecode` instead (rows grouped by length, each gathered only as far as it
+        reaches)."""
+        S = self.length if length is None else min(length, self.length)
+        decode = self.pages.decode = PagedDecode.plan(input_pos, S, self.pages.block_size, self.sliding_window)
+        if decode is None:
+            return cache_mask(input_pos, S, self.sliding_window)
+        decode.pages = self.pages
+        return decode
 
     def key_positions(self, input_pos: torch.Tensor, length: Optional[int] = None) -> torch.Tensor:
         S = self.length if length is None else min(length, self.length)
@@ -243,6 +254,11 @@ class PagedKVCache(nn.Module):
         offset = torch.remainder(input_pos, bs)
         self.k[block, offset] = k.transpose(1, 2).to(self.k.dtype)  # (B, T, groups, hs) at (B, T) entries
         self.v[block, offset] = v.transpose(1, 2).to(self.v.dtype)
+        decode = self.pages.decode
+        if decode is not None:  # `mask` planned a grouped decode step: its `attend` gathers by group from the pools
+            decode.pools = decode.input_pos is input_pos and slots is None
+            if decode.pools:
+                return self.k, self.v
         S = self.length if length is None else min(length, self.length)
         n = -(-S // bs)
         ids = table[:, :n].reshape(-1)
@@ -334,3 +350,59 @@ class Prefill:
             return attention(q, k[:, :, lo:hi], v[:, :, lo:hi], None)
         return torch.cat([attention(q[:, :, a:b], k[:, :, lo:hi], v[:, :, lo:hi],
                                     self.mask(self.q_pos[:, a:b], lo, hi)) for a, b, lo, hi in self.chunks], dim=2)
+
+
+class PagedDecode(Prefill):
+    """A decode step (one query per row) over a paged cache whose rows reach very different lengths (e.g. short chat
+    streams beside a row that just took a 2,000-token prompt), on eager backends: the rows are split into two groups
+    by length, and each group gathers its rows' blocks only up to its own longest row (rounded up to a block) and
+    attends with its own `cache_mask`, instead of every row gathering (and attending over) the longest row's length.
+    Each row attends over exactly the keys it sees in the plain step (the positions beyond its own are masked there),
+    through the layer's own attention (GQA, soft-capping, sinks alike). `PagedKVCache.mask` plans it once per forward
+    (a host read of the B positions) when it saves at least `MIN_SAVED` gathered positions; else the plain mask.
+    Tracing backends (XLA, torch.compile) never get one: their decode step keeps one shape."""
+
+    MIN_SAVED = 1024  # gathered row-positions saved below which one gather is cheaper than two (small ops per layer)
+
+    def __init__(self, input_pos: torch.Tensor, groups: list, window: Optional[int]) -> None:
+        self.input_pos, self.groups, self.window = input_pos, groups, window  # groups: [(rows tensor, length)]
+        self.pools = False  # set by each layer's `PagedKVCache.forward`: it returned its pools, not gathered rows
+        self.pages: Optional[BlockTable] = None
+
+    @classmethod
+    def plan(cls, input_pos: torch.Tensor, S: int, bs: int, window: Optional[int]) -> Optional["PagedDecode"]:
+        if input_pos.dim() != 2 or input_pos.size(1) != 1 or input_pos.size(0) < 2 or \
+                input_pos.device.type not in ("cpu", "cuda") or torch.compiler.is_compiling():
+            return None
+        need = [min(S, -(-(p + 1) // bs) * bs) for p in input_pos.view(-1).tolist()]  # each row's blocks, in tokens
+        order = sorted(range(len(need)), key=need.__getitem__)
+        B, best, cut = len(need), len(need) * max(need), None
+        for i in range(1, B):  # the short group: the i shortest rows
+            cost = i * need[order[i - 1]] + (B - i) * need[order[-1]]
+            if cost < best:
+                best, cut = cost, i
+        if cut is None or B * max(need) - best < cls.MIN_SAVED:
+            return None
+        device = input_pos.device
+        groups = [(torch.tensor(sorted(rows), device=device), need[rows[-1]]) for rows in (order[:cut], order[cut:])]
+        return cls(input_pos, groups, window)
+
+    def attend(self, attention: Callable[..., torch.Tensor], q: torch.Tensor, k: torch.Tensor,
+               v: torch.Tensor) -> torch.Tensor:
+        """q (B, heads, 1, hs); k/v the layer's pools (blocks, block_size, groups, hs) when `PagedKVCache.forward`
+        returned them, else its gathered (B, groups, S, hs) rows (a call with `slots`: the plain step)."""
+        if not self.pools:
+            return attention(q, k, v, cache_mask(self.input_pos, k.size(2), self.window))
+        table, bs = self.pages.table, self.pages.block_size
+        y = torch.empty_like(q)
+        for rows, length in self.groups:
+            n = -(-length // bs)
+            ids = table.index_select(0, rows)[:, :n].reshape(-1)
+
+            def gather(pool: torch.Tensor) -> torch.Tensor:
+                return pool.index_select(0, ids).view(rows.numel(), n * bs, *pool.shape[2:])[:, :length].transpose(1, 2)
+
+            pos = self.input_pos.index_select(0, rows)
+            y.index_copy_(0, rows, attention(q.index_select(0, rows), gather(k), gather(v),
+                                             cache_mask(pos, length, self.window)))
+        return y

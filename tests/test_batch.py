@@ -117,3 +117,17 @@ def test_misuse_is_refused():
         batch.join([1], torch.ones(1, 17, dtype=torch.long))
     batch.leave(0)
     assert batch.free_rows() == [0, 1]
+
+
+def test_per_row_draws_sample_each_token_with_its_probability():
+    """The per-row race's Exp(1) draws (`_exponential`, -log of uniforms: cheaper than `exponential_` on the CPU) are
+    positive, and argmax(p / E) picks each token with its probability p (temperature 1, no nucleus)."""
+    from lit_gpt.generate import _exponential
+    from lit_gpt.sampling import sample
+
+    n, p = 20000, torch.tensor([0.5, 0.3, 0.15, 0.05])
+    noise = _exponential(4 * n, torch.Generator().manual_seed(0)).view(n, 4)
+    assert bool((noise > 0).all()) and abs(float(noise.mean()) - 1) < 0.02
+    picked = sample(p.log().expand(n, 4), temperature=torch.ones(n), top_p=1.0, noise=noise)
+    freq = torch.bincount(picked, minlength=4).float() / n
+    assert torch.allclose(freq, p, atol=0.015), freq

@@ -121,6 +121,38 @@ def test_shared_prefix_blocks_are_held_once_and_give_the_same_tokens(loaded):
     assert eng.kv_blocks()["kv_blocks_in_use"] == 0 and eng.kv_blocks()["kv_blocks_cached"] > 0
 
 
+def test_decode_steps_of_rows_of_very_different_lengths_gather_by_group_and_give_the_same_tokens(loaded, monkeypatch):
+    """Short rows decoding beside a long one: each decode step gathers the short rows' blocks only as far as they
+    reach and the long row's as far as it does (`PagedDecode`, two groups), not every row as far as the longest; the
+    greedy tokens are those of each prompt generated alone."""
+    from lit_gpt import kv_cache
+    from lit_gpt.recipes.serving import Engine
+
+    monkeypatch.setattr(kv_cache.PagedDecode, "MIN_SAVED", 64)  # the tiny model's lengths: group from 64 positions
+    grouped = []
+    real = kv_cache.PagedDecode.attend
+
+    def spy(self, *args):
+        grouped.append([(rows.tolist(), length) for rows, length in self.groups] if self.pools else None)
+        return real(self, *args)
+
+    monkeypatch.setattr(kv_cache.PagedDecode, "attend", spy)
+    tok = loaded.tokenizer
+    long = job(tok.encode("The capital of France is Paris. " * 14).tolist()[:100], 6)
+    short = [job(tok.encode(f"Story {i}: once").tolist(), 6) for i in range(3)]
+    eng = Engine(loaded, slots=4, max_seq_length=128, max_queue=8)
+    eng.submit(short + [long])
+    with torch.inference_mode():
+        while eng.busy():
+            eng.iterate()
+    for j in short + [long]:
+        assert j.generated_ids == alone(loaded, j.prompt_ids, j.max_tokens)
+    steps = [g for g in grouped if g is not None]
+    assert steps and all(len(g) == 2 for g in steps), grouped
+    (rows, length), (long_rows, long_length) = steps[0]
+    assert sorted(rows) == [0, 1, 2] and long_rows == [3] and length == 16 and long_length == 112, steps[0]
+
+
 def test_past_the_queue_bound_while_blocks_are_short_is_queue_full(loaded):
     from lit_gpt.recipes.serving import Engine, QueueFull
 

@@ -316,8 +316,18 @@ def build_app(engine: Engine, model_name: str, style: Any, loras: Any = None) ->
         queue: "asyncio.Queue[Any]" = asyncio.Queue()
         jobs = [job for choices in per_prompt for job in choices]
         def emitter(index: int, job: Job) -> Any:
+            held: List[str] = []  # a whole answer's text (not streamed), handed over with its end
+
             def emit(*event: Any) -> None:  # on the engine's thread
+                if not body.stream and event[0] == "text":
+                    # one wake-up of this loop per answer, not per token: on a small CPU each wake-up takes a core
+                    # (and the GIL) from the decode step that every row in flight waits for
+                    held.append(event[1])
+                    return
                 try:
+                    if held:
+                        loop.call_soon_threadsafe(queue.put_nowait, (index, "text", "".join(held)))
+                        held.clear()
                     loop.call_soon_threadsafe(queue.put_nowait, (index, *event))
                 except RuntimeError:  # the event loop is closed (the server stopped): nobody is listening
                     job.cancelled = True
