@@ -72,11 +72,16 @@ def xla_env(devices: int, **extra: str) -> Dict[str, str]:
     # TPU_LOG_DIR stays: libtpu's logs go under the run's folder (tests/conftest.py), not /tmp/tpu_logs
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PJRT_", "XLA_", "TPU_")) or k == "TPU_LOG_DIR"}
     # TF_CPP_MIN_LOG_LEVEL=2: no "GSPMD sharding propagation is going to be deprecated" line per compilation.
-    # --xla_backend_optimization_level=0: XLA:CPU compiles ~4x faster; the tests check graphs, not speed.
-    # (--xla_llvm_disable_expensive_passes=true was tried twice: ~7% less CPU time per process in A/B pairs on a
-    # loaded machine, but every XLA module of the default suite ran 10-60% longer in the quiet suite with it)
+    # XLA:CPU set to compile fast (the tests' XLA time is mostly compilation of tiny models' graphs: a family's LoRA
+    # job compiled for 19.0 s of its 22 s of CPU and ran its graphs for 0.4 s; the tests check graphs, not speed):
+    # --xla_backend_optimization_level=0 (~4x faster), LLVM without its expensive passes (bit-identical results) and
+    # the elemental kernel emitters instead of the MLIR fusion emitters (results within ~1 ulp; no fast-math). A/B
+    # pairs of whole modules, CPU time with the two last flags vs without (2026-11-29, load 2-5): the families
+    # matrix 336 -> 157 s, MoE 326 -> 180, scan 174 -> 115, xla_finetune + xla_dpo 216 -> 156, xla_generate +
+    # xla_precision 148 -> 106, xla_serve + xla 142 -> 149 (many executed decode steps: even)
     env.update(PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(devices), TF_CPP_MIN_LOG_LEVEL="2",
-               XLA_FLAGS="--xla_backend_optimization_level=0", **extra)
+               XLA_FLAGS="--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+                         " --xla_cpu_use_fusion_emitters=false", **extra)
     if devices >= 8 and MULTI_DEVICE_LOCK is not None:
         # one 8-device process at a time across the run's workers (tests/xla/one_at_a_time/sitecustomize.py); the
         # wait for the lock counts in the caller's timeout, which the longest wait (~4 minutes) stays well within

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 from fork_server import Captured
-from test_xla_families import compile_bound_env  # XLA:CPU set to compile fast: this worker is compile-bound
 
 WORKER = r'''
 import json, sys, torch
@@ -172,7 +171,7 @@ def results(xla_env, selected_devices, request, xla_forks, tmp_path_factory):
     repo = Path(__file__).resolve().parents[2]
     logs = tmp_path_factory.mktemp("scan")
     # processes of their own, forked from the XLA fork server (tests/conftest.py `xla_forks`: the imports done)
-    procs = {n: Captured(xla_forks, ["-c", WORKER, json.dumps(cases)], repo, compile_bound_env(xla_env, n),
+    procs = {n: Captured(xla_forks, ["-c", WORKER, json.dumps(cases)], repo, xla_env(n),
                          logs / f"{n}.out", logs / f"{n}.err")
              for n in selected_devices(request)}
     out = {}

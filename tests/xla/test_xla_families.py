@@ -73,24 +73,6 @@ METHODS = {
 }
 
 
-# XLA:CPU's code generation for these workers, on top of `xla_env`'s --xla_backend_optimization_level=0: their time
-# is XLA compilation (~90% of a training job's: every family x method traces graphs of its own, runs each once or
-# twice, milliseconds each), so two flags that make XLA:CPU compile ~2x faster (its kernels may run slower) pay here
-# (XLA modules whose runs execute for longer keep the defaults): LLVM without its expensive passes
-# (bit-identical results), and the older elemental kernel emitters instead of the MLIR fusion emitters (results
-# equal to ~1 ulp: a kernel's own rounding; no fast-math, which stays off). The graphs, their counts and what every
-# test compares are the same
-COMPILE_BOUND_XLA_FLAGS = "--xla_llvm_disable_expensive_passes=true --xla_cpu_use_fusion_emitters=false"
-
-
-def compile_bound_env(xla_env, devices: int, **extra: str) -> Dict[str, str]:
-    """`xla_env(devices, **extra)` with `COMPILE_BOUND_XLA_FLAGS` (also for tests/xla/test_xla_moe.py and
-    test_scan.py, whose workers are compile-bound too)."""
-    env = xla_env(devices, **extra)
-    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {COMPILE_BOUND_XLA_FLAGS}".strip()
-    return env
-
-
 def _recipe_args(ckpt: Path, family: str, method: str, backend: str, out_dir: Path, *extra: str,
                  micro: Dict[str, str] = MICRO) -> List[str]:
     args = ["--checkpoint_dir", str(ckpt / family), "--data.data_dir", str(ckpt / "data"), "--out_dir", str(out_dir),
@@ -150,8 +132,7 @@ class Workers:
             with open(folder / "worker.log", "w") as log:
                 self.procs[devices] = popen(
                     forks, [str(WORKER), str(folder / "jobs.json"), str(folder / "results.json")], cwd=REPO,
-                    env=compile_bound_env(xla_env, devices, PYTHONPATH=str(REPO / "tests")), stdout=log,
-                    stderr=subprocess.STDOUT,
+                    env=xla_env(devices, PYTHONPATH=str(REPO / "tests")), stdout=log, stderr=subprocess.STDOUT,
                 )
         self.results: Dict[int, dict] = {}
 
