@@ -280,6 +280,13 @@ def test_summary_extrapolates_per_layer():
     assert falling["fits"] is None and "peak_bytes" not in falling["per_chip"]
     assert falling["how"].startswith("not extrapolated") and "roofline" not in falling
     assert "falls with depth" in falling["cost_not_counted"]["reason"] and "not given" in script.report(falling)
+    # falling, but every compiled depth is already over the chip (topo: 16 GiB chips): the model does not fit, and
+    # its peak is at least the least of them (Gemma-3-12B full finetuning on v5e-8)
+    over = script.summarise(config, topo, job, {1: {**point(1), "peak_bytes": 17 * gib},
+                                                2: {**point(2), "peak_bytes": 16.5 * gib}}, "lora")
+    assert over["fits"] is False and over["per_chip"]["peak_bytes"] == 16.5 * gib
+    assert over["how"].startswith("over the chip's HBM at every compiled depth")
+    assert over["over_by_bytes"] == pytest.approx(16.5 * gib - topo.chip.hbm_bytes) and over["over_by_bytes"] > 0
 
 
 # ---------------------------------------------------------------------------------------------------------------
