@@ -16,6 +16,7 @@ from typing import Dict, List
 import pytest
 import torch
 from fork_server import Captured
+from test_xla_generate import _finish  # a started process's stdout and log, failing the test if it failed
 
 REPO = Path(__file__).resolve().parents[2]
 TIMEOUT = 900
@@ -111,18 +112,6 @@ def runs(checkpoints, xla_env, tmp_path_factory, selected_devices, request, xla_
         if p.poll() is None:
             p.kill()
             p.wait()
-
-
-def _finish(runs, name: str):
-    proc = runs["procs"][name]
-    try:
-        stdout, _ = proc.communicate(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        pytest.fail(f"{name} timed out")
-    log = runs["logs"][name].read_text()
-    assert proc.returncode == 0, f"{name} failed:\n{log[-4000:]}"
-    return stdout, log
 
 
 def _cpu_mxfp4_tokens(checkpoint_dir: Path, prompt: List[int]) -> List[int]:
