@@ -16,8 +16,8 @@ first decode step overwrites.
 A paged cache (`PagedKVCache`, the server's: lit_gpt/recipes/kv_blocks.py allocates) keeps every row's positions in
 blocks of a pool shared by the rows, through a `BlockTable`; it returns what a plain cache returns (entry s holds
 position s), so the masks below and `Prefill` serve both. Rings are not paged. An eager decode step whose rows
-reach very different lengths gathers and attends them in two groups by length (`PagedDecode`), so short streams
-beside one long row do not pay for the long row's length.
+reach very different lengths gathers and attends them in two groups by length on the CPU (`PagedDecode`), so
+short streams beside one long row do not pay for the long row's length.
 
 A prompt (T > 1) on an eager backend attends without the dense (T, S) mask (`Prefill`, made by `GPT.forward`): plain
 causal SDPA over its own keys where that is exactly the mask, else chunks of queries over the keys they can see, each
@@ -359,7 +359,8 @@ class PagedDecode(Prefill):
     attends with its own `cache_mask`, instead of every row gathering (and attending over) the longest row's length.
     Each row attends over exactly the keys it sees in the plain step (the positions beyond its own are masked there),
     through the layer's own attention (GQA, soft-capping, sinks alike). `PagedKVCache.mask` plans it once per forward
-    (a host read of the B positions) when it saves at least `MIN_SAVED` gathered positions; else the plain mask.
+    (a read of the B positions) when it saves at least `MIN_SAVED` gathered positions; else the plain mask. CPU
+    only: on a GPU that read would be a device sync before every decode step (the positions live on the device).
     Tracing backends (XLA, torch.compile) never get one: their decode step keeps one shape."""
 
     MIN_SAVED = 1024  # gathered row-positions saved below which one gather is cheaper than two (small ops per layer)
@@ -372,7 +373,7 @@ class PagedDecode(Prefill):
     @classmethod
     def plan(cls, input_pos: torch.Tensor, S: int, bs: int, window: Optional[int]) -> Optional["PagedDecode"]:
         if input_pos.dim() != 2 or input_pos.size(1) != 1 or input_pos.size(0) < 2 or \
-                input_pos.device.type not in ("cpu", "cuda") or torch.compiler.is_compiling():
+                input_pos.device.type != "cpu" or torch.compiler.is_compiling():
             return None
         need = [min(S, -(-(p + 1) // bs) * bs) for p in input_pos.view(-1).tolist()]  # each row's blocks, in tokens
         order = sorted(range(len(need)), key=need.__getitem__)
