@@ -462,3 +462,31 @@ def test_the_xla_loaders_sources_give_either_file_in_the_form_either_model_takes
         expected = load_weights(folder / "lit_model.safetensors", packed=packed)
         got = {k: sources.take(k) for k in sorted(wanted)}
         assert all(got[k].dtype == expected[k].dtype and torch.equal(got[k], expected[k]) for k in wanted), folder
+
+
+@torch.no_grad()
+def test_a_bf16_hub_folder_converts_packed_and_loads_bf16_experts_either_way(tmp_path):
+    """What users bring: the Hub's gpt-oss is bf16 outside its MXFP4 experts. Converted, the file keeps the uint8
+    bytes; a float run decodes the experts to bf16 (the biases' dtype, not float32), and a packed run
+    (`--quantize mxfp4`) gives bit-equal logits."""
+    pytest.importorskip("transformers")
+    from test_moe_parity import write_mxfp4_folder
+    from tiny_hf import build_hf_model
+
+    from lit_gpt.convert import convert_hf_checkpoint
+    from lit_gpt.loading import load_model
+    from lit_gpt.weights import load_weights
+
+    folder = tmp_path / "gpt-oss-bf16"
+    write_mxfp4_folder(build_hf_model("gpt_oss", seed=2).to(torch.bfloat16), folder)
+    convert_hf_checkpoint(folder)
+    layer = "transformer.h.0.mlp.experts"
+    on_disk = _file_tensors(folder)
+    assert on_disk[f"{layer}.fc_1.blocks"].dtype == on_disk[f"{layer}.proj.scales"].dtype == torch.uint8
+    decoded = load_weights(folder / "lit_model.safetensors")
+    assert decoded[f"{layer}.fc_1.weight"].dtype == decoded[f"{layer}.proj.weight"].dtype == torch.bfloat16
+    float_run, packed_run = load_model(folder), load_model(folder, "mxfp4")
+    assert any(isinstance(m, MXFP4ExpertLinear) for m in packed_run.modules())
+    x = torch.randint(0, 50, (2, 9), generator=torch.Generator().manual_seed(5))
+    out = float_run(x)
+    assert out.dtype == torch.bfloat16 and torch.equal(packed_run(x), out)
