@@ -42,8 +42,8 @@ from lit_gpt import lora
 from lit_gpt.args import TrainArgs
 from lit_gpt.peft import finetuned_filter, finetuned_metadata
 from lit_gpt.quantize import check_quantize, quantize_model
-from lit_gpt.recipes.finetune import (FinetuneRun, build_optimizer, finetune_command, fit, load_run_data,
-                                      lora_init_from, setup_model)
+from lit_gpt.recipes.finetune import (FinetuneRun, build_optimizer, check_mxfp4_lora, finetune_command, fit,
+                                      load_run_data, lora_init_from, setup_model)
 from lit_gpt.recipes.flags import LORA, LORA_INIT, QLORA
 from lit_gpt.runtime import Runtime, resolve_accelerator
 from lit_gpt.training import Method
@@ -82,14 +82,7 @@ def check_qlora(flags: Dict[str, Any]) -> None:
     device = torch.device(resolve_accelerator(flags["accelerator"]))
     check_quantize(quantize, device, torch.bfloat16, choices=QLORA_CHOICES)
     if quantize == "mxfp4":
-        from lit_gpt.config import load_config
-
-        if not load_config(flags["checkpoint_dir"]).n_expert:  # the values are checked when they are packed
-            raise LitError("--quantize mxfp4 packs the experts of a mixture-of-experts model (gpt-oss); this model has"
-                           " none: run without --quantize mxfp4")
-        if flags["lora_experts"]:
-            raise LitError("--lora_experts does not combine with --quantize mxfp4 (the experts stay frozen in MXFP4):"
-                           " drop one of the two")
+        check_mxfp4_lora(flags)
     if flags["devices"] * flags["num_nodes"] > 1 and flags["strategy"] != "ddp":
         raise LitError("--quantize does not combine with FSDP (4-bit weights are not sharded): add --strategy ddp")
 

@@ -94,6 +94,18 @@ class FinetuneRun:
                           eval=self.eval, optimizer=self.optimizer, **extra)
 
 
+def check_mxfp4_lora(flags: Dict[str, Any]) -> None:
+    """`--quantize mxfp4` in the LoRA recipes (finetune/lora.py, xla/finetune/lora.py): it packs the experts of a
+    mixture-of-experts model (gpt-oss) and keeps them frozen; one line for a model without experts and for
+    --lora_experts (the experts' values are checked when they are packed)."""
+    if not load_config(flags["checkpoint_dir"]).n_expert:
+        raise LitError("--quantize mxfp4 packs the experts of a mixture-of-experts model (gpt-oss); this model has"
+                       " none: run without --quantize mxfp4")
+    if flags["lora_experts"]:
+        raise LitError("--lora_experts does not combine with --quantize mxfp4 (the experts stay frozen in MXFP4):"
+                       " drop one of the two")
+
+
 def moe_settings(config: Config) -> Dict[str, Any]:
     """The training settings of a mixture-of-experts model that a run records (finetune.json; a resumed run must
     match them)."""

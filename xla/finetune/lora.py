@@ -19,7 +19,7 @@ The flags are every XLA finetune recipe's (`lit_gpt.recipes.flags.XLA_FINETUNE`)
 from lit_gpt import lora
 from lit_gpt.args import TrainArgs
 from lit_gpt.peft import finetuned_filter, finetuned_metadata
-from lit_gpt.recipes.finetune import FinetuneRun, build_optimizer, load_run_data, lora_init_from
+from lit_gpt.recipes.finetune import FinetuneRun, build_optimizer, check_mxfp4_lora, load_run_data, lora_init_from
 from lit_gpt.recipes.flags import LORA, LORA_INIT, XLA_QLORA
 from lit_gpt.recipes.xla_finetune import fit, load_model, xla_finetune_command
 from lit_gpt.training import Method
@@ -60,14 +60,7 @@ def check_quantize(flags) -> None:
     if quantize != "mxfp4":
         raise LitError(f"--quantize {quantize} is not available on XLA: use mxfp4 (gpt-oss's experts) or run without"
                        " --quantize (bnb.nf4 runs on CUDA with finetune/lora.py)")
-    from lit_gpt.config import load_config
-
-    if not load_config(flags["checkpoint_dir"]).n_expert:
-        raise LitError("--quantize mxfp4 packs the experts of a mixture-of-experts model (gpt-oss); this model has"
-                       " none: run without --quantize mxfp4")
-    if flags["lora_experts"]:
-        raise LitError("--lora_experts does not combine with --quantize mxfp4 (the experts stay frozen in MXFP4):"
-                       " drop one of the two")
+    check_mxfp4_lora(flags)
     # the packed experts are buffers of each block, which torch_xla's scan does not carry: the blocks run as a loop
     if flags["scan_layers"] is True:
         raise LitError("--scan_layers true does not combine with --quantize mxfp4 (torch_xla's scan takes the blocks'"
