@@ -13,6 +13,7 @@ step, transfers instead of graphs for the host reads) is asked of a `lit_gpt.run
 When the steps are compiled: `lit_gpt.compile_policy`. The recipes' steps around the loop: `lit_gpt.recipes.generate`.
 """
 
+import itertools
 import time
 from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple, Union
 
@@ -20,6 +21,7 @@ import torch
 
 from lit_gpt.compile_policy import Steps, build_steps
 from lit_gpt.loading import load_model  # noqa: F401  (re-exported for earlier importers: its home is lit_gpt.loading)
+from lit_gpt.kv_cache import Ragged, RaggedGroup
 from lit_gpt.model import GPT
 from lit_gpt.runtime import Runtime, bucket_length  # noqa: F401  (bucket_length: re-exported for earlier importers)
 from lit_gpt.sampling import Setting, check_sampling_args, sample
@@ -129,11 +131,22 @@ def decode_one_token(
     generator: Optional[torch.Generator] = None,
     noise: Optional[torch.Tensor] = None,
     cache_length: Optional[int] = None,
+    ragged: Optional[Ragged] = None,
 ) -> torch.Tensor:
     """Feed the (B,) tokens at their positions `input_pos` ((B, 1): each row its own; or (1,) shared) and return
-    the next (B,) tokens; the queries see the cache's first `cache_length` positions (default all)."""
-    logits = model(token.view(-1, 1), input_pos, cache_length=cache_length)
-    return sample(logits[:, -1], temperature, top_k, top_p, generator, noise)
+    the next (B,) tokens; the queries see the cache's first `cache_length` positions (default all). With `ragged`
+    (`Batch.step_with`: prompt chunks riding along), one forward of its tokens instead, returning a token for each
+    of its `heads` (the rows', then each chunk's)."""
+    return sample(step_logits(model, token, input_pos, cache_length, ragged), temperature, top_k, top_p, generator,
+                  noise)
+
+
+def step_logits(model: torch.nn.Module, token: torch.Tensor, input_pos: torch.Tensor, cache_length: Optional[int],
+                ragged: Optional[Ragged] = None) -> torch.Tensor:
+    """A decode step's logits, (B, vocab): one token per row, or a `Ragged` forward's at its `heads`."""
+    if ragged is not None:
+        return model(ragged.ids, ragged.input_pos, ragged=ragged, head_rows=ragged.heads)
+    return model(token.view(-1, 1), input_pos, cache_length=cache_length)[:, -1]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -233,10 +246,11 @@ class Batch:
         self.active[row] = False
         self.sampling[row] = RowSampling()
 
-    def _sampling_args(self, rows: Sequence[int]) -> Dict[str, Any]:
+    def sampling_args(self, rows: Sequence[int], more: Sequence["RowSampling"] = ()) -> Dict[str, Any]:
+        """`sample`'s arguments for `rows` (their settings), followed by `more` settings (a step's riding chunks)."""
         if self.uniform is not None:
             return self.uniform
-        settings = [self.sampling[r] for r in rows]
+        settings = [self.sampling[r] for r in rows] + list(more)
         if not self.static and all(s.temperature == 0.0 for s in settings):
             return {}  # greedy rows only, on an eager backend: no settings, no draws
         # a static backend always runs the per-row graph (greedy rows are rows at temperature 0): one graph. With
@@ -252,8 +266,11 @@ class Batch:
         else:
             noise = self._fill_noise(settings)
         to_device = self.runtime.to_device
-        args = dict(temperature=to_device(torch.tensor([s.temperature for s in settings])),
-                    top_p=to_device(torch.tensor([s.top_p for s in settings])), noise=to_device(noise))
+        top_p: Any = to_device(torch.tensor([s.top_p for s in settings]))
+        if not self.static and all(s.top_p >= 1.0 for s in settings):
+            top_p = 1.0  # eager: no row cuts a nucleus, so `sample` skips the sort of the vocabulary
+        args = dict(temperature=to_device(torch.tensor([s.temperature for s in settings])), top_p=top_p,
+                    noise=to_device(noise))
         if greedy:
             self._greedy_args[len(settings)] = args
         return args
@@ -267,7 +284,7 @@ class Batch:
                       for s in settings if s.temperature > 0), torch.device("cpu"))
         buf = self._noise
         if buf is None or buf.device != where or buf.size(0) < len(settings):
-            buf = self._noise = torch.empty(self.rows, self.vocab, device=where)
+            buf = self._noise = torch.empty(max(self.rows, len(settings)), self.vocab, device=where)
         noise = buf[: len(settings)]
         for row, s in zip(noise, settings):
             if s.temperature > 0:
@@ -301,7 +318,7 @@ class Batch:
         # window, and T's entry, which the padding writes, is the first decode step's to overwrite (lit_gpt.kv_cache)
         token = self.prefill_fn(
             self.model, to_device(prompt), to_device(torch.arange(length).clamp(max=T).expand(n, length)),
-            to_device(torch.tensor([T - 1])), slots=slots, cache_length=length, **self._sampling_args(rows),
+            to_device(torch.tensor([T - 1])), slots=slots, cache_length=length, **self.sampling_args(rows),
         )
         start = to_device(torch.full((n,), T, dtype=torch.long))
         if whole:  # in place: the next step's inputs are the same tensors
@@ -324,26 +341,80 @@ class Batch:
     def step(self) -> torch.Tensor:
         """Decode one token for every row up to the highest in use (all rows with `static`): (n,) on the device.
         Rows not in use compute a token that nobody reads."""
+        return self.step_with(())[0]
+
+    def step_with(self, chunks: Sequence["Chunk"]) -> Tuple[torch.Tensor, torch.Tensor]:
+        """`step`, with prompt chunks riding along in the same forward (eager backends; the server's chunked
+        prefill): each `Chunk`'s tokens go into its row's cache at its positions, and the token its last position
+        gives is sampled with its settings. One forward (`lit_gpt.kv_cache.Ragged`): the weights are read once for
+        the decode step and the chunks. A chunk's row is not in use (`join` has not run for it): when its prompt is
+        in, the caller makes it active (`active`, `next_pos`, `sampling`); its token and next position are set here.
+        Returns the rows' tokens (n,) and the chunks' (len(chunks),), on the device."""
         used = [r for r in range(self.rows) if self.active[r]]
         if not used:
             raise ValueError("step: no row is in use (join first)")
+        if chunks and self.static:
+            raise ValueError("prompt chunks ride along in eager steps only (a static step is one graph)")
         n = self.rows if self.static else used[-1] + 1
         visible = None
         if not self.static:
             need = max(self.next_pos[r] for r in used) + 1
-            visible = min(self.length, -(-need // self.VISIBLE_MULTIPLE) * self.VISIBLE_MULTIPLE)
+            visible = self.visible_length(need)
         tokens = self.tokens if n == self.rows else self.tokens[:n]
         positions = self.positions if n == self.rows else self.positions[:n]
-        token = self.decode_fn(self.model, tokens, positions.unsqueeze(1), cache_length=visible,
-                               **self._sampling_args(range(n)))
+        sampling = self.sampling_args(range(n), [c.sampling for c in chunks])
+        if chunks:
+            ragged = self._ragged(tokens, positions, visible, chunks)
+            token = self.decode_fn(self.model, tokens, positions.unsqueeze(1), cache_length=visible, ragged=ragged,
+                                   **sampling)
+        else:
+            token = self.decode_fn(self.model, tokens, positions.unsqueeze(1), cache_length=visible, **sampling)
+        token, riders = token[:n], token[n:]
         tokens.copy_(token)
         # the next positions; an idle row's stays inside the cache (it writes there, nobody reads it)
         positions.add_(1).clamp_(max=self.length - 1)
         for r in used:
             self.next_pos[r] += 1
         token = self._stop(token, n)
+        if chunks:  # each chunk's token, at the position after it (its first decode step's, once its prompt is in)
+            self.tokens.index_copy_(0, ragged.chunk_rows, riders)
+            self.positions.index_copy_(0, ragged.chunk_rows, ragged.chunk_ends)
         self.runtime.end_step()
-        return token
+        return token, riders
+
+    def visible_length(self, need: int) -> int:
+        """The cache positions an eager forward attends over when its queries reach `need` - 1: rounded up to
+        `VISIBLE_MULTIPLE` (fewer distinct shapes), at most the cache."""
+        return min(self.length, -(-need // self.VISIBLE_MULTIPLE) * self.VISIBLE_MULTIPLE)
+
+    def _ragged(self, tokens: torch.Tensor, positions: torch.Tensor, visible: int,
+                chunks: Sequence["Chunk"]) -> Ragged:
+        """The decode rows (one group of n one-token rows) and each chunk (a group of its own) end to end, from one
+        transfer of the chunks' host data; the heads: every decode row, then each chunk's last token. A chunk's row
+        may sit among the decode rows (below the highest in use): its decode write goes where the chunk starts, and
+        the chunk's own write (a later group) replaces it; its decode token is not read."""
+        n, width = tokens.size(0), [len(c.ids) for c in chunks]
+        total, k = sum(width), len(chunks)
+        ends = list(itertools.accumulate(width, initial=n))[1:]
+        inside = [(c.row, c.start) for c in chunks if c.row < n]
+        host = torch.tensor(
+            [t for c in chunks for t in c.ids] + [c.start + i for c in chunks for i in range(len(c.ids))]
+            + list(range(n)) + [e - 1 for e in ends] + [c.row for c in chunks] + [c.start + w for c, w in
+                                                                                   zip(chunks, width)]
+            + [r for r, _ in inside] + [s for _, s in inside], dtype=torch.long)
+        dev = self.runtime.to_device(host)
+        ids, pos, heads, rows, chunk_ends, inside_rows, inside_starts = dev.split(
+            [total, total, n + k, k, k, len(inside), len(inside)])
+        if inside:
+            positions.index_copy_(0, inside_rows, inside_starts)
+        groups = [RaggedGroup(0, n, 1, positions.unsqueeze(1), None, visible)]
+        for i, (c, w, end) in enumerate(zip(chunks, width, ends)):
+            groups.append(RaggedGroup(end - w, 1, w, pos[end - w - n:end - n].view(1, w), rows[i:i + 1],
+                                      self.visible_length(c.start + w)))
+        ragged = Ragged(groups, torch.cat((tokens, ids)).unsqueeze(0), torch.cat((positions, pos)).unsqueeze(0),
+                        heads=heads, owners=[(r, 1) for r in range(n)] + [(c.row, w) for c, w in zip(chunks, width)])
+        ragged.chunk_rows, ragged.chunk_ends = rows, chunk_ends
+        return ragged
 
     def _stop(self, token: torch.Tensor, n: Optional[int] = None) -> torch.Tensor:
         """With stop ids: a row that stopped repeats the first stop id, and its flag is set (on the device)."""
@@ -357,6 +428,16 @@ class Batch:
     def all_done(self) -> bool:
         """Whether every row has produced a stop id (a host read of the flags)."""
         return bool(self.done.cpu().all())
+
+
+class Chunk(NamedTuple):
+    """A prompt chunk that rides along in a decode step (`Batch.step_with`): tokens `ids` at positions `start`,
+    `start + 1`, ... of cache row `row`, and the settings of the token sampled from its last position."""
+
+    row: int
+    ids: Sequence[int]
+    start: int
+    sampling: "RowSampling"
 
 
 class RowSampling(NamedTuple):

@@ -19,13 +19,16 @@ position s), so the masks below and `Prefill` serve both. Rings are not paged. A
 reach very different lengths gathers and attends them in two groups by length on the CPU (`PagedDecode`), so
 short streams beside one long row do not pay for the long row's length.
 
+A `Ragged` forward lays several sequences' tokens end to end in one row (a decode step's rows and the prompt chunks
+riding along with it, the server's): each group of them is written and attended as its own forward would be.
+
 A prompt (T > 1) on an eager backend attends without the dense (T, S) mask (`Prefill`, made by `GPT.forward`): plain
 causal SDPA over its own keys where that is exactly the mask, else chunks of queries over the keys they can see, each
 with its own small mask; tracing backends (XLA, torch.compile) keep `KVCache.mask`, whose graph does not depend on the
 positions' values.
 """
 
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -113,13 +116,16 @@ class KVCache(nn.Module):
         v: torch.Tensor,
         slots: Optional[torch.Tensor] = None,
         length: Optional[int] = None,
+        plan: Any = None,
     ) -> Tuple[torch.Tensor, torch.Tensor]:
         """Write the (B, groups, T, hs) keys and values at `input_pos` and return the cache to attend over.
 
         (T,) positions: every row of the cache at the same positions (B = the cache's rows). (B, T) positions: row b
         at its own positions, in cache row `slots[b]` (default b; B may be fewer than the cache's rows); the result
         is those rows' first `length` positions (default all), gathered only when `slots` is given. A ring (see the
-        module's docstring) returns its first `length` entries, followed by the T keys themselves when T > 1."""
+        module's docstring) returns its first `length` entries, followed by the T keys themselves when T > 1.
+        `plan`: the layer's mask or attention plan for these queries (what `mask` returned; a paged cache's grouped
+        decode step reads it)."""
         if self.ring is not None:
             return self._ring_forward(input_pos, k, v, slots, length)
         if input_pos.dim() == 1:
@@ -196,7 +202,6 @@ class BlockTable:
 
     def __init__(self, table: torch.Tensor, block_size: int) -> None:
         self.table, self.block_size = table, block_size
-        self.decode: Optional["PagedDecode"] = None  # this forward's grouped decode step (`PagedKVCache.mask`)
 
 
 class PagedKVCache(nn.Module):
@@ -231,7 +236,7 @@ class PagedKVCache(nn.Module):
         lengths differ enough, a `PagedDecode` instead (rows grouped by length, each gathered only as far as it
         reaches)."""
         S = self.length if length is None else min(length, self.length)
-        decode = self.pages.decode = PagedDecode.plan(input_pos, S, self.pages.block_size, self.sliding_window)
+        decode = PagedDecode.plan(input_pos, S, self.pages.block_size, self.sliding_window)
         if decode is None:
             return cache_mask(input_pos, S, self.sliding_window)
         decode.pages = self.pages
@@ -242,9 +247,11 @@ class PagedKVCache(nn.Module):
         return torch.arange(S, device=input_pos.device).unsqueeze(0)
 
     def forward(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: Optional[torch.Tensor] = None,
-                length: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+                length: Optional[int] = None, plan: Any = None) -> Tuple[torch.Tensor, torch.Tensor]:
         """Write the (B, groups, T, hs) keys and values of rows `slots` (default 0..B-1) at their (B, T) positions;
-        return those rows' first `length` positions (default all), (B, groups, length, hs) each."""
+        return those rows' first `length` positions (default all), (B, groups, length, hs) each, or, for a grouped
+        decode step (`plan`, a `PagedDecode` that `mask` made for these positions), the pools themselves (its `attend`
+        gathers them by group)."""
         if input_pos.dim() != 2:
             raise ValueError("a paged KV cache takes per-row positions: input_pos of shape (B, T)")
         B, bs = k.size(0), self.pages.block_size
@@ -254,10 +261,9 @@ class PagedKVCache(nn.Module):
         offset = torch.remainder(input_pos, bs)
         self.k[block, offset] = k.transpose(1, 2).to(self.k.dtype)  # (B, T, groups, hs) at (B, T) entries
         self.v[block, offset] = v.transpose(1, 2).to(self.v.dtype)
-        decode = self.pages.decode
-        if decode is not None:  # `mask` planned a grouped decode step: its `attend` gathers by group from the pools
-            decode.pools = decode.input_pos is input_pos and slots is None
-            if decode.pools:
+        if isinstance(plan, PagedDecode):  # `mask` planned a grouped decode step: its `attend` gathers by group
+            plan.pools = plan.input_pos is input_pos and slots is None
+            if plan.pools:
                 return self.k, self.v
         S = self.length if length is None else min(length, self.length)
         n = -(-S // bs)
@@ -316,6 +322,7 @@ class Prefill:
             span = int((self.q_pos[:, -1] - self.q_pos[:, 0]).max())
             if rising and bool(torch.equal(own, self.q_pos)) and (window is None or span < window):
                 self.causal = (lo, hi)
+        self._masks: dict = {}  # each chunk's mask, built by the first layer that asks (`attend`)
         rows = max(1, min(T, PREFILL_MASK_ENTRIES // max(S, 1)))
         if window is not None:  # a chunk sees its own keys and the window's before them: chunks about the window's size
             rows = min(rows, max(window, 256))
@@ -342,14 +349,27 @@ class Prefill:
         return m.unsqueeze(1)
 
     def attend(self, attention: Callable[..., torch.Tensor], q: torch.Tensor, k: torch.Tensor,
-               v: torch.Tensor) -> torch.Tensor:
+               v: torch.Tensor, additive: bool = False) -> torch.Tensor:
         """`attention(q, k, v, mask)` (a layer's `scaled_dot_product_attention`; mask None = causal) over what the
-        cache returned, chunk by chunk: q (B, heads, T, hs), k/v (B, groups, S, hs)."""
+        cache returned, chunk by chunk: q (B, heads, T, hs), k/v (B, groups, S, hs). The chunks' masks are built
+        once per forward (every layer sees the same); `additive` (a layer whose attention is SDPA's): as SDPA's
+        own float mask in q's dtype (0 or -inf, what it turns a boolean mask into on every call)."""
         if self.causal is not None:
             lo, hi = self.causal
             return attention(q, k[:, :, lo:hi], v[:, :, lo:hi], None)
         return torch.cat([attention(q[:, :, a:b], k[:, :, lo:hi], v[:, :, lo:hi],
-                                    self.mask(self.q_pos[:, a:b], lo, hi)) for a, b, lo, hi in self.chunks], dim=2)
+                                    self._mask(i, q.dtype if additive else None))
+                          for i, (a, b, lo, hi) in enumerate(self.chunks)], dim=2)
+
+    def _mask(self, i: int, dtype: Optional[torch.dtype]) -> torch.Tensor:
+        mask = self._masks.get((i, dtype))
+        if mask is None:
+            a, b, lo, hi = self.chunks[i]
+            mask = self.mask(self.q_pos[:, a:b], lo, hi)
+            if dtype is not None:
+                mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+            self._masks[(i, dtype)] = mask
+        return mask
 
 
 class PagedDecode(Prefill):
@@ -389,7 +409,7 @@ class PagedDecode(Prefill):
         return cls(input_pos, groups, window)
 
     def attend(self, attention: Callable[..., torch.Tensor], q: torch.Tensor, k: torch.Tensor,
-               v: torch.Tensor) -> torch.Tensor:
+               v: torch.Tensor, additive: bool = False) -> torch.Tensor:
         """q (B, heads, 1, hs); k/v the layer's pools (blocks, block_size, groups, hs) when `PagedKVCache.forward`
         returned them, else its gathered (B, groups, S, hs) rows (a call with `slots`: the plain step)."""
         if not self.pools:
@@ -407,3 +427,73 @@ class PagedDecode(Prefill):
             y.index_copy_(0, rows, attention(q.index_select(0, rows), gather(k), gather(v),
                                              cache_mask(pos, length, self.window)))
         return y
+
+
+class RaggedGroup(NamedTuple):
+    """Tokens `start` .. `start + rows * width` of a `Ragged` forward: `rows` sequences of `width` tokens each at
+    their (rows, width) positions `input_pos`, in the KV cache rows `slots` (None: rows 0..rows-1), whose queries
+    see the cache's first `length` positions (None: all)."""
+
+    start: int
+    rows: int
+    width: int
+    input_pos: torch.Tensor
+    slots: Optional[torch.Tensor]
+    length: Optional[int]
+
+
+class Ragged:
+    """One forward over several sequences' tokens laid end to end in one row: (1, N) ids and positions, in groups
+    of equal-width sequences (`RaggedGroup`), e.g. a decode step's rows (one token each) and the prompt chunks that
+    ride along with it (the server's chunked prefill, as Sarathi-Serve and vLLM batch them). What costs most at
+    small batch, reading the weights, then happens once per step boundary instead of once for the chunks and again
+    for the decode step; no token is padding. Every layer but attention sees the N tokens as one sequence (RoPE takes
+    each token's own position); attention (`RaggedMasks.attend`) goes group by group, in order: the group's cache
+    write, then its queries over what the cache returns, exactly as a forward of that group alone would (its
+    `KVCache.mask`, or a `Prefill` for prompt chunks on eager backends). A later group's write lands after an earlier
+    one's, so a row that is in the decode group and also prefills a chunk (it sits through the step like an idle
+    row, lit_gpt.recipes.serving) ends with its chunk's keys. Eager backends (CPU, CUDA): the groups follow the
+    step's host-side plan."""
+
+    def __init__(self, groups: Sequence[RaggedGroup], ids: torch.Tensor, input_pos: torch.Tensor,
+                 heads: Optional[torch.Tensor] = None, owners: Sequence[Tuple[int, int]] = ()) -> None:
+        self.groups = list(groups)
+        self.ids, self.input_pos = ids, input_pos  # (1, N) each
+        self.heads = heads  # the positions (indices into N) whose logits the caller wants (GPT.forward's head_rows)
+        self.owners = list(owners)  # (cache row, tokens) per sequence, in order (e.g. each row's LoRA adapter)
+
+    def row_max(self) -> torch.Tensor:
+        """(N,): the last position of each token's own sequence in this forward (LongRoPE picks its factors by it)."""
+        return torch.cat([g.input_pos.amax(1, keepdim=True).expand(g.rows, g.width).reshape(-1) for g in self.groups])
+
+    def masks(self, kv: nn.Module, window: Optional[int], prefill: bool, causal_ok: bool) -> "RaggedMasks":
+        """Each group's mask over what `kv` returns for it (`GPT.forward` calls this once per window kind):
+        `prefill` (an eager backend): groups of more than one token attend without their dense mask (`Prefill`)."""
+        return RaggedMasks(self.groups, [
+            Prefill(g.input_pos, kv.key_positions(g.input_pos, g.length), window, causal_ok)
+            if prefill and g.width > 1 else kv.mask(g.input_pos, g.length) for g in self.groups])
+
+
+class RaggedMasks:
+    """A `Ragged` forward's masks for one window kind, and its attention (`CausalSelfAttention` calls `attend`)."""
+
+    def __init__(self, groups: List[RaggedGroup], masks: List[Any]) -> None:
+        self.groups, self.masks = groups, masks
+
+    def attend(self, kv_cache: nn.Module, attention: Callable[..., torch.Tensor], q: torch.Tensor, k: torch.Tensor,
+               v: torch.Tensor, additive: bool = False) -> torch.Tensor:
+        """q (1, heads, N, hs), k/v (1, groups, N, hs): each group written into the cache and attended, in order;
+        returns (1, heads, N, hs). `additive` as in `Prefill.attend`."""
+        out = []
+        for g, mask in zip(self.groups, self.masks):
+            def part(t: torch.Tensor) -> torch.Tensor:  # (rows, heads, width, hs)
+                return t[0, :, g.start:g.start + g.rows * g.width].unflatten(1, (g.rows, g.width)).transpose(0, 1)
+
+            keys, values = kv_cache(g.input_pos, part(k), part(v), g.slots, g.length, plan=mask)
+            qg = part(q)
+            if isinstance(mask, Prefill):
+                y = mask.attend(attention, qg, keys, values, additive)
+            else:
+                y = attention(qg, keys, values, mask)
+            out.append(y.transpose(0, 1).flatten(1, 2))
+        return torch.cat(out, dim=1).unsqueeze(0)

@@ -23,8 +23,9 @@ Not banked (refused by `stage`, served merged instead): a LoRA of the head (`lor
 positions, not rows), of the MoE experts (`lora_experts`), and trained biases beside the LoRA matrices.
 """
 
+import itertools
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -64,6 +65,14 @@ class BankLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
+        if self.bank.spans is not None:  # a ragged forward (1, N, in): each token group its adapter's update
+            shape, y = y.shape, y.reshape(-1, self.out_features)
+            flat = x.reshape(-1, self.in_features)
+            for place, tokens in self.bank.spans:
+                if place in self.live:
+                    a = flat.index_select(0, tokens) @ self.stack_A[place].t()
+                    y = y.index_add(0, tokens, a @ self.stack_B[place].t())
+            return y.view(shape)
         idx = self.bank.index
         if idx is None or not (self.live or self.bank.static):
             return y
@@ -92,6 +101,9 @@ class LoRABank:
         self.index: Optional[torch.Tensor] = None
         """(rows,) places of the rows of the next forward; None: all rows are the base model (eager backends)."""
         self._last: Tuple[Tuple[int, ...], Optional[torch.Tensor]] = ((), None)
+        self.spans: Optional[List[Tuple[int, torch.Tensor]]] = None
+        """A ragged forward's (eager backends, `select` with `tokens`): per place other than the base, the indices of
+        the tokens (of the N) whose sequences take it; None: a forward by rows (`index`)."""
 
     @classmethod
     def install(cls, gpt: nn.Module, capacity: int, rank: int, static: bool,
@@ -213,10 +225,23 @@ class LoRABank:
         self._last = ((), None)
 
     # ------------------------------------------------------------------------------------------------ per row
-    def select(self, adapter_ids: Sequence[int]) -> None:
+    def select(self, adapter_ids: Sequence[int], tokens: Optional[Sequence[int]] = None) -> None:
         """The adapters of the rows of the forwards that follow, one id per row (0, or an id not held: the base
-        model). The same places as the last call reuse its device tensor (a static step's input stays put)."""
+        model). The same places as the last call reuse its device tensor (a static step's input stays put).
+        `tokens` (eager backends): a ragged forward (`lit_gpt.kv_cache.Ragged`), whose sequences are laid end to end
+        in one row, `tokens[i]` tokens for `adapter_ids[i]`: their tokens are grouped by adapter (`spans`)."""
         rows = tuple(self.row_of.get(i, 0) if i else 0 for i in adapter_ids)
+        self.spans = None
+        if tokens is not None:
+            if self.static:
+                raise ValueError("a ragged forward's adapters are selected on eager backends only")
+            self.index = None
+            if any(rows):
+                ends = list(itertools.accumulate(tokens))
+                places = sorted(set(rows) - {0})
+                self.spans = [(p, self.to_device(torch.cat([torch.arange(e - n, e) for r, n, e in
+                                                            zip(rows, tokens, ends) if r == p]))) for p in places]
+            return
         if not self.static and not any(rows):
             self.index = None
             return
@@ -230,10 +255,10 @@ def bank_of(gpt: nn.Module) -> Optional[LoRABank]:
     return getattr(gpt, "lora_bank", None)
 
 
-def select_adapters(gpt: nn.Module, jobs: Sequence[Any]) -> None:
+def select_adapters(gpt: nn.Module, jobs: Sequence[Any], tokens: Optional[Sequence[int]] = None) -> None:
     """The rows of `gpt`'s next forwards, one per entry of `jobs`: each its job's LoRA adapter (`job.adapter`; None,
     a free row: the base model), where `gpt` holds a bank (else nothing to do). What lit_gpt.recipes.serving calls
-    before each prefill call and decode step."""
+    before each prefill call and decode step. `tokens`: a ragged forward's tokens per entry (`LoRABank.select`)."""
     bank = bank_of(gpt)
     if bank is not None:
-        bank.select([job.adapter if job is not None else 0 for job in jobs])
+        bank.select([job.adapter if job is not None else 0 for job in jobs], tokens)

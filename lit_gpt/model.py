@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from lit_gpt.config import Config
 from lit_gpt.attention import sink_attention, softcap, softcapped_attention  # noqa: F401 (softcap: re-exported)
 from lit_gpt.attention import FlexMask, flex_attention_packed, flex_mask, packed_path
-from lit_gpt.kv_cache import KVCache, Prefill, cache_mask  # noqa: F401 (re-exported)
+from lit_gpt.kv_cache import KVCache, Prefill, Ragged, RaggedMasks, cache_mask  # noqa: F401 (re-exported)
 from lit_gpt.packing import DocumentSpans, SegmentIds, document_attention, document_mask, document_spans
 from lit_gpt.utils import LitError
 from lit_gpt.moe import ExpertLinear, MoE
@@ -190,6 +190,7 @@ class GPT(nn.Module):
         positions: Optional[torch.Tensor] = None,
         segments: Optional[torch.Tensor] = None,
         return_routing: bool = False,
+        ragged: Optional[Ragged] = None,
     ) -> Any:
         """idx: (B, T) token ids. input_pos: required when a KV cache is set: (T,) positions shared by every row, or
         (B, T) positions per row (rows of a continuous batch are at different positions). Returns (B, T, vocab)
@@ -207,7 +208,10 @@ class GPT(nn.Module):
         `positions` and `segments` (without a KV cache): packed rows (`lit_gpt.packing`), (B, T) each: every token's
         position within its document (RoPE) and its document's id; a document attends to itself only.
         `return_routing`: (logits, a tuple of one `lit_gpt.moe.Routing` per MoE layer in layer order, empty for a
-        dense model): what the router's load-balancing loss reads (`lit_gpt.losses.MoETerms`)."""
+        dense model): what the router's load-balancing loss reads (`lit_gpt.losses.MoETerms`).
+        `ragged` (with a KV cache): several sequences' tokens end to end in one row, idx and input_pos (1, N)
+        (`lit_gpt.kv_cache.Ragged`: e.g. a decode step's rows and prompt chunks in one forward); its groups say
+        which cache rows and positions they are (no `slots` or `cache_length` then)."""
         T = idx.size(1)
         if self.cos.device != idx.device:
             raise RuntimeError(
@@ -217,6 +221,8 @@ class GPT(nn.Module):
         per_row = input_pos is not None and input_pos.dim() == 2
         if (slots is not None or cache_length is not None) and not per_row:
             raise ValueError("slots and cache_length need per-row positions: input_pos of shape (B, T)")
+        if ragged is not None and (not per_row or idx.size(0) != 1 or slots is not None or cache_length is not None):
+            raise ValueError("a ragged forward takes (1, N) ids and positions, and its groups' slots and lengths")
         if per_row:  # (B, T) -> tables (B, 1, T, n): broadcast over the heads
             cos = self.cos.index_select(0, input_pos.reshape(-1)).view(*input_pos.shape, -1).unsqueeze(1)
             sin = self.sin.index_select(0, input_pos.reshape(-1)).view(*input_pos.shape, -1).unsqueeze(1)
@@ -243,8 +249,12 @@ class GPT(nn.Module):
             if input_pos is None:  # T is static: one table, no select
                 cos, sin = (cos[..., n:], sin[..., n:]) if T > limit else (cos[..., :n], sin[..., :n])
             else:  # a select on a device scalar: the same graph for every step of the KV-cache loop
-                # per row with per-row positions: each sequence picks as it would alone
-                beyond = input_pos.amax(-1).view(-1, 1, 1, 1) >= limit if per_row else input_pos.max() >= limit
+                # per row with per-row positions: each sequence picks as it would alone (a ragged row's tokens: by
+                # the longest position of their own group row)
+                if ragged is not None:
+                    beyond = (ragged.row_max() >= limit).view(1, 1, -1, 1)
+                else:
+                    beyond = input_pos.amax(-1).view(-1, 1, 1, 1) >= limit if per_row else input_pos.max() >= limit
                 cos = torch.where(beyond, cos[..., n:], cos[..., :n])
                 sin = torch.where(beyond, sin[..., n:], sin[..., :n])
         masks: Dict[Optional[int], torch.Tensor] = {}
@@ -254,13 +264,18 @@ class GPT(nn.Module):
                 raise TypeError("input_pos was given but no KV cache is set: call model.set_kv_cache(...) first")
             # a prompt without a (T, S) mask needs host reads of the positions (a few per forward, O(T + S) values):
             # eager CPU and CUDA only (a traced graph must not depend on their values; the meta device has none)
-            prefill = T > 1 and self.cache_prefill == "chunks" and idx.device.type in ("cpu", "cuda") and \
+            eager = self.cache_prefill == "chunks" and idx.device.type in ("cpu", "cuda") and \
                 not torch.compiler.is_compiling()
+            prefill = T > 1 and eager
             causal_ok = not (self.config.attention_sinks or self.config.attention_logit_softcapping)
             # once per forward and window, not per layer: small ops like these are a good part of a decode step
             for block in self.transformer.h:  # in layer order; each cache's own layout (a sliding layer's: a ring)
                 window, kv = block.attn.sliding_window, block.attn.kv_cache
-                if window not in masks:
+                if window in masks:
+                    continue
+                if ragged is not None:
+                    masks[window] = ragged.masks(kv, window, eager, causal_ok)
+                else:
                     masks[window] = Prefill(input_pos, kv.key_positions(input_pos, cache_length), window, causal_ok) \
                         if prefill else kv.mask(input_pos, cache_length)
         elif segments is not None:
@@ -418,11 +433,16 @@ class CausalSelfAttention(nn.Module):
         if input_pos is not None:
             if self.kv_cache is None:
                 raise TypeError("input_pos was given but no KV cache is set: call model.set_kv_cache(...) first")
+            # SDPA itself (no sinks, no soft-capping) takes a prompt's masks as the float masks it would make of them
+            additive = self.sinks is None and c.attention_logit_softcapping is None
+            if isinstance(mask, RaggedMasks):  # several sequences end to end (GPT.forward's `ragged`)
+                y = mask.attend(self.kv_cache, self.scaled_dot_product_attention, q, k, v, additive)
+                return self.proj(y.transpose(1, 2).reshape(B, T, c.n_head * c.head_size))
             if mask is None:
                 mask = self.kv_cache.mask(input_pos, cache_length)
-            k, v = self.kv_cache(input_pos, k, v, slots, cache_length)
+            k, v = self.kv_cache(input_pos, k, v, slots, cache_length, plan=mask)
             if isinstance(mask, Prefill):  # a prompt without its (T, S) mask (GPT.forward)
-                y = mask.attend(self.scaled_dot_product_attention, q, k, v)
+                y = mask.attend(self.scaled_dot_product_attention, q, k, v, additive)
                 return self.proj(y.transpose(1, 2).reshape(B, T, c.n_head * c.head_size))
         elif mask is None and window is not None and T > window:
             pos = torch.arange(T, device=x.device)

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from serve_client import ServerProcess
-from tolerance import logits_tolerance
+from tolerance import fp32_tolerance, logits_tolerance
 
 # the adapters: different ranks, alphas and adapted layers (a fused qkv part each, the MLP, the projection)
 ADAPTERS: Dict[str, Dict[str, Any]] = {
@@ -136,6 +136,22 @@ def test_the_gather_equals_each_adapter_merged(tiny_dir, files):
         bank.select([0, 0, 0, 0])
         assert bank.index is None  # eager: the base rows skip the update
         assert torch.equal(model(x), load_model(tiny_dir).eval()(x))
+        # a ragged forward (a decode step with prompt chunks riding along): sequences of 1, 5, 3 and 1 tokens end to
+        # end in one row, each its adapter's, give every banked layer's output of each sequence alone
+        ids, lengths = [11, 0, 12, 11], [1, 5, 3, 1]
+        for name, layer in bank.layers.items():
+            h = torch.randn(1, sum(lengths), layer.in_features, generator=torch.Generator().manual_seed(1))
+            bank.select(ids, tokens=lengths)
+            got = layer(h)
+            alone = []
+            for i, part in zip(ids, h.split(lengths, dim=1)):
+                bank.select([i])
+                alone.append(layer(part))
+            alone = torch.cat(alone, dim=1)
+            torch.testing.assert_close(got, alone, atol=fp32_tolerance(layer.in_features, alone.abs().max()), rtol=0)
+            if layer.live:  # the update is there to see
+                assert not torch.allclose(got, layer.base(h), atol=1e-3), name
+        assert any(layer.live for layer in bank.layers.values())
 
 
 def test_the_bank_refuses_what_it_cannot_serve(tiny_dir, files):

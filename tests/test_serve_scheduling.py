@@ -79,8 +79,14 @@ def test_chunked_prefill_and_the_prefix_cache_keep_the_greedy_tokens_and_scores(
     assert eng.stats["prefill_calls"] > len(prompts(loaded)[-1]["ids"]) // 8
 
 
-def test_a_long_prompt_is_prefilled_between_the_decode_steps_of_the_streams_in_flight(loaded):
+@pytest.mark.parametrize("ride_along", [True, False], ids=["riding", "own-call"])
+def test_a_long_prompt_is_prefilled_between_the_decode_steps_of_the_streams_in_flight(loaded, ride_along):
+    """A chunk per step boundary while a stream decodes; on eager backends the chunk rides along in the decode
+    step's forward (one forward per boundary), else it is a prefill call of its own (two)."""
     eng = engine(loaded, prefill_chunk=8, prefix_cache=False)
+    eng.ride_along = ride_along
+    forwards: List[int] = []
+    eng.batch.gpt.register_forward_pre_hook(lambda *args: forwards.append(1))
     short = job(loaded.tokenizer.encode("Hello").tolist(), max_tokens=40)
     eng.submit([short])
     with torch.inference_mode():
@@ -90,12 +96,40 @@ def test_a_long_prompt_is_prefilled_between_the_decode_steps_of_the_streams_in_f
         eng.submit([long])
         steps = 0
         while long.prefilling or long.row is None:
-            before = short.generated
+            before, calls = short.generated, len(forwards)
             eng.iterate()
             steps += 1
             assert short.generated == before + 1  # the stream got its token at every step boundary
+            assert len(forwards) - calls == (1 if ride_along else 2)
+        # its last chunk gave its first token; a prefill call of its own comes before the decode step, which then
+        # takes its row too
+        assert long.generated == (1 if ride_along else 2)
     assert steps == -(-len(long.prompt_ids) // 8)  # one chunk of 8 per step boundary
     assert eng.stats["prefill_tokens"] == len(short.prompt_ids) + len(long.prompt_ids)
+
+
+def test_sampled_rows_draw_the_same_tokens_whether_chunks_ride_along_or_not(loaded):
+    """Seeded sampled requests (each row's draws from its own generator) get the same tokens when their prompts'
+    chunks ride along in decode steps as when they are prefill calls of their own, and as with whole prompts."""
+    from lit_gpt.generate import RowSampling
+
+    tok = loaded.tokenizer
+    texts = ["Hello there", "A long story about a fox. " * 6, "Once upon a time", "The rain in Spain " * 4]
+
+    def sampled(ride_along: bool, chunk: int) -> List[List[int]]:
+        eng = engine(loaded, prefill_chunk=chunk, prefix_cache=False)
+        eng.ride_along = ride_along
+        jobs = [job(tok.encode(t).tolist(), max_tokens=12,
+                    sampling=RowSampling(0.9, 0.95, torch.Generator().manual_seed(i))) for i, t in enumerate(texts)]
+        eng.submit(jobs[:1])
+        with torch.inference_mode():
+            eng.iterate()  # the first row decodes: the others' prompts come in chunks between its steps
+        drain(eng, jobs[1:])
+        return [j.generated_ids for j in jobs]
+
+    riding = sampled(True, 8)
+    assert riding == sampled(False, 8) == sampled(True, 0)
+    assert len({tuple(r) for r in riding}) == len(texts)
 
 
 def test_waiting_prompts_share_one_prefill_call(loaded):

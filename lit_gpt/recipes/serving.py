@@ -12,13 +12,15 @@ stop token, a stop string, `max_tokens`, or its client gone), freeing its row fo
 `emit` receives `("text", str)` as text becomes final and then `("end", finish_reason, completion_tokens)`, on the
 engine's thread: the HTTP layer (lit_gpt.recipes.openai_api) hands them to its event loop.
 
-Chunked prefill, scheduled with decode (as Sarathi-Serve and vLLM do it): each step boundary runs one prefill call
-of at most `prefill_chunk` prompt tokens, shared by the waiting prompts first come first served (several prompts'
-chunks in one (rows, chunk) forward with per-row positions), then one decode step for the rows whose prompts are
-in. So a long prompt delays the streams in flight by one chunk per token, not by its whole prefill. When no row is
-decoding there is nobody to delay: the call takes whole prompts (up to `max_seq_length` tokens). A row whose prompt
-is still being prefilled sits in the decode step like an idle row: its step writes a key/value at the position its
-next chunk starts at (overwritten by that chunk) and its token is not read.
+Chunked prefill, scheduled with decode (as Sarathi-Serve and vLLM do it): each step boundary takes at most
+`prefill_chunk` prompt tokens (the waiting prompts', first come first served) and decodes a token for the rows whose
+prompts are in, so a long prompt delays the streams in flight by one chunk per boundary, not by its whole prefill.
+On eager backends the chunks ride along in the decode step's forward (`Batch.step_with`, `lit_gpt.kv_cache.Ragged`:
+the weights are read once per boundary; a prompt's last chunk gives its first token). On static backends (XLA), and
+for a prompt whose every position is scored (`echo`), they are a prefill call of their own before the decode step.
+With no row decoding, nobody is delayed: whole prompts (up to `max_seq_length` tokens). A row part-way through its
+prompt sits in the decode step like an idle row: its step writes at the position its next chunk starts at
+(overwritten by that chunk) and its token is not read.
 
 Paged KV memory (`--kv_cache_tokens`, default slots x max_seq_length; lit_gpt/recipes/kv_blocks.py): the rows share
 a pool of `PREFIX_BLOCK`-token blocks through a block table. A request takes the lowest free row once the blocks of
@@ -54,7 +56,6 @@ prefill whole prompts in one call (all waiting prompts together): chunks over a 
 """
 
 import collections
-import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -62,14 +63,15 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from lit_gpt.generate import Batch, RowSampling, _exponential, unwrap
+from lit_gpt.generate import Batch, Chunk, RowSampling, step_logits, unwrap
 from lit_gpt.lora_bank import select_adapters
 from lit_gpt.recipes.kv_blocks import paging
 from lit_gpt.recipes.prefix_cache import PREFIX_BLOCK, block_hashes, shared_blocks
+from lit_gpt.recipes.serve_tokens import MAX_LOGPROBS, Score, new_generator  # noqa: F401 (re-exported)
+from lit_gpt.recipes.serve_tokens import partial_stop, read_scores, score_tokens
 from lit_gpt.sampling import sample
 from lit_gpt.utils import LitError
 
-MAX_LOGPROBS = 20  # the most alternatives per token a request may ask for (vLLM's default bound; OpenAI's is 5)
 
 DEFAULT_PREFILL_CHUNK = 32
 """Prompt tokens per prefill call while rows decode. Measured on the CPU (SmolLM2-135M, fp32, 2 threads, a loaded
@@ -78,8 +80,6 @@ DEFAULT_PREFILL_CHUNK = 32
 step alone (the burst's target) and larger chunks do not."""
 STATIC_PREFILL_ROWS = 4  # rows of the prefill call on a static backend (fixed; unused ones padded)
 
-Score = Tuple[float, List[Tuple[int, float]]]
-"""One token's score: its log-probability and the most likely tokens at its position with theirs (best first)."""
 
 
 class QueueFull(Exception):
@@ -160,6 +160,9 @@ class Engine:
         self.chunk = min(prefill_chunk or max_seq_length, max_seq_length)
         self.prefix_cache = prefix_cache
         self.prefill_rows = min(slots, STATIC_PREFILL_ROWS) if self.static else slots
+        # eager backends: a boundary's chunks ride along in the decode step's forward (one read of the weights);
+        # a static one runs its fixed prefill graph, then the decode graph
+        self.ride_along = not self.static
         self.ring = any(getattr(b.attn.kv_cache, "ring", None) for b in self.batch.gpt.transformer.h)
         if self.ring:  # sliding-window rings: see the module's docstring. Nothing shared; on XLA whole prompts
             self.prefix_cache = False
@@ -264,21 +267,51 @@ class Engine:
                     self.metrics.finished.labels("cancelled").inc()
                 continue
             self._admit(job, row)
-        self._prefill()
-        rows = [r for r, job in enumerate(self.jobs) if job is not None and not job.prefilling]
-        if not rows:
+        plan = self._plan_prefill()
+        rows = self._decoding()
+        if plan and rows and self._rides(plan):  # the chunks ride along in the decode step's forward
+            self._step(rows, plan)
             return
-        wanted = any(self.jobs[r].logprobs is not None for r in rows)
+        if plan:  # nobody decodes (whole prompts), a static backend, or prompts whose scores are asked for
+            self._run_chunk(plan)
+            rows = self._decoding()  # with the rows whose prompts just came in
+        if rows:
+            self._step(rows, [])
+
+    def _decoding(self) -> List[int]:
+        return [r for r, job in enumerate(self.jobs) if job is not None and not job.prefilling]
+
+    def _rides(self, plan: List[Tuple[int, int, int]]) -> bool:
+        """Whether this boundary's chunks go in the decode step's forward (`Batch.step_with`): on eager backends
+        (`ride_along`), unless a chunk's prompt is scored (its every position's logits: a prefill call of its own)."""
+        return self.ride_along and not any(self.jobs[r].echo_scores for r, _, _ in plan)
+
+    def _step(self, rows: List[int], plan: List[Tuple[int, int, int]]) -> None:
+        """One decode step for `rows` (the rows whose prompts are in), with `plan`'s prompt chunks riding along."""
+        finishing = [e == len(self.jobs[r].prompt_ids) for r, _, e in plan]
+        wanted = any(self.jobs[r].logprobs is not None for r in rows) or any(
+            f and self.jobs[r].logprobs is not None for (r, _, _), f in zip(plan, finishing))
         self.scoring = self.static or wanted
         for r in rows:  # this step writes the pending token's keys/values into the row
             self.row_tokens[r].append(self.jobs[r].pending)
-        if self.kv is not None:  # rows that ended: scratch in the device's table
+        if self.kv is not None:  # rows that ended: scratch in the device's table; the chunks' rows: their blocks
+            for r, _, _ in plan:
+                self.kv.publish(r)
             self.kv.sync(self.batch.set_block_table)
-        tokens = self.batch.step().tolist()  # the one host read per step: every row's new token
-        scores = _read_scores(self.scores) if wanted else None
+        if plan:
+            chunks = [Chunk(r, self.jobs[r].prompt_ids[s:e], s, self.jobs[r].sampling if f else RowSampling())
+                      for (r, s, e), f in zip(plan, finishing)]
+            token, riders = self.batch.step_with(chunks)
+            tokens = torch.cat((token, riders)).tolist()  # the one host read per step: every row's new token
+        else:
+            tokens = self.batch.step().tolist()
+        scores = read_scores(self.scores) if wanted else None
         self.stats["steps"] += 1
         for row in rows:
             self._take(row, tokens[row], scores[row] if scores is not None else None)
+        if plan:
+            n = len(tokens) - len(plan)
+            self._chunks_done(plan, finishing, tokens[n:], scores[n:] if scores is not None else None, None)
 
     # ----------------------------------------------------------------- admission and the prefix cache
     def _pick_row(self, job: Job, free: List[int]) -> Optional[int]:
@@ -342,13 +375,13 @@ class Engine:
         return False
 
     # ----------------------------------------------------------------- chunked prefill
-    def _prefill(self) -> None:
-        """One prefill call: the prompts not yet in, first come first served, a chunk each within the budget
-        (`chunk` tokens; whole prompts up to `max_seq_length` when no row is decoding); each row whose prompt is
-        then complete takes its first token."""
+    def _plan_prefill(self) -> List[Tuple[int, int, int]]:
+        """This boundary's prompt chunks, (row, start, end) each: the prompts not yet in, first come first served, a
+        chunk each within the budget (`chunk` tokens; whole prompts up to `max_seq_length` when no row is
+        decoding)."""
         order = sorted((job for job in self.jobs if job is not None and job.prefilling), key=lambda j: j.order)
         if not order:
-            return
+            return []
         decoding = any(job is not None and not job.prefilling for job in self.jobs)
         # eager backends: `chunk` tokens in all (their cost grows with the tokens); XLA: a chunk for each of the call's
         # fixed rows (the graph computes all of them whatever they hold)
@@ -366,10 +399,11 @@ class Engine:
                 n = min(len(job.prompt_ids) - job.done_pos, budget, self.chunk if self.static else budget)
                 plan.append((job.row, job.done_pos, job.done_pos + n))
                 budget -= n
-        if plan:
-            self._run_chunk(plan)
+        return plan
 
     def _run_chunk(self, plan: List[Tuple[int, int, int]]) -> None:
+        """A prefill call of its own for `plan`'s chunks; each row whose prompt is then complete takes its first
+        token."""
         rows = [r for r, _, _ in plan]
         width = self.chunk if self.static else max(e - s for _, s, e in plan)
         pads = []
@@ -406,14 +440,12 @@ class Engine:
         all_rows = rows + pads
         slots = to_device(torch.tensor(all_rows))
         starts = [e for _, _, e in plan] + [p[0] for p in pos[len(plan):]]
-        visible = None
-        if not self.static:  # the positions this call writes and reads, rounded as `Batch` rounds the decode's
-            need = max(p[-1] for p in pos) + 1
-            visible = min(self.batch.length, -(-need // Batch.VISIBLE_MULTIPLE) * Batch.VISIBLE_MULTIPLE)
+        # eager: the positions this call writes and reads, rounded as `Batch` rounds the decode step's
+        visible = None if self.static else self.batch.visible_length(max(p[-1] for p in pos) + 1)
         select_adapters(self.batch.gpt, [self.jobs[r] for r in all_rows])  # each row's LoRA (lit_gpt.lora_bank)
         token = self._chunk_forward(to_device(torch.tensor(ids)), to_device(torch.tensor(pos)), slots,
                                     to_device(torch.tensor(last)), visible, score_prompt,
-                                    to_device(torch.tensor(targets)), self._row_sampling(settings))
+                                    to_device(torch.tensor(targets)), self.batch.sampling_args((), settings))
         # the rows' decode-step inputs: a finished prompt's first token at its next position; the others keep
         # their token, at the end of what they hold
         batch = self.batch
@@ -421,17 +453,25 @@ class Engine:
         batch.tokens.index_copy_(0, slots, torch.where(done, token, batch.tokens.index_select(0, slots)))
         batch.positions.index_copy_(0, slots, to_device(torch.tensor(starts)))
         self.runtime.end_step()
+        read = any(finishing) or score_prompt
+        tokens = token.tolist() if read else None
+        scores = read_scores(self.scores) if read and self.scoring and any(
+            jobs[i].logprobs is not None for i, f in enumerate(finishing[: len(plan)]) if f) else None
+        prompt_scores = read_scores(self.prompt_scores) if score_prompt else None
+        self.prompt_scores = None
+        self._chunks_done(plan, finishing, tokens, scores, prompt_scores)
+
+    def _chunks_done(self, plan: List[Tuple[int, int, int]], finishing: List[bool], tokens: Optional[List[int]],
+                     scores: Optional[List[Any]], prompt_scores: Optional[List[Any]]) -> None:
+        """After a forward that took `plan`'s chunks (a prefill call, or a decode step they rode along in): what
+        the rows hold, their shareable blocks, and the first token of each prompt now in (`tokens`, `scores`:
+        per chunk)."""
         self.stats["prefill_calls"] += 1
         computed = sum(e - s for _, s, e in plan)
         self.stats["prefill_tokens"] += computed
         if self.metrics is not None:
             self.metrics.prefill_tokens.inc(computed)
-        read = any(finishing) or score_prompt
-        tokens = token.tolist() if read else None
-        scores = _read_scores(self.scores) if read and self.scoring and any(
-            jobs[i].logprobs is not None for i, f in enumerate(finishing[: len(plan)]) if f) else None
-        prompt_scores = _read_scores(self.prompt_scores) if score_prompt else None
-        self.prompt_scores = None
+        batch = self.batch
         for i, (r, s, e) in enumerate(plan):
             job = self.jobs[r]
             job.done_pos = e
@@ -459,41 +499,26 @@ class Engine:
         model = self.batch.model
         if score_prompt:
             logits = model(ids, pos, slots=slots, cache_length=visible)
-            self.prompt_scores = _score(logits, targets)
+            self.prompt_scores = score_tokens(logits, targets)
             logits = logits.reshape(-1, logits.size(-1)).index_select(0, last)
         else:
             logits = model(ids, pos, head_rows=last, slots=slots, cache_length=visible)
         token = sample(logits, **sampling)
-        self.scores = _score(logits, token) if self.scoring else None
+        self.scores = score_tokens(logits, token) if self.scoring else None
         return token
-
-    def _row_sampling(self, settings: List[RowSampling]) -> Dict[str, Any]:
-        """`sample`'s per-row arguments for `settings` (draws only from the rows that sample)."""
-        if not self.static and all(s.temperature == 0.0 for s in settings):
-            return {}
-        vocab = self.batch.vocab
-        draws = [_exponential(vocab, s.generator) if s.temperature > 0 else None for s in settings]
-        where = next((d.device for d in draws if d is not None), torch.device("cpu"))
-        noise = torch.stack([d.to(where) if d is not None else torch.ones(vocab, device=where) for d in draws])
-        to_device = self.runtime.to_device
-        top_p: Any = to_device(torch.tensor([s.top_p for s in settings]))
-        if not self.static and all(s.top_p >= 1.0 for s in settings):
-            top_p = 1.0  # no nucleus to cut: skip the sort of the vocabulary
-        return dict(temperature=to_device(torch.tensor([s.temperature for s in settings])), top_p=top_p,
-                    noise=to_device(noise))
 
     # --------------------------------------------------------------- the decode step, with the scores
     def _decode(self, model: Any, token: torch.Tensor, input_pos: torch.Tensor, *,
-                cache_length: Optional[int] = None, **sampling: Any) -> torch.Tensor:
-        """`lit_gpt.generate.decode_one_token`, keeping the scores of the tokens it takes. On eager backends,
-        rows that all keep the whole nucleus (top_p 1) skip its sort of the vocabulary."""
-        if not self.static and isinstance(sampling.get("top_p"), torch.Tensor) and all(
-                s.top_p >= 1.0 for s in self.batch.sampling[: token.size(0)]):
-            sampling = {**sampling, "top_p": 1.0}
-        select_adapters(self.batch.gpt, self.jobs[: token.size(0)])  # each row's LoRA (lit_gpt.lora_bank)
-        logits = model(token.view(-1, 1), input_pos, cache_length=cache_length)[:, -1]
+                cache_length: Optional[int] = None, ragged: Any = None, **sampling: Any) -> torch.Tensor:
+        """`lit_gpt.generate.decode_one_token` (with the chunks riding along, `ragged`), keeping the scores of the
+        tokens it takes."""
+        if ragged is not None:  # each sequence's LoRA (lit_gpt.lora_bank), by tokens
+            select_adapters(self.batch.gpt, [self.jobs[r] for r, _ in ragged.owners], [t for _, t in ragged.owners])
+        else:  # each row's
+            select_adapters(self.batch.gpt, self.jobs[: token.size(0)])
+        logits = step_logits(model, token, input_pos, cache_length, ragged)
         token = sample(logits, **sampling)
-        self.scores = _score(logits, token) if self.scoring else None
+        self.scores = score_tokens(logits, token) if self.scoring else None
         return token
 
     def _take(self, row: int, token: int, score: Optional[Score] = None) -> None:
@@ -527,7 +552,7 @@ class Engine:
                 return self._end(row, "stop", text[:at])
         if job.generated >= job.max_tokens:
             return self._end(row, "length", text)
-        keep = _partial_stop(text, job.stop_strings)
+        keep = partial_stop(text, job.stop_strings)
         job.held = text[len(text) - keep:] if keep else ""
         if len(text) > keep:
             job.emit("text", text[: len(text) - keep])
@@ -580,41 +605,3 @@ class Engine:
         self.warm_compiles = self.runtime.compile_count()
         return {"compiles": self.runtime.compile_count() - compiles, "seconds": time.perf_counter() - t0,
                 "chunk": self.chunk, "rows": self.prefill_rows}
-
-
-def _score(logits: torch.Tensor, chosen: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Log-probabilities (float32) of the `chosen` tokens under `logits` (..., vocab), and the MAX_LOGPROBS most
-    likely tokens' (values, ids), best first; on the device, no host read."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    top = logp.topk(min(MAX_LOGPROBS, logp.size(-1)), dim=-1)
-    return logp.gather(-1, chosen.unsqueeze(-1)).squeeze(-1), top.values, top.indices
-
-
-def _read_scores(scores: Tuple[torch.Tensor, ...]) -> List[Any]:
-    """`_score`'s tensors on the host as Scores, one per row (a list of Scores per row for (rows, T) inputs)."""
-    chosen, values, ids = (t.cpu().tolist() for t in scores)
-
-    def rows(c: Any, v: Any, i: Any) -> Any:
-        if isinstance(c, list):
-            return [rows(*x) for x in zip(c, v, i)]
-        return (c, list(zip(i, v)))
-
-    return rows(chosen, values, ids)
-
-
-def _partial_stop(text: str, stops: Sequence[str]) -> int:
-    """Characters at the end of `text` that could begin a stop string (held back until the next token says)."""
-    keep = 0
-    for stop in stops:
-        for k in range(min(len(stop) - 1, len(text)), keep, -1):
-            if text.endswith(stop[:k]):
-                keep = k
-                break
-    return keep
-
-
-def new_generator(seed: Optional[int], device: torch.device, on_host: bool) -> torch.Generator:
-    """A request's own generator: seeded by the request's `seed`, else from the OS. On the device where draws are
-    cheap (CPU, CUDA); on the host where the device has none of its own (XLA: the draws are transferred)."""
-    where = torch.device("cpu") if on_host else device
-    return torch.Generator(device=where).manual_seed(seed if seed is not None else int.from_bytes(os.urandom(8), "little") >> 1)
