@@ -375,7 +375,8 @@ async def chat_phase(url: str, model: str, questions: List[str], max_tokens: int
 def scheduling(checkpoint_dir: Path, tokenizer: Any, threads: int, startup_timeout: float, slots: int,
                burst_tokens: int, short_tokens: int, chat_requests: int, chat_tokens: int,
                system_tokens: int, prefix_requests: int, which: List[str]) -> Dict[str, Any]:
-    """The three scenarios on two servers: today's flags (`--prefill_chunk 0 --prefix_cache false`: whole prompts,
+    """The three scenarios on two servers: the server before chunked prefill (`--prefill_chunk 0 --prefix_cache false
+    --prefill_with_decode false`: whole prompts, each a prefill call of its own,
     nothing shared) and the defaults."""
     short_prompts = prompts_for(4)
     long_prompts = [text_of_tokens(tokenizer, burst_tokens, seed) for seed in range(4)]
@@ -384,7 +385,8 @@ def scheduling(checkpoint_dir: Path, tokenizer: Any, threads: int, startup_timeo
     chat_questions = [f"Tell me a short story about a {WORDS[i % len(WORDS)]}." for i in range(chat_requests)]
     # the longest prompt (a long one, or the system prompt and a question) and its answer
     length = max(burst_tokens, system_tokens + 100) + 64
-    servers = {"whole": ("whole prompts, no prefix cache", ["--prefill_chunk", "0", "--prefix_cache", "false"]),
+    servers = {"whole": ("whole prompts, no prefix cache", ["--prefill_chunk", "0", "--prefix_cache", "false",
+                                                          "--prefill_with_decode", "false"]),
                "default": ("defaults (chunked prefill, prefix cache)", [])}
     out: Dict[str, Any] = {}
     for name, flags in (servers[w] for w in which):
@@ -550,7 +552,8 @@ def main(
         note: A remark stored in the results file (e.g. what else ran on the machine).
         throughput: Run the concurrency levels and transformers' reference (above).
         scenarios: Run the scheduling scenarios (`scheduling`) on two more servers (`--slots scenario_slots`):
-            today's flags (`--prefill_chunk 0 --prefix_cache false`) and the defaults. The long-prompt burst: 4
+            the server before chunked prefill (`--prefill_chunk 0 --prefix_cache false --prefill_with_decode
+            false`) and the defaults. The long-prompt burst: 4
             short greedy streams of `short_tokens` tokens, alone and then with 4 prompts of `burst_tokens` tokens
             (16 new tokens each) sent once every stream has 4 tokens: the streams' inter-token time p90 during the
             burst (from sending it to the last long prompt's first token) against alone, and the tokens/s of the

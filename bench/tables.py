@@ -855,6 +855,33 @@ def serve_scheduling() -> str:
     return text + _source(*records)
 
 
+def prefill_chunk() -> str:
+    """bench/prefill_chunk.py: the serving engine's step boundaries while long prompts come in, by chunk size, with
+    the chunks riding along in the decode step and in a prefill call of their own (what --prefill_chunk's default
+    was chosen from)."""
+    (r,) = _load_all("serve_prefill_chunk_cpu")
+    head = ["| `--prefill_chunk` | decode step alone (p50) | chunks riding along: boundary p50 (x decode) | p90 (x) |"
+            " prompt tokens/s | own prefill call: boundary p50 (x decode) | p90 (x) | prompt tokens/s |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    if r is None:
+        return _not_measured(head, "python bench/prefill_chunk.py --results_file"
+                                   " bench/results/serve_prefill_chunk_cpu.json")
+    rows, s = list(head), r["settings"]
+    for x in r["results"]:
+        cells = []
+        for way in ("riding", "own_call"):
+            w = x[way]
+            cells += [f"{_f(w['p50_ms'], '.0f')} ms ({_f(w['p50_x_decode'])}x)",
+                      f"{_f(w['p90_ms'], '.0f')} ms ({_f(w['p90_x_decode'])}x)", _f(w["prompt_tokens_per_s"], ".0f")]
+        rows.append(f"| {x['chunk']} | {_f(x['decode_step_p50_ms'], '.0f')} ms | " + " | ".join(cells) + " |")
+    text = "\n".join(rows) + "\n"
+    text += (f"\n{s['checkpoint']}, {s['dtype']}, {s['threads']} threads, in one process (the engine's loop, no"
+             f" HTTP): {s['streams']} greedy streams decode while 2 prompts of {s['prompt_tokens']} tokens are"
+             " prefilled in chunks, the boundaries alternating between the two ways; a decode step alone: the"
+             " median of the streams' steps before and after.\n")
+    return text + _source(r)
+
+
 PACKING_FILES = (("packing_cpu", "CPU (finetune/lora.py)"), ("xla_packing_cpu1", "XLA:CPU, 1 device"),
                  ("xla_packing_cpu8", "XLA:CPU, 8 devices"))
 
@@ -985,6 +1012,7 @@ TABLES: Dict[str, Callable[[], str]] = {
     "packing": packing,
     "serve": serve,
     "serve-scheduling": serve_scheduling,
+    "prefill-chunk": prefill_chunk,
     "eval-throughput": eval_throughput,
     "xla-moe-memory": xla_moe_memory,
     "moe-resources": moe_resources,

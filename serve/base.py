@@ -27,7 +27,8 @@ pool of `--kv_cache_tokens` positions in blocks of 16 that a request takes for i
 the queue until they are free; one that can never fit gets HTTP 400). A request joins at the next decode step in a
 free slot and leaves when it ends, and each step decodes a token for every request in
 flight (lit_gpt/recipes/serving.py, on the generation recipes' loop). Prompts are prefilled in chunks of
-`--prefill_chunk` tokens between decode steps, several prompts together; the KV blocks of prompt prefixes computed
+`--prefill_chunk` tokens between decode steps, several prompts together, in the decode step's forward on the CPU
+and eager GPUs (`--prefill_with_decode`); the KV blocks of prompt prefixes computed
 before are shared (`--prefix_cache`). More requests than slots wait in a queue of
 `--max_queue`; past it they get HTTP 429. On XLA the weights are replicated on every device when they fit one,
 else tensor-parallel over the devices (`--weights`; lit_gpt/xla/serve_placement.py), and the warm-up compiles
@@ -57,8 +58,11 @@ FLAGS: List[Flag] = [
          "Positions per slot: the longest prompt + max_tokens a request may have (default: the model's context,\n"
          "at most 2048). The KV cache holds slots x max_seq_length positions per layer, allocated at the start."),
     Flag("prefill_chunk", int, 32,
-         "Prompt tokens per prefill call while requests decode (0: whole prompts): a long prompt is prefilled in\n"
+         "Prompt tokens per step boundary while requests decode (0: whole prompts): a long prompt is prefilled in\n"
          "chunks between decode steps, so the streams in flight wait one chunk per token, not its whole prefill."),
+    Flag("prefill_with_decode", bool, True,
+         "On the CPU and eager GPUs, a step boundary's prompt chunks run in the decode step's forward (the weights\n"
+         "read once for both); false: in a prefill call of their own before it (as XLA and compiled servers do)."),
     Flag("prefix_cache", bool, True,
          "Reuse the KV cache of prompt prefixes the slots hold (a shared system prompt, n > 1, few-shot examples)."),
     Flag("kv_cache_tokens", Optional[int], None,

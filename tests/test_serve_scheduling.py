@@ -108,6 +108,16 @@ def test_a_long_prompt_is_prefilled_between_the_decode_steps_of_the_streams_in_f
     assert eng.stats["prefill_tokens"] == len(short.prompt_ids) + len(long.prompt_ids)
 
 
+def test_chunks_ride_along_on_eager_backends_unless_turned_off(loaded):
+    """`--prefill_with_decode` (default true) sets whether an eager engine's chunks ride along in the decode step."""
+    import inspect
+
+    from lit_gpt.recipes.serve import serve
+
+    assert engine(loaded).ride_along and not engine(loaded, prefill_with_decode=False).ride_along
+    assert inspect.signature(serve).parameters["prefill_with_decode"].default is True
+
+
 def test_sampled_rows_draw_the_same_tokens_whether_chunks_ride_along_or_not(loaded):
     """Seeded sampled requests (each row's draws from its own generator) get the same tokens when their prompts'
     chunks ride along in decode steps as when they are prefill calls of their own, and as with whole prompts."""

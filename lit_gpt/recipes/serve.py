@@ -79,7 +79,7 @@ def check_host(host: str) -> None:
 def serve(loaded: Any, host: str = "127.0.0.1", port: int = 8000, model_name: Optional[str] = None, slots: int = 8,
           max_seq_length: Optional[int] = None, max_queue: int = 64, prompt_style: Optional[str] = None,
           prefill_chunk: int = 32, prefix_cache: bool = True, loras: Any = None,
-          kv_cache_tokens: Optional[int] = None) -> None:
+          kv_cache_tokens: Optional[int] = None, prefill_with_decode: bool = True) -> None:
     """Serve `loaded` (recipes.evaluate.EvalModel) until Ctrl-C / SIGTERM, then drain and return; `loras`: the LoRA
     adapters to serve beside it (`check_serve_args`' plan)."""
     import uvicorn
@@ -106,7 +106,8 @@ def serve(loaded: Any, host: str = "127.0.0.1", port: int = 8000, model_name: Op
         log(f"LoRA adapters: {', '.join(served.by_name) or 'none yet'} (room for {loras.capacity}, rank up to"
             f" {loras.rank})")
     engine = Engine(loaded, slots=slots, max_seq_length=length, max_queue=max_queue, prefill_chunk=prefill_chunk,
-                    prefix_cache=prefix_cache, log=log, kv_cache_tokens=kv_cache_tokens)
+                    prefix_cache=prefix_cache, log=log, kv_cache_tokens=kv_cache_tokens,
+                    prefill_with_decode=prefill_with_decode)
     log(f"Warming up ({engine.runtime.name}: {slots} slots x {length} positions) ...")
     warm = engine.warm_up()
     log(f"Warm-up: {warm['seconds']:.1f} s, {warm['compiles']} compilations (prefill calls of {warm['rows']} rows x"

@@ -74,10 +74,11 @@ from lit_gpt.utils import LitError
 
 
 DEFAULT_PREFILL_CHUNK = 32
-"""Prompt tokens per prefill call while rows decode. Measured on the CPU (SmolLM2-135M, fp32, 2 threads, a loaded
-2-core machine): a decode step of 4 rows over 128 positions took 245 ms, a 32-token chunk at position 1500 385 ms
-(16 tokens: 249-340 ms, 64: 0.96-2.5 s), so a step boundary with a 32-token chunk stays within 3x of a decode
-step alone (the burst's target) and larger chunks do not."""
+"""Prompt tokens per step boundary while rows decode, chosen by measurement (bench/prefill_chunk.py, results in
+bench/results/serve_prefill_chunk_cpu.json: SmolLM2-135M, fp32, 2 CPU threads, 4 rows decoding while 2 prompts of
+2,000 tokens come in, chunks riding along): a boundary's p50 / p90 against a decode step alone was 1.9x / 2.3x at
+16 tokens, 2.2x / 2.8x at 32, 2.9x / 3.6x at 48. 32 keeps a boundary within 3x of a decode step (the burst's target)
+with room for the HTTP layer, and prefills nearly twice as many prompt tokens per second as 16."""
 STATIC_PREFILL_ROWS = 4  # rows of the prefill call on a static backend (fixed; unused ones padded)
 
 
@@ -130,7 +131,8 @@ class Engine:
 
     def __init__(self, loaded: Any, slots: int, max_seq_length: int, max_queue: int,
                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK, prefix_cache: bool = True,
-                 log: Callable[[str], None] = lambda line: None, kv_cache_tokens: Optional[int] = None) -> None:
+                 log: Callable[[str], None] = lambda line: None, kv_cache_tokens: Optional[int] = None,
+                 prefill_with_decode: bool = True) -> None:
         if slots < 1:
             raise LitError(f"--slots must be >= 1, got {slots}")
         if max_queue < 0:
@@ -162,7 +164,7 @@ class Engine:
         self.prefill_rows = min(slots, STATIC_PREFILL_ROWS) if self.static else slots
         # eager backends: a boundary's chunks ride along in the decode step's forward (one read of the weights);
         # a static one runs its fixed prefill graph, then the decode graph
-        self.ride_along = not self.static
+        self.ride_along = prefill_with_decode and not self.static
         self.ring = any(getattr(b.attn.kv_cache, "ring", None) for b in self.batch.gpt.transformer.h)
         if self.ring:  # sliding-window rings: see the module's docstring. Nothing shared; on XLA whole prompts
             self.prefix_cache = False
