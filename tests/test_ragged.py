@@ -1,9 +1,10 @@
 """A decode step with prompt chunks riding along (`Batch.step_with`, one `lit_gpt.kv_cache.Ragged` forward: the
 server's chunked prefill on eager backends) against the same work in two forwards, the decode step and then a
-prefill call for the chunks (the server's other path): the same logits (float32 bound, tests/tolerance.py), the same tokens, the same KV cache
-contents, for plain caches (Llama 3.1), rings of sliding-window layers beside global ones (Gemma 3), attention
-sinks, rings and experts (gpt-oss), paged caches (also with the grouped decode step) and LongRoPE whose factors each sequence picks by its own length (Phi-3.5). A
-chunk's row sits inside the decode rows (it writes there and is overwritten), and one lies past them."""
+prefill call for the chunks (the server's other path): the same logits (float32 bound, tests/tolerance.py), the
+same tokens, the same KV cache contents, for plain caches (Llama 3.1), rings of sliding-window layers beside global
+ones (Gemma 3), attention sinks, rings and experts (gpt-oss), paged caches (also with the grouped decode step) and
+LongRoPE whose factors each sequence picks by its own length (Phi-3.5). A chunk's row sits inside the decode rows
+(it writes there and is overwritten), and one lies past them."""
 
 import copy
 from typing import Any, List
