@@ -45,14 +45,13 @@ table is an input, the same shape whatever it holds) nothing compiles. On the CP
 to the highest in use and the cache positions in use (`Batch`), and a prefill call the rows and chunk lengths it has.
 
 A model with sliding-window layers whose cache is a ring (`lit_gpt.kv_cache`) keeps only a window per row. Its
-prompts are prefilled in chunks too on eager backends (a chunk attends over the ring as it was and its own keys,
-then keeps the last window). A row part-way through its prompt sits through one decode step between its chunks,
+prompts are prefilled in chunks too, on every backend (a chunk attends over the ring as it was and its own keys,
+then keeps the last window; on XLA in the same fixed-shape prefill call). A row part-way through its prompt sits through one decode step between its chunks,
 whose write lands at the position its next chunk starts at: that ring entry holds the one position that left the
 window of every later query, so no entry still in use is overwritten (first come first served, a prompt part-way
 through is first in the next prefill call: its position never moves on past that). Prefix caching stays off: a
 ring entry holds position p mod window, so what a row holds is the last window of its tokens, not a prefix another
-prompt could reuse: rings are not paged (--kv_cache_tokens refused in one line). On static backends (XLA) rings still
-prefill whole prompts in one call (all waiting prompts together): chunks over a ring are not tested there.
+prompt could reuse: rings are not paged (--kv_cache_tokens refused in one line).
 """
 
 import collections
@@ -166,12 +165,9 @@ class Engine:
         # a static one runs its fixed prefill graph, then the decode graph
         self.ride_along = prefill_with_decode and not self.static
         self.ring = any(getattr(b.attn.kv_cache, "ring", None) for b in self.batch.gpt.transformer.h)
-        if self.ring:  # sliding-window rings: see the module's docstring. Nothing shared; on XLA whole prompts
+        if self.ring:  # sliding-window rings: see the module's docstring. Nothing shared
             self.prefix_cache = False
-            if self.static:
-                self.chunk, self.prefill_rows = max_seq_length, slots
-            how = "prefilled whole" if self.static else f"prefilled in chunks of {self.chunk}"
-            log(f"Sliding-window ring caches: prefix caching is off, prompts {how}")
+            log(f"Sliding-window ring caches: prefix caching is off, prompts prefilled in chunks of {self.chunk}")
         self.jobs: List[Optional[Job]] = [None] * slots
         self.waiting: Deque[Job] = collections.deque()
         self.lock = threading.Condition()
