@@ -5,10 +5,11 @@
 
 In this process (no HTTP: the engine's own loop, `Engine.iterate`), for each chunk size: 4 greedy streams decode
 alone (their boundaries' times: a decode step), then 2 prompts of `prompt_tokens` tokens arrive and are prefilled
-in chunks while the streams decode, then the streams decode alone again (a decode step: the median of both). The boundaries alternate between the two ways a chunk can go: riding along in
-the decode step's forward (`--prefill_with_decode true`, the default) and a prefill call of its own before it, so
-both see the same machine. Reported per way: the boundaries' p50 and p90 (ms) and their ratio to a decode step
-alone (the burst scenario of bench/serve.py asks for at most 3x), and prompt tokens per second of boundary time.
+in chunks while the streams decode, then the streams decode alone again (a decode step: the median of both). The
+boundaries alternate between the two ways a chunk can go: riding along in the decode step's forward
+(`--prefill_with_decode true`, the default) and a prefill call of its own before it, so both see the same machine.
+Reported per way: the boundaries' p50 and p90 (ms) and their ratio to a decode step alone (the burst scenario of
+bench/serve.py asks for at most 3x), and prompt tokens per second of boundary time.
 """
 
 import time

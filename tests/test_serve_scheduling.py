@@ -214,3 +214,26 @@ def test_a_sliding_window_model_is_prefilled_in_chunks_with_the_tokens_of_transf
     assert held > 0  # some row sat through decode steps between its chunks
     assert [j.generated_ids for j in jobs] == expected
     assert eng.stats["prefill_calls"] > len(prompts) and eng.stats["cached_tokens"] == 0
+
+
+def test_the_prefill_chunk_bench_runs_both_ways(tiny_dir, monkeypatch):
+    """bench/prefill_chunk.py (what --prefill_chunk's default was chosen from) on the tiny checkpoint, small sizes:
+    both ways of a chunk timed, the prompts prefilled in chunks while the streams decode."""
+    import importlib.util
+    import sys
+
+    from child_env import ROOT
+
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    spec = importlib.util.spec_from_file_location("bench_prefill_chunk", ROOT / "bench" / "prefill_chunk.py")
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "bench_prefill_chunk", bench)
+    spec.loader.exec_module(bench)
+    threads = torch.get_num_threads()
+    try:
+        (row,) = bench.main(checkpoint_dir=tiny_dir, chunks=[8], prompt_tokens=40, streams=2, alone_steps=3)["rows"]
+    finally:
+        torch.set_num_threads(threads)
+    assert row["chunk"] == 8 and row["decode_step_p50_ms"] > 0
+    for way in ("riding", "own_call"):  # 2 prompts of 40 tokens in chunks of 8: 10 boundaries, alternating
+        assert row[way]["boundaries"] == 5 and row[way]["p90_ms"] >= row[way]["p50_ms"] > 0, row

@@ -46,10 +46,11 @@ to the highest in use and the cache positions in use (`Batch`), and a prefill ca
 
 A model with sliding-window layers whose cache is a ring (`lit_gpt.kv_cache`) keeps only a window per row. Its
 prompts are prefilled in chunks too, on every backend (a chunk attends over the ring as it was and its own keys,
-then keeps the last window; on XLA in the same fixed-shape prefill call). A row part-way through its prompt sits through one decode step between its chunks,
-whose write lands at the position its next chunk starts at: that ring entry holds the one position that left the
-window of every later query, so no entry still in use is overwritten (first come first served, a prompt part-way
-through is first in the next prefill call: its position never moves on past that). Prefix caching stays off: a
+then keeps the last window; on XLA in the fixed-shape prefill call every model has). A row part-way through its
+prompt sits through one decode step between its chunks, whose write lands at the position its next chunk starts at:
+that ring entry holds the one position that left the window of every later query, so no entry still in use is
+overwritten (first come first served, a prompt part-way through gets a chunk at every boundary: its position never
+moves on past that). Prefix caching stays off: a
 ring entry holds position p mod window, so what a row holds is the last window of its tokens, not a prefix another
 prompt could reuse: rings are not paged (--kv_cache_tokens refused in one line).
 """
@@ -71,7 +72,6 @@ from lit_gpt.recipes.serve_tokens import partial_stop, read_scores, score_tokens
 from lit_gpt.sampling import sample
 from lit_gpt.utils import LitError
 
-
 DEFAULT_PREFILL_CHUNK = 32
 """Prompt tokens per step boundary while rows decode, chosen by measurement (bench/prefill_chunk.py, results in
 bench/results/serve_prefill_chunk_cpu.json: SmolLM2-135M, fp32, 2 CPU threads, 4 rows decoding while 2 prompts of
@@ -79,7 +79,6 @@ bench/results/serve_prefill_chunk_cpu.json: SmolLM2-135M, fp32, 2 CPU threads, 4
 16 tokens, 2.2x / 2.8x at 32, 2.9x / 3.6x at 48. 32 keeps a boundary within 3x of a decode step (the burst's target)
 with room for the HTTP layer, and prefills nearly twice as many prompt tokens per second as 16."""
 STATIC_PREFILL_ROWS = 4  # rows of the prefill call on a static backend (fixed; unused ones padded)
-
 
 
 class QueueFull(Exception):
