@@ -4,15 +4,12 @@ and short ones, all submitted at once: the greedy tokens of the CPU engine, the 
 compilations in the warm-up (the prefill call, the same keeping every position's scores, the decode step: the block
 table is an input of fixed shape) and none after."""
 
-import json
-import subprocess
-import sys
 from typing import Any, Dict
 
 import pytest
 import torch
 
-from child_env import ROOT, python_path
+from child_env import ROOT, child_result
 
 SCRIPT = r'''
 import json, sys
@@ -49,12 +46,7 @@ def run(loaded: Any) -> Dict[str, Any]:
 def test_paged_engine_on_xla_gives_the_cpu_tokens_and_compiles_three_graphs_in_the_warm_up_only(tiny_dir, xla_env):
     from lit_gpt.recipes.evaluate import load_eval_model
 
-    env = {**xla_env(1), "PYTHONPATH": python_path()}
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, "xla", str(tiny_dir), str(ROOT / "tests" / "xla")],
-                          env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-4000:]
-    xla = json.loads(lines[-1][len("RESULT "):])
+    xla = child_result(SCRIPT, ["xla", str(tiny_dir), str(ROOT / "tests" / "xla")], xla_env(1))
     with torch.inference_mode():
         cpu = run(load_eval_model(tiny_dir, accelerator="cpu", precision="32-true"))
     assert xla["tokens"] == cpu["tokens"]

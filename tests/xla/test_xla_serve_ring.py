@@ -4,15 +4,12 @@ chunk (6 tokens), prefilled in fixed-shape chunks between the decode steps of th
 free row, get the greedy tokens of the CPU engine that prefills whole prompts; three compilations in the warm-up
 (the prefill call, the same keeping every position's scores, the decode step) and none after."""
 
-import json
-import subprocess
-import sys
 from typing import Any, Dict
 
 import pytest
 import torch
 
-from child_env import ROOT, python_path
+from child_env import ROOT, child_result
 
 SCRIPT = r'''
 import json, sys
@@ -54,12 +51,7 @@ def ring_dir(smollm2_dir, tmp_path_factory):
 def test_ring_caches_are_prefilled_in_fixed_chunks_on_xla_with_the_cpu_tokens(ring_dir, xla_env):
     from lit_gpt.recipes.evaluate import load_eval_model
 
-    env = {**xla_env(1), "PYTHONPATH": python_path()}
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, "xla", str(ring_dir), str(ROOT / "tests" / "xla")],
-                          env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-4000:]
-    xla = json.loads(lines[-1][len("RESULT "):])
+    xla = child_result(SCRIPT, ["xla", str(ring_dir), str(ROOT / "tests" / "xla")], xla_env(1))
     with torch.inference_mode():
         cpu = run(load_eval_model(ring_dir, accelerator="cpu", precision="32-true"), 0)
     assert xla["ring"] and cpu["ring"] and xla["chunk"] == 6
