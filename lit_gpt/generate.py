@@ -364,7 +364,7 @@ class Batch:
         positions = self.positions if n == self.rows else self.positions[:n]
         sampling = self.sampling_args(range(n), [c.sampling for c in chunks])
         if chunks:
-            ragged = self._ragged(tokens, positions, visible, chunks)
+            ragged, chunk_rows, chunk_ends = self._ragged(tokens, positions, visible, chunks)
             token = self.decode_fn(self.model, tokens, positions.unsqueeze(1), cache_length=visible, ragged=ragged,
                                    **sampling)
         else:
@@ -377,8 +377,8 @@ class Batch:
             self.next_pos[r] += 1
         token = self._stop(token, n)
         if chunks:  # each chunk's token, at the position after it (its first decode step's, once its prompt is in)
-            self.tokens.index_copy_(0, ragged.chunk_rows, riders)
-            self.positions.index_copy_(0, ragged.chunk_rows, ragged.chunk_ends)
+            self.tokens.index_copy_(0, chunk_rows, riders)
+            self.positions.index_copy_(0, chunk_rows, chunk_ends)
         self.runtime.end_step()
         return token, riders
 
@@ -388,9 +388,10 @@ class Batch:
         return min(self.length, -(-need // self.VISIBLE_MULTIPLE) * self.VISIBLE_MULTIPLE)
 
     def _ragged(self, tokens: torch.Tensor, positions: torch.Tensor, visible: int,
-                chunks: Sequence["Chunk"]) -> Ragged:
+                chunks: Sequence["Chunk"]) -> Tuple[Ragged, torch.Tensor, torch.Tensor]:
         """The decode rows (one group of n one-token rows) and each chunk (a group of its own) end to end, from one
-        transfer of the chunks' host data; the heads: every decode row, then each chunk's last token. A chunk's row
+        transfer of the chunks' host data; the heads: every decode row, then each chunk's last token. Also the
+        chunks' rows and the positions after them, on the device. A chunk's row
         may sit among the decode rows (below the highest in use): its decode write goes where the chunk starts, and
         the chunk's own write (a later group) replaces it; its decode token is not read."""
         n, width = tokens.size(0), [len(c.ids) for c in chunks]
@@ -413,8 +414,7 @@ class Batch:
                                       self.visible_length(c.start + w)))
         ragged = Ragged(groups, torch.cat((tokens, ids)).unsqueeze(0), torch.cat((positions, pos)).unsqueeze(0),
                         heads=heads, owners=[(r, 1) for r in range(n)] + [(c.row, w) for c, w in zip(chunks, width)])
-        ragged.chunk_rows, ragged.chunk_ends = rows, chunk_ends
-        return ragged
+        return ragged, rows, chunk_ends
 
     def _stop(self, token: torch.Tensor, n: Optional[int] = None) -> torch.Tensor:
         """With stop ids: a row that stopped repeats the first stop id, and its flag is set (on the device)."""
