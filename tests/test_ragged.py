@@ -1,10 +1,10 @@
 """A decode step with prompt chunks riding along (`Batch.step_with`, one `lit_gpt.kv_cache.Ragged` forward: the
 server's chunked prefill on eager backends) against the same work in two forwards, the decode step and then a
-prefill call for the chunks (the server's other path): the same logits (float32 bound, tests/tolerance.py), the
-same tokens, the same KV cache contents, for plain caches (Llama 3.1), rings of sliding-window layers beside global
-ones (Gemma 3), attention sinks, rings and experts (gpt-oss), paged caches (also with the grouped decode step) and
-LongRoPE whose factors each sequence picks by its own length (Phi-3.5). A chunk's row sits inside the decode rows
-(it writes there and is overwritten), and one lies past them."""
+prefill call for the chunks (the server's other path): the same logits (float32 and bf16 bounds, tests/tolerance.py),
+the same tokens, the same KV cache contents, for plain caches (Llama 3.1), rings of sliding-window layers beside
+global ones (Gemma 3), attention sinks, rings and experts (gpt-oss), paged caches (also with the grouped decode step,
+and in bf16 as Hub checkpoints are served) and LongRoPE whose factors each sequence picks by its own length
+(Phi-3.5). A chunk's row sits inside the decode rows (it writes there and is overwritten), and one lies past them."""
 
 import copy
 from typing import Any, List
@@ -15,7 +15,7 @@ import torch
 pytest.importorskip("transformers")
 
 from tiny_hf import VOCAB, hf_to_lit  # noqa: E402
-from tolerance import logits_tolerance  # noqa: E402
+from tolerance import bf16_tolerance, fp32_tolerance, longest_reduction  # noqa: E402
 
 from lit_gpt.generate import Batch, Chunk, RowSampling, step_logits  # noqa: E402
 from lit_gpt.sampling import sample  # noqa: E402
@@ -66,7 +66,8 @@ def cache_rows(batch: Batch, row: int, upto: int) -> List[torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("case", ["llama-3.1", "llama-3.1-paged", "llama-3.1-paged-grouped", "gemma3", "gpt_oss",
+@pytest.mark.parametrize("case", ["llama-3.1", "llama-3.1-paged", "llama-3.1-paged-grouped", "llama-3.1-paged-bf16",
+                                  "gemma3", "gpt_oss",
                                   "phi3.5-longrope-beyond"])
 @torch.inference_mode()
 def test_chunks_riding_along_equal_a_prefill_call_and_a_decode_step(case, tmp_path, monkeypatch):
@@ -85,6 +86,15 @@ def test_chunks_riding_along_equal_a_prefill_call_and_a_decode_step(case, tmp_pa
 
         monkeypatch.setattr(kv_cache.PagedDecode, "attend", spy)
     _, model = hf_to_lit(family, tmp_path, seed=5)
+    bf16 = "bf16" in case  # as users serve Hub checkpoints (--precision bf16-true)
+    if bf16:
+        model = model.to(torch.bfloat16)
+
+    def tolerance(x: torch.Tensor, reduction: int) -> float:
+        if bf16:
+            return bf16_tolerance(model.config, x.float().abs().max())
+        # fp32 bound: eps x the longest reduction x the magnitude (tests/tolerance.py)
+        return fp32_tolerance(reduction, x.abs().max())
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (3, 11, 2, 19)]
     logs: List[List[torch.Tensor]] = [[], []]
@@ -107,11 +117,12 @@ def test_chunks_riding_along_equal_a_prefill_call_and_a_decode_step(case, tmp_pa
         token, riders = riding.step_with(chunks)
         decode_expected, got = logs[0][-1], logs[1][-1]
         assert got.size(0) == token.size(0) + len(step)  # one forward: the rows' and the chunks' logits
-        torch.testing.assert_close(got[: token.size(0)], decode_expected,
-                                   atol=logits_tolerance(model.config, decode_expected.unsqueeze(1)), rtol=0)
+        reduction = longest_reduction(model.config, LENGTH)
+        torch.testing.assert_close(got[: token.size(0)], decode_expected, atol=tolerance(decode_expected, reduction),
+                                   rtol=0)
         for i, e in enumerate(expected):
-            torch.testing.assert_close(got[token.size(0) + i: token.size(0) + i + 1], e,
-                                       atol=logits_tolerance(model.config, e.unsqueeze(1)), rtol=0)
+            torch.testing.assert_close(got[token.size(0) + i: token.size(0) + i + 1], e, atol=tolerance(e, reduction),
+                                       rtol=0)
             assert riders[i] == e.argmax(-1)[0]
         for b in batches:  # a prompt now in: its row decodes from the next step on (the server's bookkeeping)
             for r, _, e in step:
@@ -121,7 +132,7 @@ def test_chunks_riding_along_equal_a_prefill_call_and_a_decode_step(case, tmp_pa
     for row in range(ROWS):  # what every row holds: its prompt and the tokens it decoded
         upto = reference.next_pos[row]
         for a, b in zip(cache_rows(reference, row, upto), cache_rows(riding, row, upto)):
-            torch.testing.assert_close(b, a, atol=1e-5, rtol=0)
+            torch.testing.assert_close(b, a, atol=tolerance(a, longest_reduction(model.config, LENGTH)), rtol=0)
     assert any(grouped) == ("grouped" in case)  # the grouped decode step ran (from the pools), in both forwards
     # the comparison sees a wrong position: the last chunk one position late gives other logits
     wrong = reference.model(torch.tensor([prompts[3][14:19]]), torch.arange(15, 20).view(1, -1),

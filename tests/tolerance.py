@@ -27,3 +27,14 @@ def longest_reduction(config, sequence_length: int) -> int:
 def logits_tolerance(config, logits: torch.Tensor) -> float:
     """For logits of a (batch, sequence, vocab) forward of a model with `config`."""
     return fp32_tolerance(longest_reduction(config, logits.size(1)), logits.detach().abs().max())
+
+
+EPS_BF16 = torch.finfo(torch.bfloat16).eps  # 2**-7 = 7.8e-3
+
+
+def bf16_tolerance(config, magnitude: float) -> float:
+    """For two bf16 forwards of a model with `config` whose matmuls sum in float32 and round their outputs to bf16
+    (the CPU's and CUDA's kernels): two correct evaluations may round each layer's output one bf16 unit apart (the
+    float32 sums before it differ far less, `fp32_tolerance`), so the results differ by about eps_bf16 x (layers +
+    1) x their magnitude: ~0.5% per layer, where a wrong position, mask or cache row moves them by tens of percent."""
+    return EPS_BF16 * (config.n_layer + 1) * float(magnitude)
